@@ -1,0 +1,60 @@
+"""One exception family for everything the planner refuses.
+
+Engines catch ``PlanError`` at the scheduler boundary; every subclass names
+the offending field, the limit it broke and the value it saw, so a bad batch
+is diagnosable from the message alone, before any kernel has run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PlanError(ValueError):
+    """A batch, schema, config or plan the planner will not accept."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        expected: Any = None,
+        actual: Any = None,
+    ) -> None:
+        self.field = field
+        self.expected = expected
+        self.actual = actual
+        parts = [message]
+        if field is not None:
+            parts.insert(0, f"[{field}]")
+        if expected is not None or actual is not None:
+            parts.append(f"(expected {expected}, got {actual})")
+        super().__init__(" ".join(parts))
+
+
+class BatchError(PlanError):
+    """A forward batch that breaks the planner's limits or types."""
+
+
+class SchemaError(PlanError):
+    """A plan schema that is inconsistent (unknown op, cycle, bad dimension)."""
+
+
+class ProviderError(PlanError):
+    """No usable provider for an op, or a forced provider that is unavailable."""
+
+
+class ReplayError(PlanError):
+    """Replay would read stale or moved memory, or disagrees with an eager plan."""
+
+
+class PlanWriteError(PlanError):
+    """A layer wrote into a plan it was only allowed to read."""
+
+
+class ConfigError(PlanError):
+    """A YAML/JSON config that does not validate."""
+
+
+class DumpError(PlanError):
+    """A plan dump that is missing, truncated or corrupt."""
