@@ -1,0 +1,45 @@
+"""The generic metadata ops every paged backend needs, with their providers.
+
+Each op's ``torch`` provider is the exact reference (graph-safe: no host
+syncs, no data-dependent shapes); ``triton`` is our kernel, chosen on CUDA
+and tested bit-equal against the reference under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+from backends.kernels import generic_torch as ref
+from backends.kernels import generic_triton as tri
+from planner.ops import metadata_op, triton_usable
+
+cumsum_with_zero = metadata_op(
+    "cumsum_with_zero", "out[0] = 0, out[i+1] = x[0] + ... + x[i]: cumulative lengths (cu_seqlens)."
+)
+clamp = metadata_op("clamp", "out = clamp(x, lo, hi) elementwise: e.g. sparse lengths min(len, topk).")
+uniform_offsets = metadata_op(
+    "uniform_offsets", "out[i] = i * step: cumulative query lengths when every request has step tokens."
+)
+gather_token_slots = metadata_op(
+    "gather_token_slots",
+    "out[r, j] = req_to_token[req_pool_indices[r], j] for j < seq_lens[r], else the null slot 0.",
+)
+page_table = metadata_op(
+    "page_table",
+    "out[r, p] = token_slots[r, p * page_size] // page_size: page ids, 0 (the null page) past the end.",
+)
+causal_lengths = metadata_op(
+    "causal_lengths",
+    "out[r*n + i] = seq_lens[r] - (n - 1 - i): per-token KV lengths of n verify tokens per request.",
+)
+
+cumsum_with_zero.provider("torch")(ref.cumsum_with_zero)
+cumsum_with_zero.provider("triton", available=triton_usable)(tri.cumsum_with_zero)
+clamp.provider("torch")(ref.clamp_into)
+clamp.provider("triton", available=triton_usable)(tri.clamp_into)
+uniform_offsets.provider("torch")(ref.uniform_offsets)
+uniform_offsets.provider("triton", available=triton_usable)(tri.uniform_offsets)
+gather_token_slots.provider("torch")(ref.gather_token_slots)
+gather_token_slots.provider("triton", available=triton_usable)(tri.gather_token_slots)
+page_table.provider("torch")(ref.page_table_from_slots)
+page_table.provider("triton", available=triton_usable)(tri.page_table_from_slots)
+causal_lengths.provider("torch")(ref.causal_lengths)
+causal_lengths.provider("triton", available=triton_usable)(tri.causal_lengths)

@@ -1,0 +1,47 @@
+"""The limits a planner is built for: they size every static buffer."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Limits(BaseModel):
+    """Deployment bounds. Batches beyond them are rejected at the door.
+
+    ``next_n`` is the number of tokens per request in target-verify
+    (speculative decoding); decode always has one. ``num_sms`` sizes the
+    deep_gemm schedule (132 on an H200). ``kv_slots``, when given, lets the
+    planner range-check ``out_cache_loc``.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_batch: int = Field(ge=1, le=65536, description="largest number of requests in one batch")
+    max_context: int = Field(ge=1, le=1 << 24, description="longest KV length of one request")
+    page_size: int = Field(default=64, ge=1, le=4096, description="tokens per KV page")
+    next_n: int = Field(default=1, ge=1, le=16, description="tokens per request in target-verify")
+    num_sms: int = Field(default=132, ge=1, le=4096, description="SMs the schedule splits work over")
+    kv_slots: int | None = Field(default=None, ge=1, description="KV cache slots, for range checks")
+    device: str = Field(default="cpu", description="where plans live: 'cpu', 'cuda', 'cuda:1'")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        try:
+            torch.device(value)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"not a torch device: {value!r}") from exc
+        return value
+
+    @property
+    def torch_device(self) -> torch.device:
+        device = torch.device(self.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+
+    @property
+    def max_pages(self) -> int:
+        """Pages of the longest request."""
+        return -(-self.max_context // self.page_size)

@@ -1,0 +1,170 @@
+"""Metadata ops: named functions with exact semantics and several providers.
+
+An op is the unit the planner schedules once per batch. Each provider
+implements the same semantics (``torch`` is the exact reference and always
+exists; ``triton``, ``deep_gemm``, ``flashinfer`` where they apply), writes
+into the output buffer it is given, and declares whether it may run inside
+a CUDA graph (device work only, no host sync) or needs the host.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from planner.errors import ProviderError, SchemaError
+
+ProviderFn = Callable[..., None]
+
+DEFAULT_RANKS = {"deep_gemm": 0, "flashinfer": 0, "triton": 10, "torch": 100}
+"""Preference on CUDA (lower first). On the CPU only ``torch`` is chosen unless forced."""
+
+
+def _always(device: torch.device) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Provider:
+    """One implementation of an op."""
+
+    name: str
+    fn: ProviderFn
+    graph_safe: bool
+    available: Callable[[torch.device], bool]
+    rank: int
+
+    def is_available(self, device: torch.device) -> bool:
+        """Importable and usable on ``device``; an import failure counts as unavailable."""
+        try:
+            return bool(self.available(device))
+        except Exception as exc:  # a broken optional library must not break planning
+            _warn_once(f"{self.name}: availability check failed ({exc!r}); treating as unavailable")
+            return False
+
+
+@dataclass
+class MetadataOp:
+    """A named op and its providers; ``torch`` must be among them."""
+
+    name: str
+    doc: str
+    providers: dict[str, Provider] = field(default_factory=dict)
+
+    def provider(
+        self,
+        name: str,
+        *,
+        graph_safe: bool = True,
+        available: Callable[[torch.device], bool] | None = None,
+        rank: int | None = None,
+    ) -> Callable[[ProviderFn], ProviderFn]:
+        """Decorator registering ``fn(out, *inputs, **params)`` as provider ``name``."""
+
+        def register(fn: ProviderFn) -> ProviderFn:
+            if name in self.providers:
+                raise SchemaError(f"op {self.name!r} already has provider {name!r}")
+            self.providers[name] = Provider(
+                name=name,
+                fn=fn,
+                graph_safe=graph_safe,
+                available=available or _always,
+                rank=DEFAULT_RANKS.get(name, 50) if rank is None else rank,
+            )
+            return fn
+
+        return register
+
+    def select(self, device: torch.device, forced: str | None = None) -> Provider:
+        """The provider to run on ``device``: forced by config, else the best available.
+
+        On the CPU only the torch reference is chosen automatically: the
+        Triton interpreter is for tests, not for serving.
+        """
+        if "torch" not in self.providers:
+            raise ProviderError(f"op {self.name!r} has no torch reference provider", field=self.name)
+        if forced is not None:
+            provider = self.providers.get(forced)
+            if provider is None:
+                raise ProviderError(
+                    "unknown provider", field=self.name, expected=sorted(self.providers), actual=forced
+                )
+            if not provider.is_available(device):
+                raise ProviderError(
+                    f"forced provider is not available on {device}",
+                    field=self.name,
+                    expected=self.available_on(device),
+                    actual=forced,
+                )
+            return provider
+        if device.type != "cuda":
+            return self.providers["torch"]
+        usable = [p for p in self.providers.values() if p.is_available(device)]
+        return min(usable, key=lambda p: (p.rank, p.name))
+
+    def available_on(self, device: torch.device) -> list[str]:
+        """Names of the providers usable on ``device``."""
+        return sorted(name for name, p in self.providers.items() if p.is_available(device))
+
+
+_OPS: dict[str, MetadataOp] = {}
+
+
+def metadata_op(name: str, doc: str) -> MetadataOp:
+    """Create and register an op; providers are added with ``@op.provider(...)``."""
+    if name in _OPS:
+        raise SchemaError(f"metadata op {name!r} is already registered")
+    op = MetadataOp(name=name, doc=doc)
+    _OPS[name] = op
+    return op
+
+
+def get_op(name: str) -> MetadataOp:
+    """The registered op ``name``; loads the in-tree backends first."""
+    from planner.registry import load_backends
+
+    load_backends()
+    if name not in _OPS:
+        raise SchemaError("unknown metadata op", field=name, expected=sorted(_OPS))
+    return _OPS[name]
+
+
+def all_ops() -> Mapping[str, MetadataOp]:
+    """Every registered op by name."""
+    from planner.registry import load_backends
+
+    load_backends()
+    return dict(_OPS)
+
+
+def iter_ops() -> Iterator[MetadataOp]:
+    yield from all_ops().values()
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def warn_once(message: str) -> None:
+    """Say a fallback happened, once per process, never per step."""
+    _warn_once(message)
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Triton runs on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (tests)."""
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"

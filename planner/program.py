@@ -1,0 +1,178 @@
+"""Turning schemas into a program: the op DAG ordered, providers chosen, params bound.
+
+Built once per (planner, mode); each batch then only walks the list. This
+is where a schema's mistakes (unknown op, cycle, missing setting, a dimension
+that would make static buffers non-contiguous) surface, at start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from planner.batch import BATCH_TABLES, ForwardMode
+from planner.dims import dim_names, parse_dim
+from planner.errors import SchemaError
+from planner.ops import Provider, get_op
+from planner.schema import PAD_DERIVED, Plan, TensorSpec, resolve_setting
+
+
+@dataclass(frozen=True)
+class Step:
+    """One op field of one backend, ready to run."""
+
+    backend: str
+    field: str
+    spec: TensorSpec
+    op_name: str
+    provider: Provider
+    inputs: tuple[str, ...]
+    params: Mapping[str, Any]
+    in_graph: bool
+
+    @property
+    def key(self) -> str:
+        return f"{self.backend}.{self.field}"
+
+
+@dataclass(frozen=True)
+class Program:
+    """Everything a mode needs per batch: settings, source fields, ordered steps."""
+
+    mode: ForwardMode
+    settings: Mapping[str, Any]
+    steps: tuple[Step, ...]
+    pads: Mapping[tuple[str, str], int | float | None]
+
+    @property
+    def next_n(self) -> int:
+        return int(self.settings["next_n"])
+
+
+def settings_for(
+    base: Mapping[str, Any], plan_cls: type[Plan], options: Mapping[str, Any], mode: ForwardMode
+) -> dict[str, Any]:
+    """Limits, then the schema's defaults, then the user's backend options; next_n per mode."""
+    settings = dict(base)
+    settings.update(getattr(plan_cls, "defaults", {}))
+    settings.update(options)
+    if mode is ForwardMode.DECODE:
+        settings["next_n"] = 1
+    return settings
+
+
+def topological_fields(plan_cls: type[Plan]) -> list[str]:
+    """Op fields of a schema, each after the fields it reads; a cycle is an error."""
+    specs = plan_cls.tensor_specs
+    order: list[str] = []
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        if state.get(name) == 2:
+            return
+        if state.get(name) == 1:
+            raise SchemaError("op inputs form a cycle", field=plan_cls.backend, actual=" -> ".join(path + (name,)))
+        state[name] = 1
+        for dep in specs[name].inputs:
+            if dep in specs:
+                visit(dep, path + (name,))
+        state[name] = 2
+        if specs[name].op is not None:
+            order.append(name)
+
+    for name in specs:
+        visit(name, ())
+    return order
+
+
+def check_static_shapes(plan_cls: type[Plan]) -> None:
+    """Only the leading dimension may depend on the batch, so views of static buffers stay contiguous."""
+    for name, spec in plan_cls.tensor_specs.items():
+        for expr in spec.shape[1:]:
+            if dim_names((expr,)) & {"reqs", "rows"}:
+                raise SchemaError(
+                    "only the leading dimension may be 'reqs' or 'rows'",
+                    field=f"{plan_cls.backend}.{name}",
+                    actual=spec.shape,
+                )
+        if spec.source is not None:
+            if spec.dtype != torch.int32:
+                raise SchemaError(
+                    "source fields are staged as int32", field=f"{plan_cls.backend}.{name}", actual=spec.dtype
+                )
+            if len(spec.shape) != 1 or spec.row_dim is None or parse_dim(spec.shape[0])[1] != 0:
+                raise SchemaError(
+                    "source fields are 1-D over 'reqs' or 'rows'",
+                    field=f"{plan_cls.backend}.{name}",
+                    actual=spec.shape,
+                )
+
+
+def build_program(
+    schemas: Mapping[str, type[Plan]],
+    base_settings: Mapping[str, Any],
+    options: Mapping[str, Mapping[str, Any]],
+    forced: Mapping[str, str],
+    device: torch.device,
+    mode: ForwardMode,
+    ops_in_graph: bool,
+) -> Program:
+    """Order every backend's op fields, choose providers, resolve settings."""
+    steps: list[Step] = []
+    pads: dict[tuple[str, str], int | float | None] = {}
+    settings_seen: dict[str, Any] = {}
+    for backend, plan_cls in schemas.items():
+        check_static_shapes(plan_cls)
+        settings = settings_for(base_settings, plan_cls, options.get(backend, {}), mode)
+        checker = getattr(plan_cls, "check_settings", None)
+        if checker is not None:
+            checker(settings)
+        settings_seen.update(settings)
+        for name, spec in plan_cls.tensor_specs.items():
+            pad = resolve_setting(spec.pad, settings, field=f"{backend}.{name}")
+            pads[(backend, name)] = None if pad == PAD_DERIVED else pad
+        for name in topological_fields(plan_cls):
+            spec = plan_cls.tensor_specs[name]
+            op = get_op(spec.op)
+            key = f"{backend}.{name}"
+            forced_name = forced.get(key) or forced.get(spec.op)
+            provider = op.select(device, forced_name)
+            params = {k: resolve_setting(v, settings, field=key) for k, v in spec.params.items()}
+            steps.append(
+                Step(
+                    backend=backend,
+                    field=name,
+                    spec=spec,
+                    op_name=spec.op,
+                    provider=provider,
+                    inputs=spec.inputs,
+                    params=params,
+                    in_graph=ops_in_graph and provider.graph_safe,
+                )
+            )
+    steps = _hoist_host_dependencies(steps)
+    return Program(mode=mode, settings=settings_seen, steps=tuple(steps), pads=pads)
+
+
+def _hoist_host_dependencies(steps: list[Step]) -> list[Step]:
+    """A host op's inputs must be ready before the graph replays: run them outside too."""
+    by_key = {s.key: s for s in steps}
+    outside = {s.key for s in steps if not s.in_graph}
+    changed = True
+    while changed:
+        changed = False
+        for step in steps:
+            if step.key not in outside:
+                continue
+            for dep in step.inputs:
+                dep_key = f"{step.backend}.{dep}"
+                if dep_key in by_key and dep_key not in outside and dep not in BATCH_TABLES:
+                    outside.add(dep_key)
+                    changed = True
+    return [
+        s if (s.key in outside) != s.in_graph else Step(**{**s.__dict__, "in_graph": s.key not in outside})
+        for s in steps
+    ]

@@ -1,0 +1,244 @@
+"""Plan schemas: what a backend's kernels read, declared once.
+
+A backend subclasses :class:`Plan` and declares every tensor its layers read
+with :func:`tensor_field` (dtype, symbolic shape, pad value, producer) and every
+host scalar with :func:`scalar_field`. The planner derives everything else from
+these declarations: the op DAG, static buffer sizes, what gets staged from the
+batch, what padding rows must hold. Nothing about metadata lives in layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+
+from planner.dims import DimExpr, dim_names, parse_dim
+from planner.errors import SchemaError
+
+Tensor = Annotated[torch.Tensor, WithJsonSchema({"type": "object", "title": "Tensor"})]
+"""Annotation for tensor fields of a plan (a torch tensor, described in JSON Schema)."""
+
+PAD_DERIVED = "derived"
+"""Pad marker: padding rows hold what the op computes from padded inputs (e.g. prefix sums)."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A value taken from the planner's settings (limits or backend options) at build time.
+
+    Used for op parameters and pad values that depend on the deployment
+    (``page_size``, ``next_n``, ``topk``), so one schema serves every config.
+    """
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"${self.name}"
+
+
+def resolve_setting(value: Any, settings: Mapping[str, Any], *, field: str) -> Any:
+    """Replace a :class:`Setting` by its value; leave constants alone."""
+    if not isinstance(value, Setting):
+        return value
+    if value.name not in settings:
+        raise SchemaError(
+            f"needs setting {value.name!r}, which neither the limits nor the backend options define",
+            field=field,
+            expected=sorted(settings),
+        )
+    return settings[value.name]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """How one tensor field of a plan is shaped, padded and produced.
+
+    Exactly one of ``source`` (a batch input staged as is) and ``op`` (a
+    registered metadata op over ``inputs``) is set.
+    """
+
+    dtype: torch.dtype
+    shape: tuple[DimExpr, ...]
+    pad: int | float | str | Setting | None
+    source: str | None = None
+    op: str | None = None
+    inputs: tuple[str, ...] = ()
+    params: Mapping[str, Any] = field(default_factory=dict)
+    doc: str = ""
+    name: str = ""
+
+    @property
+    def row_dim(self) -> str | None:
+        """The batch dimension (``reqs`` or ``rows``) padding applies to, if any."""
+        first, _ = parse_dim(self.shape[0]) if self.shape else (None, 0)
+        return first if first in ("reqs", "rows") else None
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec as JSON: for JSON Schema export and dumps."""
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "shape": list(self.shape),
+            "pad": repr(self.pad) if isinstance(self.pad, Setting) else self.pad,
+            "source": self.source,
+            "op": self.op,
+            "inputs": list(self.inputs),
+            "params": {k: repr(v) if isinstance(v, Setting) else v for k, v in self.params.items()},
+        }
+
+
+@dataclass(frozen=True)
+class ScalarSpec:
+    """A host integer of a plan, equal to a dimension or a setting.
+
+    Under CUDA graphs a scalar is baked into the graph at capture, so a
+    captured plan holds the static bound (``max_len`` is ``max_context``), an
+    eager plan the batch's own value.
+    """
+
+    value: str
+    doc: str = ""
+    name: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+
+def tensor_field(
+    dtype: torch.dtype,
+    shape: tuple[DimExpr, ...],
+    *,
+    source: str | None = None,
+    op: str | None = None,
+    inputs: tuple[str, ...] = (),
+    params: Mapping[str, Any] | None = None,
+    pad: int | float | str | Setting | None = None,
+    doc: str = "",
+) -> Any:
+    """Declare a tensor field; use as the default of a ``Tensor`` annotation."""
+    if (source is None) == (op is None):
+        raise SchemaError("a tensor field needs exactly one of source= or op=", actual=(source, op))
+    if pad is None:
+        raise SchemaError(
+            "a tensor field must declare pad= (a value, a Setting, or PAD_DERIVED)",
+            actual=(source or op),
+        )
+    for expr in shape:
+        parse_dim(expr)
+    spec = TensorSpec(
+        dtype=dtype,
+        shape=tuple(shape),
+        pad=pad,
+        source=source,
+        op=op,
+        inputs=tuple(inputs),
+        params=dict(params or {}),
+        doc=doc,
+    )
+    info = Field(description=doc or None, json_schema_extra={"plan": spec.to_json()})
+    info.metadata.append(spec)
+    return info
+
+
+def scalar_field(value: str, *, doc: str = "") -> Any:
+    """Declare a host integer equal to a dimension (``max_len``) or a setting (``topk``)."""
+    spec = ScalarSpec(value=value, doc=doc)
+    info = Field(description=doc or None, json_schema_extra={"plan": spec.to_json()})
+    info.metadata.append(spec)
+    return info
+
+
+class Plan(BaseModel):
+    """Base class of every backend's plan: frozen, typed, read-only to layers.
+
+    Subclass with ``class MyPlan(Plan, backend="mine")`` to register it. The
+    planner builds instances without re-validating each step (it checked the
+    tensors itself, with better messages); constructing one by hand validates
+    every field against its spec.
+    """
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True, extra="forbid")
+
+    backend: ClassVar[str] = ""
+    version: ClassVar[int] = 1
+    tensor_specs: ClassVar[dict[str, TensorSpec]] = {}
+    scalar_specs: ClassVar[dict[str, ScalarSpec]] = {}
+
+    def __init_subclass__(cls, backend: str | None = None, version: int = 1, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if backend is not None:
+            cls.backend = backend
+            cls.version = version
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        tensors: dict[str, TensorSpec] = {}
+        scalars: dict[str, ScalarSpec] = {}
+        for name, info in cls.model_fields.items():
+            for meta in info.metadata:
+                if isinstance(meta, TensorSpec):
+                    tensors[name] = _named(meta, name)
+                elif isinstance(meta, ScalarSpec):
+                    scalars[name] = _named(meta, name)
+        cls.tensor_specs = tensors
+        cls.scalar_specs = scalars
+        _check_inputs(cls)
+        if cls.backend and "backend" in cls.__dict__:
+            from planner.registry import register_backend
+
+            register_backend(cls)
+
+    @model_validator(mode="after")
+    def _check_tensors(self) -> Plan:
+        for name, spec in self.tensor_specs.items():
+            tensor = getattr(self, name)
+            if tensor.dtype != spec.dtype:
+                raise SchemaError(
+                    "wrong dtype", field=f"{self.backend}.{name}", expected=spec.dtype, actual=tensor.dtype
+                )
+            if tensor.dim() != len(spec.shape):
+                raise SchemaError(
+                    "wrong rank",
+                    field=f"{self.backend}.{name}",
+                    expected=f"{len(spec.shape)} dims {spec.shape}",
+                    actual=tuple(tensor.shape),
+                )
+        return self
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensor fields by name, in declaration order."""
+        return {name: getattr(self, name) for name in self.tensor_specs}
+
+    def scalars(self) -> dict[str, int]:
+        """The host scalars by name."""
+        return {name: getattr(self, name) for name in self.scalar_specs}
+
+    @classmethod
+    def required_dims(cls) -> set[str]:
+        """Every symbolic dimension this schema's shapes use."""
+        names: set[str] = set()
+        for spec in cls.tensor_specs.values():
+            names |= dim_names(spec.shape)
+        return names
+
+
+def _named(spec: Any, name: str) -> Any:
+    return type(spec)(**{**spec.__dict__, "name": name})
+
+
+def _check_inputs(cls: type[Plan]) -> None:
+    """Op inputs must name fields of the same plan or known batch tables."""
+    from planner.batch import BATCH_TABLES
+
+    for name, spec in cls.tensor_specs.items():
+        for source in spec.inputs:
+            if source not in cls.tensor_specs and source not in BATCH_TABLES:
+                raise SchemaError(
+                    f"op input {source!r} is neither a field of {cls.__name__} nor a batch table",
+                    field=name,
+                    expected=sorted(cls.tensor_specs) + sorted(BATCH_TABLES),
+                )

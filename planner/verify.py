@@ -1,0 +1,112 @@
+"""Comparing plans: what debug mode, tests and dumps use to prove equality.
+
+Bit-equality, not closeness: metadata is integers, and a replayed plan that
+differs from a fresh eager one in a single element is a stale buffer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from planner.schema import Plan
+
+
+@dataclass(frozen=True)
+class FieldMismatch:
+    """How one field of two plans differs."""
+
+    backend: str
+    field: str
+    reason: str
+    indices: list[list[int]]
+    left: list
+    right: list
+
+    def describe(self) -> str:
+        where = ", ".join(str(tuple(i)) for i in self.indices[:5])
+        return f"{self.backend}.{self.field}: {self.reason}" + (f" at {where}" if where else "")
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """A content hash of a tensor (shape, dtype and bytes); copies to the host."""
+    data = tensor.detach().contiguous().cpu()
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{tuple(data.shape)}|{data.dtype}".encode())
+    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+def plan_digests(plans: Mapping[str, Plan]) -> dict[str, str]:
+    """Digest of every tensor field of every plan, keyed ``backend.field``."""
+    return {
+        f"{backend}.{name}": tensor_digest(tensor)
+        for backend, plan in plans.items()
+        for name, tensor in plan.tensors().items()
+    }
+
+
+def diff_tensors(backend: str, field: str, left: torch.Tensor, right: torch.Tensor) -> FieldMismatch | None:
+    """None when bit-equal, else what differs and where (first indices)."""
+    if left.shape != right.shape:
+        return FieldMismatch(backend, field, f"shape {tuple(left.shape)} != {tuple(right.shape)}", [], [], [])
+    if left.dtype != right.dtype:
+        return FieldMismatch(backend, field, f"dtype {left.dtype} != {right.dtype}", [], [], [])
+    a, b = left.detach().cpu(), right.detach().cpu()
+    if a.is_floating_point():
+        differs = ~((a == b) | (torch.isnan(a) & torch.isnan(b)))
+    else:
+        differs = a != b
+    if not bool(differs.any()):
+        return None
+    idx = differs.nonzero()[:16]
+    count = int(differs.sum())
+    return FieldMismatch(
+        backend,
+        field,
+        f"{count} of {a.numel()} elements differ",
+        idx.tolist(),
+        [a[tuple(i)].item() for i in idx],
+        [b[tuple(i)].item() for i in idx],
+    )
+
+
+def diff_plans(left: Mapping[str, Plan], right: Mapping[str, Plan]) -> list[FieldMismatch]:
+    """Every field (tensors and scalars) that differs between two plan sets."""
+    out: list[FieldMismatch] = []
+    for backend in sorted(set(left) | set(right)):
+        if backend not in left or backend not in right:
+            out.append(FieldMismatch(backend, "*", "backend missing on one side", [], [], []))
+            continue
+        lp, rp = left[backend], right[backend]
+        for name in lp.tensor_specs:
+            mismatch = diff_tensors(backend, name, getattr(lp, name), getattr(rp, name))
+            if mismatch is not None:
+                out.append(mismatch)
+        for name in lp.scalar_specs:
+            if getattr(lp, name) != getattr(rp, name):
+                out.append(
+                    FieldMismatch(backend, name, "scalar differs", [], [getattr(lp, name)], [getattr(rp, name)])
+                )
+    return out
+
+
+def padding_violations(plans: Mapping[str, Plan], pads: Mapping[tuple[str, str], object], real: dict[str, int]) -> list[str]:
+    """Fields with a constant pad whose padding rows hold something else.
+
+    ``real`` gives the number of real leading rows per batch dimension
+    (``{"reqs": 3, "rows": 6}``).
+    """
+    bad = []
+    for backend, plan in plans.items():
+        for name, spec in plan.tensor_specs.items():
+            pad = pads.get((backend, name))
+            if pad is None or spec.row_dim is None:
+                continue
+            tail = getattr(plan, name)[real[spec.row_dim] :]
+            if tail.numel() and not bool((tail == pad).all()):
+                bad.append(f"{backend}.{name}")
+    return bad
