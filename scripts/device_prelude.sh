@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The install line every device (H200) command starts with; see shared/DEVICE.md.
+#
+# Sourced on the device, it installs the carried wheels (.whl/, from
+# scripts/fetch_gpu_wheels.sh; name `.whl` in the run's `carry`) into /tmp/site, quietly,
+# and puts the work tree and /tmp/site on PYTHONPATH:
+#     source scripts/device_prelude.sh || exit 1; python3 benchmarks/verify_deepgemm.py ...
+# Executed instead, it prints that install line and nothing else, for pasting:
+#     echo "$(bash scripts/device_prelude.sh) python3 ..."
+LINE='python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit 1;'
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+    printf '%s\n' "$LINE"
+    exit 0
+fi
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || return 1
+# Silent on success; on failure pip's own message goes to stderr.
+_dp_log="$(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site .whl/*.whl 2>&1)" || { printf '%s\n' "$_dp_log" >&2; return 1; }
+unset _dp_log
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
