@@ -1,0 +1,94 @@
+"""Feed-forward blocks: dense SwiGLU MLP and DeepSeek-V3-style MoE.
+
+The MoE here is written for CUDA graph capture rather than speed: routing
+builds a dense ``[rows, experts]`` weight matrix (mostly zeros) and every
+expert runs on every row, so there is no host sync, no ``nonzero`` and no
+data-dependent shape. That costs ``n_routed_experts / num_experts_per_tok``
+times the FLOPs of real routing, which is fine for the few experts of the
+tiny/small presets; real serving dispatches tokens to experts with grouped
+GEMMs (and expert parallelism) instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import DSV32Config
+
+
+class MLP(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``: the dense layers, the shared expert, the stand-in."""
+
+    def __init__(self, dim: int, inter: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter, bias=False, dtype=dtype)
+        self.w2 = nn.Linear(inter, dim, bias=False, dtype=dtype)
+        self.w3 = nn.Linear(dim, inter, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Gate(nn.Module):
+    """Sigmoid router with a selection-only bias and group-limited top-k.
+
+    The bias (``e_score_correction_bias``) balances load: it shifts which
+    experts are *chosen* but not how much they *weigh*, so weights come from
+    the unbiased scores, normalised over the chosen experts and scaled.
+    """
+
+    def __init__(self, cfg: DSV32Config, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.route_scale = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [rows, top_k] fp32, indices [rows, top_k] int64)``."""
+        scores = torch.sigmoid(x.float() @ self.weight.float().t())
+        biased = scores + self.bias
+        if self.n_group > 1:
+            grouped = biased.unflatten(-1, (self.n_group, -1))
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [rows, n_group]
+            kept = group_score.topk(self.topk_group, dim=-1).indices
+            mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
+            biased = grouped.masked_fill(~mask[..., None], float("-inf")).flatten(-2)
+        indices = biased.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, indices)
+        weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
+        return weights, indices
+
+
+class MoE(nn.Module):
+    """Routed experts (stacked weights) plus shared experts, graph-capturable."""
+
+    def __init__(self, cfg: DSV32Config, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Gate(cfg, dtype)
+        # Stacked [experts, out, in] like nn.Linear weights, so one bmm runs them all.
+        self.w1 = nn.Parameter(torch.empty(e, i, d, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(e, d, i, dtype=dtype))
+        self.w3 = nn.Parameter(torch.empty(e, i, d, dtype=dtype))
+        self.shared = MLP(d, cfg.n_shared_experts * i, dtype) if cfg.n_shared_experts > 0 else None
+
+    def routing_matrix(self, x: torch.Tensor) -> torch.Tensor:
+        """Dense ``[rows, experts]`` fp32 routing weights, zero for unchosen experts."""
+        weights, indices = self.gate(x)
+        dense = torch.zeros(x.shape[0], self.w1.shape[0], dtype=torch.float32, device=x.device)
+        return dense.scatter(1, indices, weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route = self.routing_matrix(x)  # [rows, E]
+        xe = x.unsqueeze(0).expand(self.w1.shape[0], -1, -1)  # [E, rows, dim]
+        h = F.silu(torch.bmm(xe, self.w1.transpose(1, 2))) * torch.bmm(xe, self.w3.transpose(1, 2))
+        ye = torch.bmm(h, self.w2.transpose(1, 2))  # [E, rows, dim]
+        y = torch.einsum("re,erd->rd", route, ye.float())
+        if self.shared is not None:
+            y = y + self.shared(x).float()
+        return y.to(x.dtype)

@@ -1,0 +1,99 @@
+"""Multi-head latent attention for decode, with absorbed up-projections.
+
+The cache holds one 576-wide row per token (512 latent + 64 rope key) shared
+by all heads. Decode never expands it to per-head keys/values: the key
+up-projection ``W_UK`` is folded into the query (``q_abs = q_nope . W_UK``)
+and the value up-projection ``W_UV`` is applied after attention, so the
+kernel attends over the latent directly. Only the top-k tokens chosen by the
+indexer take part (sparse MLA).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.config import DSV32Config
+from models.layers.indexer import Indexer
+from models.layers.norm import RMSNorm
+from models.layers.plan_access import require
+from models.layers.rope import apply_rope_interleaved
+
+
+class MLA(nn.Module):
+    """DeepSeek-V3.2 attention block: projections, cache write, indexer, sparse decode."""
+
+    def __init__(self, cfg: DSV32Config, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.nope = cfg.qk_nope_head_dim
+        self.rope = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        self.softmax_scale = cfg.softmax_scale
+        h, eps = self.n_heads, cfg.rms_norm_eps
+        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False, dtype=dtype)
+        self.wkv_a = nn.Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=False, dtype=dtype)
+        self.kv_norm = RMSNorm(self.kv_lora, eps)
+        self.wkv_b = nn.Linear(self.kv_lora, h * (self.nope + self.v_dim), bias=False, dtype=dtype)
+        self.wo = nn.Linear(h * self.v_dim, cfg.hidden_size, bias=False, dtype=dtype)
+        self.indexer = Indexer(cfg, dtype)
+
+    # Steps 1-3 and 5 of the decode layer, separately callable for tests.
+
+    def project_q(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(qr [rows, q_lora], q_nope [rows, H, nope], q_rope [rows, H, rope])``, roped."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.nope + self.rope)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        return qr, q_nope, apply_rope_interleaved(q_rope, cos, sin)
+
+    def project_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(latent [rows, kv_lora] normed, k_rope [rows, rope] roped)``: what is cached."""
+        latent, k_rope = self.wkv_a(x).split([self.kv_lora, self.rope], dim=-1)
+        return self.kv_norm(latent), apply_rope_interleaved(k_rope, cos, sin)
+
+    def _wkv_b(self) -> torch.Tensor:
+        return self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+
+    def absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """``q_nope . W_UK -> [rows, H, kv_lora]``: queries in latent space."""
+        return torch.einsum("rhd,hdc->rhc", q_nope, self._wkv_b()[:, : self.nope])
+
+    def output(self, o_latent: torch.Tensor) -> torch.Tensor:
+        """Attention output in latent space -> ``W_UV`` per head -> ``wo`` -> ``[rows, dim]``."""
+        o = torch.einsum(
+            "rhc,hdc->rhd", o_latent.to(self.wkv_b.weight.dtype), self._wkv_b()[:, self.nope :]
+        )
+        return self.wo(o.flatten(1))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: object,
+        kv_cache: torch.Tensor,
+        index_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decode attention over ``x [rows, dim]`` (already normed) -> ``[rows, dim]``.
+
+        Writes this step's latent and rope key into ``kv_cache`` at the plan's
+        ``out_cache_loc`` before attending, so every row sees its own token.
+        """
+        from backends import nsa_attention
+
+        qr, q_nope, q_rope = self.project_q(x, cos, sin)
+        latent, k_rope = self.project_kv(x, cos, sin)
+        loc = require(plan, "out_cache_loc")
+        kv_cache[loc] = torch.cat([latent, k_rope], dim=-1).to(kv_cache.dtype)
+        topk_slots = self.indexer(x, qr, cos, sin, plan, index_cache)
+        q_abs = self.absorb_q(q_nope)
+        o = nsa_attention.sparse_mla_decode(q_abs, q_rope, kv_cache, topk_slots, self.softmax_scale)
+        return self.output(o)
