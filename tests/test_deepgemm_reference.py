@@ -72,10 +72,8 @@ def kernel_port(lens: list[list[int]], num_sms: int, layout: str) -> list[tuple[
                 hi = mid
         qi = lo if layout == "0.1.0" else min(lo, batch - 1)
         offset = start if qi == 0 else start - prefix[qi - 1]
-        if qi >= aligned:  # 0.1.0 reads past the shared array; offset is 0 there anyway
-            nsq = 1
-        else:
-            nsq = prefix[0] if qi == 0 else prefix[qi] - prefix[qi - 1]
+        # 0.1.0 reads past the shared array when qi == aligned; offset is 0 there anyway.
+        nsq = prefix[qi] - (prefix[qi - 1] if qi > 0 else 0) if qi < aligned else 1
         atom = offset // nsq if nsq > 0 else 0
         split = offset % nsq if nsq > 0 else 0
         rows.append((qi + atom, split))
@@ -139,7 +137,7 @@ def test_schedule_properties(params, num_sms):
             assert (0 <= req < batch and 0 <= split < units[req]) or (req, split) == (batch, 0)
         starts = unit_starts(sched, lens)
         assert starts[0] == 0 and starts[-1] == total
-        sizes[layout] = [b - a for a, b in zip(starts, starts[1:])]
+        sizes[layout] = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
         assert all(s in (q, q + 1) for s in sizes[layout])  # split evenly to one unit
     # 0.1.0 hands the remainder to the first SMs, newer builds to the last ones
     assert sizes["0.1.0"] == [q + 1] * r + [q] * (num_sms - r)
@@ -158,7 +156,9 @@ def test_schedule_hand_example():
 def test_schedule_reads_only_last_column_for_mtp():
     a = torch.tensor([[255, 256], [511, 512]], dtype=torch.int32)
     b = torch.tensor([[0, 256], [3, 512]], dtype=torch.int32)
-    assert torch.equal(reference_paged_mqa_schedule(a, 64, 3), reference_paged_mqa_schedule(b, 64, 3))
+    assert torch.equal(
+        reference_paged_mqa_schedule(a, 64, 3), reference_paged_mqa_schedule(b, 64, 3)
+    )
 
 
 def test_schedule_more_sms_than_units():

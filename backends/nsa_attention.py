@@ -1,0 +1,195 @@
+"""Layer-side NSA (DeepSeek-V3.2 sparse attention) decode functions that consume a plan.
+
+A model layer calls these with the per-batch plan the planner built once. They only READ
+the plan: every piece of metadata (lengths, page table, slot map, schedule, widths) comes
+from it, nothing is recomputed here, and a plan that lacks an attribute is an error
+(``PlanError`` naming it), never a silent fallback -- a layer that quietly rebuilt
+metadata would hide planner bugs and break CUDA-graph replay.
+
+Plan attributes used (int32 tensors unless noted; ``rows = reqs * next_n``, row
+``r = req * next_n + i``):
+
+* ``next_n``, ``topk``, ``max_seq_len`` (python ints; ``max_seq_len`` is the logits width)
+* ``kv_lens [rows]``: causal KV length of each query row
+* ``page_table [reqs, pages]``: 64-token page ids (deep_gemm's block table)
+* ``token_slots [reqs, max_len]``: physical slot of each logical position
+* ``schedule [num_sms + 1, 2]``: deep_gemm's SM schedule
+
+``indexer_topk`` and ``sparse_mla_decode`` have static shapes and no host syncs, so they
+can be captured in CUDA graphs. ``dense_mla_decode`` is a slow float64 test oracle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from backends.deepgemm import fp8_paged_mqa_logits
+from planner.errors import PlanError
+
+__all__ = ["plan_attr", "indexer_topk", "sparse_mla_decode", "dense_mla_decode"]
+
+
+def plan_attr(plan: Any, name: str) -> Any:
+    """``getattr(plan, name)``, or ``PlanError`` naming the missing attribute."""
+    try:
+        return getattr(plan, name)
+    except AttributeError:
+        raise PlanError(
+            "the plan has no such attribute; the planner must provide it",
+            field=name,
+            expected=f"plan.{name}",
+            actual="missing",
+        ) from None
+
+
+def _rows_of(kv_lens: torch.Tensor, next_n: int) -> tuple[int, int]:
+    rows = kv_lens.shape[0]
+    if rows % next_n != 0:
+        raise PlanError(
+            "rows must be a multiple of next_n",
+            field="kv_lens",
+            expected=f"k * {next_n}",
+            actual=rows,
+        )
+    return rows, rows // next_n
+
+
+def indexer_topk(
+    plan: Any, q_fp8: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor
+) -> torch.Tensor:
+    """The indexer's top-k: physical KV slots each query row attends to, ``int32 [rows, topk]``.
+
+    ``q_fp8``: float8_e4m3fn ``[rows, H, D]`` or ``[reqs, next_n, H, D]``; ``weights``:
+    float32 ``[rows, H]`` with the query scales already folded in; ``index_cache``: the
+    deep_gemm page layout (see ``backends.deepgemm.fp8``).
+
+    Scores come from ``fp8_paged_mqa_logits`` over width ``plan.max_seq_len``; positions
+    ``>= kv_lens[row]`` are set to ``-inf`` (deep_gemm leaves them undefined), the best
+    ``plan.topk`` positions are taken with ``torch.topk`` (sorted, best first) and mapped
+    through ``token_slots`` of the row's request. Entries beyond a row's valid length are
+    ``-1``. Ties: ``torch.topk`` does not promise which of equal scores wins, and CPU and
+    CUDA may differ, so only distinct scores give a deterministic set.
+    """
+    next_n = plan_attr(plan, "next_n")
+    topk = plan_attr(plan, "topk")
+    width = plan_attr(plan, "max_seq_len")
+    kv_lens = plan_attr(plan, "kv_lens")
+    page_table = plan_attr(plan, "page_table")
+    schedule = plan_attr(plan, "schedule")
+    token_slots = plan_attr(plan, "token_slots")
+    rows, reqs = _rows_of(kv_lens, next_n)
+
+    q4 = q_fp8.reshape(reqs, next_n, *q_fp8.shape[-2:])
+    logits = fp8_paged_mqa_logits(
+        q4, index_cache, weights, kv_lens.view(reqs, next_n), page_table, schedule, width
+    )
+    pos = torch.arange(width, device=logits.device)
+    lens = kv_lens.to(torch.int64).unsqueeze(1)
+    logits = logits.masked_fill(pos >= lens, float("-inf"))
+    if width < topk:  # topk wider than the row: pad with never-valid positions
+        logits = torch.nn.functional.pad(logits, (0, topk - width), value=float("-inf"))
+    _, idx = torch.topk(logits, topk, dim=-1, largest=True, sorted=True)
+    valid = idx < lens
+
+    req_of_row = torch.arange(rows, device=idx.device) // next_n
+    col = idx.clamp(max=token_slots.shape[1] - 1)
+    slots = token_slots[req_of_row.unsqueeze(1), col]
+    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)
+
+
+def _check_mla_inputs(
+    q_nope_abs: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
+) -> tuple[int, int]:
+    rows, heads, latent = q_nope_abs.shape
+    if q_rope.dim() != 3 or q_rope.shape[:2] != (rows, heads):
+        raise PlanError(
+            "q_rope must be [rows, H, rope] like q_nope_abs",
+            field="q_rope",
+            expected=(rows, heads, "rope"),
+            actual=tuple(q_rope.shape),
+        )
+    rope = q_rope.shape[2]
+    if kv_cache.dim() != 2 or kv_cache.shape[1] != latent + rope:
+        raise PlanError(
+            "kv_cache must be [num_slots, latent + rope]",
+            field="kv_cache",
+            expected=("num_slots", latent + rope),
+            actual=tuple(kv_cache.shape),
+        )
+    return latent, rope
+
+
+def sparse_mla_decode(
+    q_nope_abs: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_slots: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA decode over the selected slots only: ``o [rows, H, latent]``.
+
+    ``logits[h, t] = (q_nope_abs[h] . latent[s_t] + q_rope[h] . k_rope[s_t]) * scale`` for
+    the slots ``s_t = topk_slots[row, t]`` (``-1`` entries ignored), softmax in fp32,
+    ``o[h] = sum_t p[h, t] latent[s_t]``. ``kv_cache [num_slots, 576]`` is latent 512 |
+    k_rope 64. A row with no valid slot yields zeros. Indices are clamped and masked rather
+    than filtered, so shapes are static (graph-capturable on CUDA, same code on CPU).
+    Output dtype follows ``q_nope_abs``.
+    """
+    latent, _ = _check_mla_inputs(q_nope_abs, q_rope, kv_cache)
+    rows = q_nope_abs.shape[0]
+    if topk_slots.dim() != 2 or topk_slots.shape[0] != rows:
+        raise PlanError(
+            "topk_slots must be [rows, topk]",
+            field="topk_slots",
+            expected=(rows, "topk"),
+            actual=tuple(topk_slots.shape),
+        )
+    valid = topk_slots >= 0  # [rows, K]
+    kv = kv_cache[topk_slots.clamp(min=0).to(torch.int64)].float()  # [rows, K, 576]
+    lat, k_rope = kv[..., :latent], kv[..., latent:]
+    logits = torch.einsum("rhd,rkd->rhk", q_nope_abs.float(), lat)
+    logits = (logits + torch.einsum("rhd,rkd->rhk", q_rope.float(), k_rope)) * softmax_scale
+    mask = valid.unsqueeze(1)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    peak = logits.amax(dim=-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    p = torch.exp(logits - peak) * mask
+    denom = p.sum(dim=-1, keepdim=True)
+    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    out = torch.einsum("rhk,rkd->rhd", p, lat)
+    return out.to(q_nope_abs.dtype)
+
+
+def dense_mla_decode(
+    plan: Any,
+    q_nope_abs: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Test oracle: MLA decode over ALL valid tokens of each row, in float64.
+
+    Row ``r`` attends to positions ``< plan.kv_lens[r]`` of its request's
+    ``plan.token_slots``. Written as a plain per-row loop on purpose (host syncs, not for
+    graphs) so it shares no code with :func:`sparse_mla_decode`; with ``topk`` covering
+    every length the two must agree.
+    """
+    next_n = plan_attr(plan, "next_n")
+    kv_lens = plan_attr(plan, "kv_lens")
+    token_slots = plan_attr(plan, "token_slots")
+    latent, _ = _check_mla_inputs(q_nope_abs, q_rope, kv_cache)
+    rows, _ = _rows_of(kv_lens, next_n)
+    out = torch.zeros(q_nope_abs.shape, dtype=torch.float64, device=q_nope_abs.device)
+    lens = kv_lens.tolist()
+    for r in range(rows):
+        n = int(lens[r])
+        if n <= 0:
+            continue
+        slots = token_slots[r // next_n, :n].to(torch.int64)
+        kv = kv_cache[slots].double()
+        lat, k_rope = kv[:, :latent], kv[:, latent:]
+        logits = (q_nope_abs[r].double() @ lat.T + q_rope[r].double() @ k_rope.T) * softmax_scale
+        out[r] = torch.softmax(logits, dim=-1) @ lat
+    return out.to(q_nope_abs.dtype)
