@@ -34,8 +34,8 @@ class PagedPlan(Plan, backend="paged"):
         op="causal_lengths",
         inputs=("seq_lens",),
         params={"next_n": Setting("next_n")},
-        pad=1,
-        doc="causal KV length of each query row",
+        pad=PAD_DERIVED,
+        doc="causal KV length of each query row; padding rows get 1..next_n, never 0",
     )
     cu_seqlens_k: Tensor = tensor_field(
         I32, ("reqs+1",), op="cumsum_with_zero", inputs=("seq_lens",), pad=PAD_DERIVED, doc="KV offsets per request"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 from planner.dims import DimExpr, dim_names, parse_dim
 from planner.errors import SchemaError
@@ -166,6 +166,19 @@ class Plan(BaseModel):
     version: ClassVar[int] = 1
     tensor_specs: ClassVar[dict[str, TensorSpec]] = {}
     scalar_specs: ClassVar[dict[str, ScalarSpec]] = {}
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            original = first.get("ctx", {}).get("error")
+            if isinstance(original, SchemaError):
+                raise original from None
+            where = ".".join(str(p) for p in first["loc"]) or "*"
+            raise SchemaError(
+                f"invalid {type(self).__name__}: {first['msg']}", field=f"{self.backend}.{where}"
+            ) from None
 
     def __init_subclass__(cls, backend: str | None = None, version: int = 1, **kwargs: Any):
         super().__init_subclass__(**kwargs)
