@@ -27,6 +27,9 @@ class ForwardMode(str, enum.Enum):
 BATCH_TABLES = frozenset({"req_to_token"})
 """Device tables the engine owns; ops read them in place and graphs bind their address."""
 
+HOST_INPUTS = frozenset({"seq_lens_cpu"})
+"""Host tensors of the batch a host op (``graph_safe=False``) may read, e.g. FlashInfer's plan."""
+
 SOURCES = ("seq_lens", "req_pool_indices", "positions", "out_cache_loc")
 """Per-request or per-token batch inputs a schema can stage with ``source=``."""
 
@@ -89,17 +92,26 @@ def _check_tensor(
     length: int | None = None,
 ) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
-        raise BatchError("not a tensor", field=name, expected="torch.Tensor", actual=type(tensor).__name__)
+        raise BatchError(
+            "not a tensor", field=name, expected="torch.Tensor", actual=type(tensor).__name__
+        )
     if tensor.dtype not in dtypes:
-        raise BatchError("wrong dtype", field=name, expected=" or ".join(map(str, dtypes)), actual=tensor.dtype)
+        raise BatchError(
+            "wrong dtype", field=name, expected=" or ".join(map(str, dtypes)), actual=tensor.dtype
+        )
     if tensor.dim() != rank:
         raise BatchError("wrong rank", field=name, expected=rank, actual=tensor.dim())
     if tensor.device not in devices:
         raise BatchError(
-            "wrong device", field=name, expected=" or ".join(map(str, devices)), actual=tensor.device
+            "wrong device",
+            field=name,
+            expected=" or ".join(map(str, devices)),
+            actual=tensor.device,
         )
     if not tensor.is_contiguous():
-        raise BatchError("not contiguous", field=name, expected="contiguous", actual=tuple(tensor.stride()))
+        raise BatchError(
+            "not contiguous", field=name, expected="contiguous", actual=tuple(tensor.stride())
+        )
     if length is not None and tensor.shape[0] != length:
         raise BatchError("wrong length", field=name, expected=length, actual=tensor.shape[0])
     return tensor
@@ -148,15 +160,24 @@ def validate_batch(
         )
     cpu = torch.device("cpu")
     both = (cpu, device) if device != cpu else (cpu,)
-    seq = _check_tensor("seq_lens_cpu", batch.seq_lens_cpu, dtypes=(torch.int32,), rank=1, devices=(cpu,))
+    seq = _check_tensor(
+        "seq_lens_cpu", batch.seq_lens_cpu, dtypes=(torch.int32,), rank=1, devices=(cpu,)
+    )
     bs = seq.shape[0]
     if bs == 0:
         raise BatchError("empty batch", field="seq_lens_cpu", expected=">= 1 request", actual=0)
     if bs > max_batch:
-        raise BatchError("batch larger than max_batch", field="seq_lens_cpu", expected=f"<= {max_batch}", actual=bs)
+        raise BatchError(
+            "batch larger than max_batch",
+            field="seq_lens_cpu",
+            expected=f"<= {max_batch}",
+            actual=bs,
+        )
     _check_host_range("seq_lens_cpu", seq, want_n, max_context)
 
-    table = _check_tensor("req_to_token", batch.req_to_token, dtypes=(torch.int32,), rank=2, devices=(device,))
+    table = _check_tensor(
+        "req_to_token", batch.req_to_token, dtypes=(torch.int32,), rank=2, devices=(device,)
+    )
     longest = int(seq.max())
     if table.shape[1] < longest:
         raise BatchError(
@@ -166,10 +187,22 @@ def validate_batch(
             actual=table.shape[1],
         )
     pool = _check_tensor(
-        "req_pool_indices", batch.req_pool_indices, dtypes=_INDEX_DTYPES, rank=1, devices=both, length=bs
+        "req_pool_indices",
+        batch.req_pool_indices,
+        dtypes=_INDEX_DTYPES,
+        rank=1,
+        devices=both,
+        length=bs,
     )
     tokens = bs * want_n
-    loc = _check_tensor("out_cache_loc", batch.out_cache_loc, dtypes=_INDEX_DTYPES, rank=1, devices=both, length=tokens)
+    loc = _check_tensor(
+        "out_cache_loc",
+        batch.out_cache_loc,
+        dtypes=_INDEX_DTYPES,
+        rank=1,
+        devices=both,
+        length=tokens,
+    )
     checks = [("req_pool_indices", pool, 0, table.shape[0] - 1)]
     if kv_slots is not None:
         checks.append(("out_cache_loc", loc, 0, kv_slots - 1))

@@ -27,7 +27,16 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             op = get_op(spec.op)
             available = op.available_on(device)
             chosen = op.select(device).name
-            rows.append((name, field, spec.op, ", ".join(sorted(op.providers)), ", ".join(available), chosen))
+            rows.append(
+                (
+                    name,
+                    field,
+                    spec.op,
+                    ", ".join(sorted(op.providers)),
+                    ", ".join(available),
+                    chosen,
+                )
+            )
     if args.json:
         keys = ("backend", "field", "op", "providers", "available", "chosen")
         print(json.dumps([dict(zip(keys, r)) for r in rows], indent=2))
@@ -59,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("backends", help="registered backends, their ops and the providers usable here")
+    p = sub.add_parser(
+        "backends", help="registered backends, their ops and the providers usable here"
+    )
     p.add_argument("--device", default="cpu", help="device to check providers for (default: cpu)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_backends)

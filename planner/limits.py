@@ -21,7 +21,9 @@ class Limits(BaseModel):
     max_context: int = Field(ge=1, le=1 << 24, description="longest KV length of one request")
     page_size: int = Field(default=64, ge=1, le=4096, description="tokens per KV page")
     next_n: int = Field(default=1, ge=1, le=16, description="tokens per request in target-verify")
-    num_sms: int = Field(default=132, ge=1, le=4096, description="SMs the schedule splits work over")
+    num_sms: int = Field(
+        default=132, ge=1, le=4096, description="SMs the schedule splits work over"
+    )
     kv_slots: int | None = Field(default=None, ge=1, description="KV cache slots, for range checks")
     device: str = Field(default="cpu", description="where plans live: 'cpu', 'cuda', 'cuda:1'")
 

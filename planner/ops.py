@@ -86,12 +86,17 @@ class MetadataOp:
         Triton interpreter is for tests, not for serving.
         """
         if "torch" not in self.providers:
-            raise ProviderError(f"op {self.name!r} has no torch reference provider", field=self.name)
+            raise ProviderError(
+                f"op {self.name!r} has no torch reference provider", field=self.name
+            )
         if forced is not None:
             provider = self.providers.get(forced)
             if provider is None:
                 raise ProviderError(
-                    "unknown provider", field=self.name, expected=sorted(self.providers), actual=forced
+                    "unknown provider",
+                    field=self.name,
+                    expected=sorted(self.providers),
+                    actual=forced,
                 )
             if not provider.is_available(device):
                 raise ProviderError(

@@ -39,7 +39,9 @@ class PlanSet(Mapping[str, Plan]):
 
     __slots__ = ("_plans", "phase", "mode", "reqs", "real_reqs")
 
-    def __init__(self, plans: dict[str, Plan], phase: str, mode: ForwardMode, reqs: int, real_reqs: int):
+    def __init__(
+        self, plans: dict[str, Plan], phase: str, mode: ForwardMode, reqs: int, real_reqs: int
+    ):
         self._plans = plans
         self.phase = phase
         self.mode = mode
@@ -50,7 +52,9 @@ class PlanSet(Mapping[str, Plan]):
         try:
             return self._plans[backend]
         except KeyError:
-            raise SchemaError("no plan for backend", field=backend, expected=sorted(self._plans)) from None
+            raise SchemaError(
+                "no plan for backend", field=backend, expected=sorted(self._plans)
+            ) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._plans)
@@ -88,7 +92,7 @@ class _Capture:
     pointers: list[tuple[str, int]]
     table_ptr: int
     table_shape: tuple[int, ...]
-    table: torch.Tensor
+    dummy: ForwardBatch
 
 
 @dataclass
@@ -121,7 +125,12 @@ class Planner:
             self.schemas[cls.backend] = cls
         unknown = set(options or {}) - set(self.schemas)
         if unknown:
-            raise SchemaError("options for backends not planned", field="options", expected=sorted(self.schemas), actual=sorted(unknown))
+            raise SchemaError(
+                "options for backends not planned",
+                field="options",
+                expected=sorted(self.schemas),
+                actual=sorted(unknown),
+            )
         self.options = {k: dict(v) for k, v in (options or {}).items()}
         self.forced = dict(providers or {})
         self.debug = os.environ.get("PLANNER_DEBUG") == "1" if debug is None else debug
@@ -148,7 +157,13 @@ class Planner:
         """The ordered steps for ``mode`` (built once)."""
         if mode not in self._programs:
             self._programs[mode] = build_program(
-                self.schemas, self._base, self.options, self.forced, self.device, mode, self.ops_in_graph
+                self.schemas,
+                self._base,
+                self.options,
+                self.forced,
+                self.device,
+                mode,
+                self.ops_in_graph,
             )
         return self._programs[mode]
 
@@ -172,12 +187,17 @@ class Planner:
     def dims(self, mode: ForwardMode, reqs: int, max_len: int) -> dict[str, int]:
         """Values of the symbolic dimensions for a batch of ``reqs`` requests."""
         program = self.program(mode)
-        dims = {k: v for k, v in program.settings.items() if isinstance(v, int) and not isinstance(v, bool)}
+        dims = {
+            k: v
+            for k, v in program.settings.items()
+            if isinstance(v, int) and not isinstance(v, bool)
+        }
         dims.update(
             reqs=reqs,
             rows=reqs * program.next_n,
             max_len=max_len,
             pages=-(-max_len // self.limits.page_size),
+            req_pages=reqs * -(-max_len // self.limits.page_size),
             sms=self.limits.num_sms,
             next_n=program.next_n,
         )
@@ -194,7 +214,10 @@ class Planner:
         return out
 
     def _build_plans(
-        self, mode: ForwardMode, tensors: dict[tuple[str, str], torch.Tensor], dims: Mapping[str, int]
+        self,
+        mode: ForwardMode,
+        tensors: dict[tuple[str, str], torch.Tensor],
+        dims: Mapping[str, int],
     ) -> dict[str, Plan]:
         program = self.program(mode)
         plans = {}
@@ -206,13 +229,22 @@ class Planner:
                 elif spec.value in program.settings:
                     values[name] = program.settings[spec.value]
                 else:
-                    raise SchemaError(f"scalar refers to unknown value {spec.value!r}", field=f"{backend}.{name}")
+                    raise SchemaError(
+                        f"scalar refers to unknown value {spec.value!r}", field=f"{backend}.{name}"
+                    )
             plans[backend] = cls.model_construct(**values)
         return plans
 
     @staticmethod
-    def _run(step: Step, tensors: dict[tuple[str, str], torch.Tensor], table: torch.Tensor) -> None:
-        args = [table if name == "req_to_token" else tensors[(step.backend, name)] for name in step.inputs]
+    def _run(step: Step, tensors: dict[tuple[str, str], torch.Tensor], batch: ForwardBatch) -> None:
+        args = [
+            batch.req_to_token
+            if name == "req_to_token"
+            else batch.seq_lens_cpu
+            if name == "seq_lens_cpu"
+            else tensors[(step.backend, name)]
+            for name in step.inputs
+        ]
         step.provider.fn(tensors[(step.backend, step.field)], *args, **step.params)
 
     # ---- eager ----------------------------------------------------------------------------
@@ -231,12 +263,19 @@ class Planner:
         mode = ForwardMode(batch.mode)
         program = self.program(mode)
         if pad_to is not None and not batch.bs <= pad_to <= self.limits.max_batch:
-            raise BatchError("pad_to out of range", field="pad_to", expected=f"[{batch.bs}, {self.limits.max_batch}]", actual=pad_to)
+            raise BatchError(
+                "pad_to out of range",
+                field="pad_to",
+                expected=f"[{batch.bs}, {self.limits.max_batch}]",
+                actual=pad_to,
+            )
         reqs = pad_to or batch.bs
         max_len = self.limits.max_context if pad_to is not None else int(batch.seq_lens_cpu.max())
         dims = self.dims(mode, reqs, max_len)
         sources = self._sources(mode)
-        layout = StagingLayout([(s, per_tok, pad) for _, s, per_tok, pad in sources], reqs, program.next_n)
+        layout = StagingLayout(
+            [(s, per_tok, pad) for _, s, per_tok, pad in sources], reqs, program.next_n
+        )
         staged, _ = stage_fresh(layout, batch, reqs, program.next_n, self.device)
         tensors: dict[tuple[str, str], torch.Tensor] = {}
         for key, source, per_token, pad in sources:
@@ -245,8 +284,10 @@ class Planner:
             tensors[key] = staged[seg.offset : seg.offset + n]
         for step in program.steps:
             shape = resolve_shape(step.spec.shape, dims, field=step.key)
-            tensors[(step.backend, step.field)] = torch.empty(shape, dtype=step.spec.dtype, device=self.device)
-            self._run(step, tensors, batch.req_to_token)
+            tensors[(step.backend, step.field)] = torch.empty(
+                shape, dtype=step.spec.dtype, device=self.device
+            )
+            self._run(step, tensors, batch)
         plans = PlanSet(self._build_plans(mode, tensors, dims), "eager", mode, reqs, batch.bs)
         if count:
             self.stats.record_steps(program.steps)
@@ -261,11 +302,15 @@ class Planner:
             program = self.program(mode)
             dims = self.dims(mode, self.limits.max_batch, self.limits.max_context)
             sources = self._sources(mode)
-            layout = StagingLayout([(s, t, p) for _, s, t, p in sources], self.limits.max_batch, program.next_n)
+            layout = StagingLayout(
+                [(s, t, p) for _, s, t, p in sources], self.limits.max_batch, program.next_n
+            )
             buffers = {}
             for step in program.steps:
                 shape = resolve_shape(step.spec.shape, dims, field=step.key)
-                buffers[(step.backend, step.field)] = torch.zeros(shape, dtype=step.spec.dtype, device=self.device)
+                buffers[(step.backend, step.field)] = torch.zeros(
+                    shape, dtype=step.spec.dtype, device=self.device
+                )
             segments = {key: layout.segments[(s, p)] for key, s, _, p in sources}
             self._static[mode] = _Static(StaticStager(layout, self.device), buffers, segments)
         return self._static[mode]
@@ -287,7 +332,9 @@ class Planner:
         for step in self.program(mode).steps:
             key = (step.backend, step.field)
             shape = resolve_shape(step.spec.shape, dims, field=step.key)
-            views[key] = state.buffers[key][: shape[0]] if step.spec.row_dim else state.buffers[key]
+            views[key] = (
+                state.buffers[key][: shape[0]] if step.spec.batch_dim else state.buffers[key]
+            )
         return views
 
     def dummy_batch(self, bs: int, mode: ForwardMode, req_to_token: torch.Tensor) -> ForwardBatch:
@@ -302,7 +349,9 @@ class Planner:
             next_n=next_n,
         )
 
-    def capture(self, bs: int, mode: ForwardMode = ForwardMode.DECODE, *, req_to_token: torch.Tensor) -> PlanSet:
+    def capture(
+        self, bs: int, mode: ForwardMode = ForwardMode.DECODE, *, req_to_token: torch.Tensor
+    ) -> PlanSet:
         """Plans over static buffers for batches padded to ``bs``, filled from a dummy batch.
 
         Every op runs once here (warming up JIT kernels before the graph is
@@ -310,7 +359,12 @@ class Planner:
         """
         mode = ForwardMode(mode)
         if not 1 <= bs <= self.limits.max_batch:
-            raise BatchError("capture size out of range", field="bs", expected=f"[1, {self.limits.max_batch}]", actual=bs)
+            raise BatchError(
+                "capture size out of range",
+                field="bs",
+                expected=f"[1, {self.limits.max_batch}]",
+                actual=bs,
+            )
         dummy = self.dummy_batch(bs, mode, req_to_token)
         self._validate(dummy, device_reads=True)
         state = self._static_state(mode)
@@ -318,12 +372,14 @@ class Planner:
         state.stager.stage(dummy, bs, program.next_n)
         views = self._views(mode, bs)
         for step in program.steps:
-            self._run(step, views, req_to_token)
+            self._run(step, views, dummy)
         dims = self.dims(mode, bs, self.limits.max_context)
         plans = PlanSet(self._build_plans(mode, views, dims), "capture", mode, bs, bs)
-        pointers = [(f"{b}.{n}", t.data_ptr()) for b, p in plans.items() for n, t in p.tensors().items()]
+        pointers = [
+            (f"{b}.{n}", t.data_ptr()) for b, p in plans.items() for n, t in p.tensors().items()
+        ]
         self._captured[(mode, bs)] = _Capture(
-            plans, views, pointers, req_to_token.data_ptr(), tuple(req_to_token.shape), req_to_token
+            plans, views, pointers, req_to_token.data_ptr(), tuple(req_to_token.shape), dummy
         )
         self.stats.batches["capture"] += 1
         return plans
@@ -336,7 +392,7 @@ class Planner:
         capture = self._capture_for(ForwardMode(mode), bs)
         for step in self.program(ForwardMode(mode)).steps:
             if step.in_graph:
-                self._run(step, capture.views, capture.table)
+                self._run(step, capture.views, capture.dummy)
 
     def _capture_for(self, mode: ForwardMode, bs: int) -> _Capture:
         capture = self._captured.get((mode, bs))
@@ -362,7 +418,12 @@ class Planner:
         mode = ForwardMode(batch.mode)
         bs = batch.bs if bs is None else bs
         if batch.bs > bs:
-            raise BatchError("batch larger than the replayed size", field="bs", expected=f"<= {bs}", actual=batch.bs)
+            raise BatchError(
+                "batch larger than the replayed size",
+                field="bs",
+                expected=f"<= {bs}",
+                actual=batch.bs,
+            )
         capture = self._capture_for(mode, bs)
         table = batch.req_to_token
         if table.data_ptr() != capture.table_ptr or tuple(table.shape) != capture.table_shape:
@@ -376,7 +437,7 @@ class Planner:
         self._static[mode].stager.stage(batch, bs, program.next_n)
         for step in program.steps:
             if not step.in_graph:
-                self._run(step, capture.views, table)
+                self._run(step, capture.views, batch)
         self._check_pointers(capture)
         capture.plans.real_reqs = batch.bs
         self.stats.record_steps(program.steps)
@@ -390,7 +451,12 @@ class Planner:
             for name, tensor in plan.tensors().items():
                 key, ptr = capture.pointers[i]
                 if tensor.data_ptr() != ptr:
-                    raise ReplayError("plan tensor moved since capture", field=key, expected=hex(ptr), actual=hex(tensor.data_ptr()))
+                    raise ReplayError(
+                        "plan tensor moved since capture",
+                        field=key,
+                        expected=hex(ptr),
+                        actual=hex(tensor.data_ptr()),
+                    )
                 i += 1
 
     # ---- checks ---------------------------------------------------------------------------
@@ -421,7 +487,10 @@ class Planner:
         if mismatches or bad_pad:
             if self.on_mismatch is not None:
                 self.on_mismatch(batch, plans, eager)
-            detail = "; ".join([m.describe() for m in mismatches] + [f"{k}: padding rows hold wrong values" for k in bad_pad])
+            detail = "; ".join(
+                [m.describe() for m in mismatches]
+                + [f"{k}: padding rows hold wrong values" for k in bad_pad]
+            )
             first = mismatches[0].backend + "." + mismatches[0].field if mismatches else bad_pad[0]
             raise ReplayError(
                 f"replayed plan differs from eager (stale buffer, or a layer wrote into it): {detail}",
@@ -439,4 +508,6 @@ class Planner:
         after = plan_digests(plans)
         changed = sorted(k for k in before if before[k] != after[k])
         if changed:
-            raise PlanWriteError("a layer wrote into a plan it may only read", field=changed[0], actual=changed)
+            raise PlanWriteError(
+                "a layer wrote into a plan it may only read", field=changed[0], actual=changed
+            )

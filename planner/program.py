@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from planner.batch import BATCH_TABLES, ForwardMode
+from planner.batch import BATCH_TABLES, HOST_INPUTS, ForwardMode
 from planner.dims import dim_names, parse_dim
 from planner.errors import SchemaError
 from planner.ops import Provider, get_op
-from planner.schema import PAD_DERIVED, Plan, TensorSpec, resolve_setting
+from planner.schema import BATCH_DIMS, PAD_DERIVED, Plan, TensorSpec, resolve_setting
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,9 @@ def topological_fields(plan_cls: type[Plan]) -> list[str]:
         if state.get(name) == 2:
             return
         if state.get(name) == 1:
-            raise SchemaError("op inputs form a cycle", field=plan_cls.backend, actual=" -> ".join(path + (name,)))
+            raise SchemaError(
+                "op inputs form a cycle", field=plan_cls.backend, actual=" -> ".join(path + (name,))
+            )
         state[name] = 1
         for dep in specs[name].inputs:
             if dep in specs:
@@ -92,16 +94,18 @@ def check_static_shapes(plan_cls: type[Plan]) -> None:
     """Only the leading dimension may depend on the batch, so views of static buffers stay contiguous."""
     for name, spec in plan_cls.tensor_specs.items():
         for expr in spec.shape[1:]:
-            if dim_names((expr,)) & {"reqs", "rows"}:
+            if dim_names((expr,)) & BATCH_DIMS:
                 raise SchemaError(
-                    "only the leading dimension may be 'reqs' or 'rows'",
+                    f"only the leading dimension may be one of {sorted(BATCH_DIMS)}",
                     field=f"{plan_cls.backend}.{name}",
                     actual=spec.shape,
                 )
         if spec.source is not None:
             if spec.dtype != torch.int32:
                 raise SchemaError(
-                    "source fields are staged as int32", field=f"{plan_cls.backend}.{name}", actual=spec.dtype
+                    "source fields are staged as int32",
+                    field=f"{plan_cls.backend}.{name}",
+                    actual=spec.dtype,
                 )
             if len(spec.shape) != 1 or spec.row_dim is None or parse_dim(spec.shape[0])[1] != 0:
                 raise SchemaError(
@@ -150,7 +154,9 @@ def build_program(
                     provider=provider,
                     inputs=spec.inputs,
                     params=params,
-                    in_graph=ops_in_graph and provider.graph_safe,
+                    in_graph=ops_in_graph
+                    and provider.graph_safe
+                    and not (set(spec.inputs) & HOST_INPUTS),
                 )
             )
     steps = _hoist_host_dependencies(steps)
@@ -173,6 +179,8 @@ def _hoist_host_dependencies(steps: list[Step]) -> list[Step]:
                     outside.add(dep_key)
                     changed = True
     return [
-        s if (s.key in outside) != s.in_graph else Step(**{**s.__dict__, "in_graph": s.key not in outside})
+        s
+        if (s.key in outside) != s.in_graph
+        else Step(**{**s.__dict__, "in_graph": s.key not in outside})
         for s in steps
     ]

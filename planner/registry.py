@@ -68,7 +68,9 @@ def get_backend(name: str) -> type[Plan]:
     """The plan schema registered as ``name``."""
     load_backends()
     if name not in _BACKENDS:
-        raise SchemaError("unknown backend", field="backend", expected=sorted(_BACKENDS), actual=name)
+        raise SchemaError(
+            "unknown backend", field="backend", expected=sorted(_BACKENDS), actual=name
+        )
     return _BACKENDS[name]
 
 

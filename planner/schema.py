@@ -22,6 +22,9 @@ from planner.errors import SchemaError
 Tensor = Annotated[torch.Tensor, WithJsonSchema({"type": "object", "title": "Tensor"})]
 """Annotation for tensor fields of a plan (a torch tensor, described in JSON Schema)."""
 
+BATCH_DIMS = frozenset({"reqs", "rows", "req_pages"})
+"""Dimensions that grow with the batch: ``req_pages`` = reqs * pages (flat page lists)."""
+
 PAD_DERIVED = "derived"
 """Pad marker: padding rows hold what the op computes from padded inputs (e.g. prefix sums)."""
 
@@ -76,6 +79,12 @@ class TensorSpec:
         """The batch dimension (``reqs`` or ``rows``) padding applies to, if any."""
         first, _ = parse_dim(self.shape[0]) if self.shape else (None, 0)
         return first if first in ("reqs", "rows") else None
+
+    @property
+    def batch_dim(self) -> str | None:
+        """The leading dimension when it grows with the batch (static buffers are sliced on it)."""
+        first, _ = parse_dim(self.shape[0]) if self.shape else (None, 0)
+        return first if first in BATCH_DIMS else None
 
     def to_json(self) -> dict[str, Any]:
         """The spec as JSON: for JSON Schema export and dumps."""
@@ -211,7 +220,10 @@ class Plan(BaseModel):
             tensor = getattr(self, name)
             if tensor.dtype != spec.dtype:
                 raise SchemaError(
-                    "wrong dtype", field=f"{self.backend}.{name}", expected=spec.dtype, actual=tensor.dtype
+                    "wrong dtype",
+                    field=f"{self.backend}.{name}",
+                    expected=spec.dtype,
+                    actual=tensor.dtype,
                 )
             if tensor.dim() != len(spec.shape):
                 raise SchemaError(
@@ -245,13 +257,13 @@ def _named(spec: Any, name: str) -> Any:
 
 def _check_inputs(cls: type[Plan]) -> None:
     """Op inputs must name fields of the same plan or known batch tables."""
-    from planner.batch import BATCH_TABLES
+    from planner.batch import BATCH_TABLES, HOST_INPUTS
 
     for name, spec in cls.tensor_specs.items():
         for source in spec.inputs:
-            if source not in cls.tensor_specs and source not in BATCH_TABLES:
+            if source not in cls.tensor_specs and source not in BATCH_TABLES | HOST_INPUTS:
                 raise SchemaError(
                     f"op input {source!r} is neither a field of {cls.__name__} nor a batch table",
                     field=name,
-                    expected=sorted(cls.tensor_specs) + sorted(BATCH_TABLES),
+                    expected=sorted(cls.tensor_specs) + sorted(BATCH_TABLES | HOST_INPUTS),
                 )

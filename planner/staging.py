@@ -32,7 +32,9 @@ class Segment:
 class StagingLayout:
     """Segments for every distinct (source, pad) the schemas stage, sized for capacity."""
 
-    def __init__(self, sources: Iterable[tuple[str, bool, int]], max_reqs: int, next_n: int) -> None:
+    def __init__(
+        self, sources: Iterable[tuple[str, bool, int]], max_reqs: int, next_n: int
+    ) -> None:
         self.segments: dict[tuple[str, int], Segment] = {}
         offset = 0
         for source, per_token, pad in sources:

@@ -49,10 +49,14 @@ def plan_digests(plans: Mapping[str, Plan]) -> dict[str, str]:
     }
 
 
-def diff_tensors(backend: str, field: str, left: torch.Tensor, right: torch.Tensor) -> FieldMismatch | None:
+def diff_tensors(
+    backend: str, field: str, left: torch.Tensor, right: torch.Tensor
+) -> FieldMismatch | None:
     """None when bit-equal, else what differs and where (first indices)."""
     if left.shape != right.shape:
-        return FieldMismatch(backend, field, f"shape {tuple(left.shape)} != {tuple(right.shape)}", [], [], [])
+        return FieldMismatch(
+            backend, field, f"shape {tuple(left.shape)} != {tuple(right.shape)}", [], [], []
+        )
     if left.dtype != right.dtype:
         return FieldMismatch(backend, field, f"dtype {left.dtype} != {right.dtype}", [], [], [])
     a, b = left.detach().cpu(), right.detach().cpu()
@@ -89,12 +93,21 @@ def diff_plans(left: Mapping[str, Plan], right: Mapping[str, Plan]) -> list[Fiel
         for name in lp.scalar_specs:
             if getattr(lp, name) != getattr(rp, name):
                 out.append(
-                    FieldMismatch(backend, name, "scalar differs", [], [getattr(lp, name)], [getattr(rp, name)])
+                    FieldMismatch(
+                        backend,
+                        name,
+                        "scalar differs",
+                        [],
+                        [getattr(lp, name)],
+                        [getattr(rp, name)],
+                    )
                 )
     return out
 
 
-def padding_violations(plans: Mapping[str, Plan], pads: Mapping[tuple[str, str], object], real: dict[str, int]) -> list[str]:
+def padding_violations(
+    plans: Mapping[str, Plan], pads: Mapping[tuple[str, str], object], real: dict[str, int]
+) -> list[str]:
     """Fields with a constant pad whose padding rows hold something else.
 
     ``real`` gives the number of real leading rows per batch dimension
