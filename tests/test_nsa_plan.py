@@ -1,0 +1,106 @@
+"""The NSA plan: the deep_gemm schedule planned once per batch, never fed zero lengths."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.deepgemm import reference_paged_mqa_schedule
+from planner import ForwardMode, Limits, Planner, SchemaError
+from planner.ops import get_op
+from tests.batches import make_pool, random_batch
+
+MAX_CTX, MAX_BATCH = 700, 40
+TABLE = make_pool(60, MAX_CTX, 64, seed=3)
+
+
+def _planner(next_n: int, num_sms: int = 8, **kw) -> Planner:
+    limits = Limits(max_batch=MAX_BATCH, max_context=MAX_CTX, page_size=64, next_n=next_n, num_sms=num_sms)
+    return Planner(["nsa"], limits, options={"nsa": {"topk": 48}}, **kw)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31), next_n=st.sampled_from([1, 2]), num_sms=st.sampled_from([1, 8, 132]))
+def test_nsa_replay_equals_eager(seed, next_n, num_sms):
+    rng = random.Random(seed)
+    planner = _planner(next_n, num_sms)
+    modes = [ForwardMode.DECODE] + ([ForwardMode.TARGET_VERIFY] if next_n == 2 else [])
+    sizes = [1, 8, 32, MAX_BATCH]
+    for mode in modes:
+        for bs in sizes:
+            planner.capture(bs, mode, req_to_token=TABLE)
+    for _ in range(6):
+        mode = rng.choice(modes)
+        batch = random_batch(rng, TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX, next_n=next_n, mode=mode)
+        bs = min(s for s in sizes if s >= batch.bs)
+        plans = planner.replay(batch, bs)
+        planner.record(bs, mode)
+        planner.verify(batch, plans)
+        plan = plans["nsa"]
+        n = plan.next_n
+        lens = plan.kv_lens.view(-1, n)
+        assert int(lens[:, -1].min()) >= 1, "padding handed a zero length to the schedule"
+        expected = reference_paged_mqa_schedule(lens, 64, num_sms)
+        assert torch.equal(plan.schedule, expected)
+        assert torch.equal(plan.topk_lens, plan.kv_lens.clamp(max=48))
+        assert plan.cu_seqlens_q.tolist() == [i * n for i in range(bs + 1)]
+
+
+def test_eager_schedule_is_the_reference_of_the_batch():
+    planner = _planner(1)
+    batch = random_batch(random.Random(1), TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX, bs=13)
+    plan = planner.plan(batch)["nsa"]
+    assert plan.schedule.shape == (9, 2)
+    assert torch.equal(plan.schedule, reference_paged_mqa_schedule(batch.seq_lens_cpu.view(-1, 1), 64, 8))
+    assert plan.schedule[-1].tolist() == [13, 0]
+    assert plan.max_seq_len == int(batch.seq_lens_cpu.max())
+    assert plan.page_table.shape[1] == -(-plan.max_seq_len // 64)
+
+
+def test_the_schedule_never_sees_a_zero_length(monkeypatch):
+    seen = []
+    provider = get_op("paged_mqa_schedule").providers["torch"]
+    original = provider.fn
+    planner = _planner(2)
+    for step in planner.program(ForwardMode.TARGET_VERIFY).steps + planner.program(ForwardMode.DECODE).steps:
+        if step.op_name == "paged_mqa_schedule":
+            object.__setattr__(step, "provider", type(provider)(**{**provider.__dict__, "fn": lambda out, kv, *a, **k: (seen.append(int(kv.view(-1, k["next_n"])[:, -1].min())), original(out, kv, *a, **k))}))
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        for bs in (1, 8, MAX_BATCH):
+            planner.capture(bs, mode, req_to_token=TABLE)
+            planner.record(bs, mode)
+            batch = random_batch(random.Random(bs), TABLE, max_batch=bs, max_context=MAX_CTX, next_n=2, mode=mode, bs=1)
+            planner.replay(batch, bs)
+            planner.record(bs, mode)
+    assert seen and min(seen) >= 1
+
+
+@pytest.mark.parametrize(
+    ("limits", "options", "field"),
+    [
+        (dict(page_size=16), {}, "page_size"),
+        (dict(next_n=3), {}, "next_n"),
+        (dict(), {"topk": 0}, "nsa.topk"),
+        (dict(), {"block_kv": 128}, "nsa.block_kv"),
+        (dict(), {"schedule_layout": "2027"}, "nsa.schedule_layout"),
+    ],
+)
+def test_settings_deep_gemm_rejects_are_refused_at_build(limits, options, field):
+    base = dict(max_batch=4, max_context=256, page_size=64)
+    with pytest.raises(SchemaError) as info:
+        Planner(["nsa"], Limits(**{**base, **limits}), options={"nsa": options})
+    assert info.value.field == field
+
+
+def test_one_schedule_per_batch_for_a_61_layer_stack():
+    planner = _planner(1)
+    rng = random.Random(9)
+    for _ in range(3):
+        plans = planner.plan(random_batch(rng, TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX))
+        for _layer in range(61):
+            assert plans["nsa"].schedule.shape == (9, 2)  # every layer reads the same tensor
+    assert planner.stats.op_calls["paged_mqa_schedule"] == 3
