@@ -270,10 +270,8 @@ class FieldDiff:
 
 def _differing_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[list[int], int, int]:
     """Leading indices where two same-shaped tensors differ (NaN equals NaN), and the counts."""
-    if a.is_floating_point():
-        mask = ~((a == b) | (torch.isnan(a) & torch.isnan(b)))
-    else:
-        mask = a != b
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else a == b
+    mask = ~same
     count = int(mask.sum())
     if a.dim() == 0:
         return [], 0, count
@@ -335,7 +333,7 @@ def diff_dumps(a: LoadedDump, b: LoadedDump) -> list[FieldDiff]:
             entry.rows, entry.rows_total, entry.count = _differing_rows(ta, tb)
         entry.elements = [
             {"index": list(i), "a": json_value(x), "b": json_value(y)}
-            for i, x, y in zip(mismatch.indices, mismatch.left, mismatch.right)
+            for i, x, y in zip(mismatch.indices, mismatch.left, mismatch.right, strict=True)
         ]
     return out
 
@@ -395,12 +393,17 @@ def run_diff(args: argparse.Namespace) -> int:
         }
         print(json.dumps(report, indent=1, allow_nan=False))
     else:
-        _diff_render(a, b, diffs, differs, _console(sys.stdout))
+        _diff_render(a, b, diffs, differs, pointers, _console(sys.stdout))
     return 1 if differs else 0
 
 
 def _diff_render(
-    a: LoadedDump, b: LoadedDump, diffs: list[FieldDiff], differs: list[FieldDiff], console: Console
+    a: LoadedDump,
+    b: LoadedDump,
+    diffs: list[FieldDiff],
+    differs: list[FieldDiff],
+    pointers: bool,
+    console: Console,
 ) -> None:
     console.print(Text(f"A: {_title(a)}", style="bold"))
     console.print(Text(f"   {_batch_text(a)}"))
@@ -414,12 +417,12 @@ def _diff_render(
             if d.kind == "scalar":
                 cells = [
                     d.field,
+                    f"= {_fmt(d.a)}",
+                    f"= {_fmt(d.b)}",
                     "scalar",
                     "",
                     "",
-                    "",
-                    "",
-                    f"{d.a} vs {d.b}" if d.differs else "equal",
+                    _result(d, pointers),
                 ]
             else:
                 dtype = (
@@ -438,7 +441,7 @@ def _diff_render(
                     _fmt(dtype),
                     ptr_a,
                     ptr_b,
-                    _result(d),
+                    _result(d, pointers),
                 ]
             style = "red" if d in differs else ""
             table.add_row(*(Text(c, style=style) for c in cells))
@@ -446,7 +449,7 @@ def _diff_render(
     for d in differs:
         if d.kind != "tensor" or not d.elements:
             continue
-        console.print(Text(f"{d.backend}.{d.field}: {_result(d)}", style="bold red"))
+        console.print(Text(f"{d.backend}.{d.field}: {_result(d, pointers)}", style="bold red"))
         detail = Table(show_header=True, box=None, pad_edge=False)
         for column in ("index", "A", "B"):
             detail.add_column(column, justify="right")
@@ -464,9 +467,12 @@ def _diff_render(
         console.print(Text("dumps are equal", style="bold green"))
 
 
-def _result(d: FieldDiff) -> str:
+def _result(d: FieldDiff, pointers: bool) -> str:
+    """The verdict cell: the reason and rows when contents differ."""
+    if d.status == "equal":
+        return "pointer differs" if pointers and d.pointer_differs else "equal"
     if d.status != "differs":
-        return d.status + ("" if d.ptr_a == d.ptr_b or d.ptr_a is None else " (pointer differs)")
+        return d.status
     if d.rows_total:
         rows = ", ".join(str(r) for r in d.rows)
         more = f", ... ({d.rows_total} rows)" if d.rows_total > len(d.rows) else ""
