@@ -1,0 +1,266 @@
+"""The DeepSeek-V3.2 decoder that consumes plans.
+
+``forward(input_ids, plans, cache)`` runs one decode step of every row of a
+(padded) batch. It reads the NSA plan for positions and cache slots and
+passes the plan on to the attention backends; it computes no batch metadata
+of its own. The forward has no host syncs, no data-dependent shapes and no
+branching on tensor values, so the graph runner can capture it whole.
+
+Weights are random (deterministic per seed and device type), scaled so the
+residual stream stays O(1) through all layers; ``save``/``load`` round-trip
+them bit-exactly through safetensors with the config in the metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from models.config import DSV32Config
+from models.kv_cache import PagedKVCache
+from models.layers.ffn import MLP, MoE
+from models.layers.mla import MLA
+from models.layers.norm import RMSNorm
+from models.layers.plan_access import nsa_plan, require
+from models.layers.rope import rope_cos_sin, yarn_attention_factor, yarn_inv_freq
+from planner.errors import ConfigError, PlanError
+
+FORMAT = "forward-planner/dsv32"
+_OUTPUT_PROJECTIONS = ("wo", "w2")  # write into the residual stream: scaled down by depth
+
+
+class Block(nn.Module):
+    """Pre-norm decoder layer: ``h += attn(norm(h)); h += ffn(norm(h))``."""
+
+    def __init__(self, cfg: DSV32Config, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = MLA(cfg, dtype)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.is_moe_layer(layer):
+            self.ffn: nn.Module = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        elif cfg.moe_stand_in_dim is not None:
+            self.ffn = MLP(cfg.hidden_size, cfg.moe_stand_in_dim, dtype)
+        else:
+            self.ffn = MoE(cfg, dtype)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: object,
+        kv_cache: torch.Tensor,
+        index_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), cos, sin, plan, kv_cache, index_cache)
+        return h + self.ffn(self.ffn_norm(h))
+
+
+class DSV32Model(nn.Module):
+    """Embedding, ``num_hidden_layers`` blocks, final norm and LM head."""
+
+    def __init__(
+        self,
+        config: DSV32Config,
+        *,
+        seed: int | None = 0,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        """Build on ``device`` and fill weights from ``seed``.
+
+        ``seed=None`` leaves weights uninitialised (for ``load``); on the
+        ``meta`` device nothing is allocated (for counting parameters).
+        """
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        device = torch.device(device)
+        # Built on meta then materialised: no default init, no global RNG use.
+        with torch.device("meta"):
+            # _weight skips nn.Embedding's normal_ init (slow on meta the first time).
+            self.embed = nn.Embedding(
+                config.vocab_size,
+                config.hidden_size,
+                _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
+            )
+            self.layers = nn.ModuleList(
+                Block(config, i, dtype) for i in range(config.num_hidden_layers)
+            )
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.register_buffer(
+            "inv_freq", torch.empty(config.qk_rope_head_dim // 2), persistent=False
+        )
+        self.rope_factor = yarn_attention_factor(config.rope_scaling)
+        self.requires_grad_(False)  # a serving model: no autograd bookkeeping per step
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self._reset_buffers()
+            if seed is not None:
+                self._init_weights(seed)
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    def _reset_buffers(self) -> None:
+        cfg = self.config
+        inv = yarn_inv_freq(
+            cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings
+        )
+        self.inv_freq.copy_(inv)
+        for block in self.layers:
+            block.attn.indexer.reset_buffers()
+
+    @torch.no_grad()
+    def _init_weights(self, seed: int) -> None:
+        """Deterministic random weights, in parameter registration order.
+
+        Projections: N(0, 1/fan_in) so each keeps unit scale; projections that
+        write into the residual stream are further divided by sqrt(2 * layers)
+        so the stream grows by O(1) overall; norms start at 1/0; the gate bias
+        is small but non-zero so it does shift expert choice.
+        """
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        out_scale = (2 * self.config.num_hidden_layers) ** -0.5
+        for name, p in self.named_parameters():
+            parts = name.split(".")
+            owner = parts[-2] if parts[-1] in ("weight", "bias") else parts[-1]
+            if owner.endswith("norm"):
+                p.fill_(1.0 if parts[-1] == "weight" else 0.0)
+            elif owner == "gate" and parts[-1] == "bias":
+                p.normal_(0.0, 0.05, generator=gen)
+            elif owner == "embed":
+                p.normal_(0.0, 1.0, generator=gen)
+            else:
+                std = p.shape[-1] ** -0.5
+                if owner in _OUTPUT_PROJECTIONS:
+                    std *= out_scale
+                p.normal_(0.0, std, generator=gen)
+
+    def param_count(self) -> int:
+        """Number of parameters (equals ``config.param_count()``)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def new_cache(self, num_pages: int) -> PagedKVCache:
+        """A KV cache matching this model's config, device and dtype."""
+        return PagedKVCache(self.config, num_pages, device=self.device, dtype=self.dtype)
+
+    def _check(self, input_ids: torch.Tensor, plan: Any, cache: PagedKVCache) -> None:
+        """Static (shape/attribute) agreement of ids, plan and cache; no tensor reads."""
+        rows = input_ids.shape[0]
+        reqs = require(plan, "seq_lens").shape[0]
+        next_n = require(plan, "next_n")
+        if input_ids.dim() != 1 or reqs * next_n != rows:
+            raise PlanError(
+                "input_ids must hold reqs * next_n rows, request-major",
+                field="input_ids",
+                expected=f"[{reqs} * {next_n}]",
+                actual=tuple(input_ids.shape),
+            )
+        for name in ("positions", "out_cache_loc"):
+            shape = tuple(require(plan, name).shape)
+            if shape != (rows,):
+                raise PlanError(
+                    "one entry per query row", field=name, expected=(rows,), actual=shape
+                )
+        topk = require(plan, "topk")
+        if topk != self.config.index_topk:
+            raise PlanError(
+                "plan top-k differs from the model's index_topk",
+                field="topk",
+                expected=self.config.index_topk,
+                actual=topk,
+            )
+        if len(cache.mla) != len(self.layers) or cache.config != self.config:
+            raise PlanError(
+                "KV cache was built for another config",
+                field="cache",
+                expected=self.config.num_hidden_layers,
+                actual=len(cache.mla),
+            )
+
+    def forward(
+        self, input_ids: torch.Tensor, plans: Mapping[str, Any], cache: PagedKVCache
+    ) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` fp32 for one decode step; writes this step's KV."""
+        plan = nsa_plan(plans)
+        self._check(input_ids, plan, cache)
+        cos, sin = rope_cos_sin(require(plan, "positions"), self.inv_freq, self.rope_factor)
+        h = self.embed(input_ids)
+        for i, block in enumerate(self.layers):
+            h = block(h, cos, sin, plan, cache.mla[i], cache.index[i])
+        return self.head(self.norm(h)).float()
+
+    # ------------------------------------------------------------- persistence
+
+    def save(self, path: str | Path) -> None:
+        """Weights as safetensors; config and dtype in the metadata (never pickle)."""
+        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        meta = {"format": FORMAT, "config": self.config.model_dump_json(), "dtype": str(self.dtype)}
+        save_file(tensors, str(path), metadata=meta)
+
+    @staticmethod
+    def read_config(path: str | Path) -> tuple[DSV32Config, dict[str, str]]:
+        """The config (and raw metadata) stored in a saved model file."""
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("format") != FORMAT or "config" not in meta:
+            raise ConfigError(
+                f"{path} is not a saved DSV32Model",
+                field="format",
+                expected=FORMAT,
+                actual=meta.get("format"),
+            )
+        return DSV32Config.model_validate_json(meta["config"]), meta
+
+    @torch.no_grad()
+    def load(self, path: str | Path) -> DSV32Model:
+        """Load weights saved by ``save``; the stored config, names, shapes and dtypes must match."""
+        stored, _ = self.read_config(path)
+        if stored != self.config:
+            a, b = stored.model_dump(), self.config.model_dump()
+            diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+            first = next(iter(diff))
+            raise ConfigError(
+                f"{path} holds another config; differing fields (stored, model): {diff}",
+                field=first,
+                expected=b[first],
+                actual=a[first],
+            )
+        own = self.state_dict()
+        with safe_open(str(path), framework="pt", device=str(self.device)) as f:
+            keys = set(f.keys())
+            if keys != set(own):
+                raise ConfigError(
+                    f"{path}: tensor names differ",
+                    field="state_dict",
+                    expected=sorted(set(own) - keys),
+                    actual=sorted(keys - set(own)),
+                )
+            for name, dst in own.items():
+                src = f.get_tensor(name)
+                if src.shape != dst.shape or src.dtype != dst.dtype:
+                    raise ConfigError(
+                        f"{path}: tensor {name} differs",
+                        field=name,
+                        expected=(tuple(dst.shape), dst.dtype),
+                        actual=(tuple(src.shape), src.dtype),
+                    )
+                dst.copy_(src)
+        return self
+
+    @classmethod
+    def from_file(cls, path: str | Path, *, device: torch.device | str = "cpu") -> DSV32Model:
+        """A model built from the config stored in ``path``, with its weights and dtype."""
+        config, meta = cls.read_config(path)
+        dtype = getattr(torch, meta.get("dtype", "torch.bfloat16").removeprefix("torch."))
+        return cls(config, seed=None, device=device, dtype=dtype).load(path)
