@@ -1,0 +1,109 @@
+"""Real deep_gemm (sgl-deep-gemm 0.1.0) against the backends.deepgemm references, on CUDA.
+
+Skipped cleanly without CUDA; the tests that call deep_gemm are skipped when it does not
+import. The case generators and checks are those of ``benchmarks/verify_deepgemm.py``
+(one source of truth), here over a smaller sweep. Expect ~1-2 s of JIT compilation per
+new (batch bucket, num_sms) for the metadata kernel and per (next_n, heads) for the
+logits kernel on a cold cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from backends import deepgemm  # noqa: E402
+from backends.deepgemm import _native  # noqa: E402
+
+_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_deepgemm.py"
+_spec = importlib.util.spec_from_file_location("verify_deepgemm", _SCRIPT)
+verify = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(verify)
+
+DG = _native.load()
+DEV = torch.device("cuda")
+needs_dg = pytest.mark.skipif(DG is None, reason="deep_gemm does not import")
+
+
+def _sid(c: dict) -> str:
+    return f"b{c['batch']}-n{c['next_n']}-sm{c['num_sms']}-{c['kind']}-{c['max_len']}"
+
+
+def _lid(c: dict) -> str:
+    return f"b{c['batch']}-n{c['next_n']}-h{c['heads']}-{c['kind']}-{c['max_len']}"
+
+
+SCHED_CASES = verify.schedule_cases(160, seed=7)
+LOGITS_CASES = verify.logits_cases(16, seed=7)
+
+
+@needs_dg
+def test_installed_build_is_the_documented_layout():
+    assert _native.native_schedule_layout() == "0.1.0"
+    assert DG.get_num_sms() == torch.cuda.get_device_properties(0).multi_processor_count
+
+
+@needs_dg
+@pytest.mark.parametrize("case", SCHED_CASES, ids=[_sid(c) for c in SCHED_CASES])
+def test_schedule_bit_equal(case):
+    res = verify.check_schedule(case, DG.get_paged_mqa_logits_metadata, DEV)
+    assert res["ok"], res
+
+
+@needs_dg
+def test_schedule_sweep_saw_both_layouts_differ():
+    """The sweep is only meaningful if it has cases where 0.1.0 and 'new' disagree."""
+    differ = [
+        verify.check_schedule(c, DG.get_paged_mqa_logits_metadata, DEV)["layouts_differ"]
+        for c in SCHED_CASES[:40]
+    ]
+    assert sum(differ) >= 10
+
+
+@needs_dg
+@pytest.mark.parametrize("case", LOGITS_CASES, ids=[_lid(c) for c in LOGITS_CASES])
+def test_logits_within_fp8_tolerance(case):
+    torch.cuda.empty_cache()
+    res = verify.check_logits(case, DG.fp8_paged_mqa_logits, DEV)
+    assert res["ok"], res
+    assert res["rows_cover_last_len"], res  # both MTP rows run over the last column's length
+
+
+@needs_dg
+def test_dispatch_uses_the_real_kernels():
+    lens = verify.make_lens(77, 2, 9000, "uniform", 1)
+    got = deepgemm.get_paged_mqa_logits_metadata(lens.cuda(), 64, 132, backend="native")
+    assert torch.equal(got.cpu(), deepgemm.reference_paged_mqa_schedule(lens, 64, 132))
+    q, cache, w, lens_d, table = verify.make_logits_inputs(77, 2, 64, lens, 1, DEV)
+    out = deepgemm.fp8_paged_mqa_logits(q, cache, w, lens_d, table, got, 9000, backend="native")
+    assert out.shape == (154, 9000) and out.dtype == torch.float32
+
+
+def test_references_on_cuda_equal_cpu():
+    lens = verify.make_lens(300, 2, 70_000, "skewed", 3)
+    for layout in ("0.1.0", "new"):
+        on_gpu = deepgemm.reference_paged_mqa_schedule(lens.cuda(), 64, 132, layout)
+        assert torch.equal(
+            on_gpu.cpu(), deepgemm.reference_paged_mqa_schedule(lens, 64, 132, layout)
+        )
+    small = verify.make_lens(4, 2, 700, "uniform", 4)
+    gpu_in = verify.make_logits_inputs(4, 2, 32, small, 4, DEV)
+    cpu_in = [t.cpu() for t in gpu_in]
+    sched = deepgemm.reference_paged_mqa_schedule(small, 64, 132)
+    a = deepgemm.reference_fp8_paged_mqa_logits(*gpu_in, sched.cuda(), 800)
+    b = deepgemm.reference_fp8_paged_mqa_logits(*cpu_in, sched, 800)
+    scale = float(b[torch.isfinite(b)].abs().max())  # fp32 sums in another order
+    torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_cuda_graph_capture_and_replay():
+    results = verify.graph_checks(DEV, DG)
+    assert results and all(r["ok"] for r in results), results
