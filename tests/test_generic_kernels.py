@@ -1,9 +1,12 @@
 """The metadata kernels: references checked by hand and against a naive model, Triton
 kernels checked bit for bit against the references.
 
-Without CUDA the Triton kernels run under the interpreter, which has to be switched on
-before ``triton.language`` is first imported (see ``generic_triton``'s docstring), hence
-the environment line ahead of the imports.
+Without CUDA the Triton kernels run under the interpreter. It is switched on before
+anything here imports triton, so triton's own library functions are interpretable too;
+only without CUDA, so that on a GPU machine the kernels (and everyone else's) are tested
+compiled. If another module imported triton first the launchers still work, through the
+scan kernel's interpreter twin; ``test_import_order_does_not_matter`` checks that order
+in a fresh process, and ``scan_kernel`` runs the twin in this one.
 """
 
 from __future__ import annotations
@@ -16,6 +19,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -25,6 +33,7 @@ from backends.kernels import generic_triton as tri  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 I32 = torch.int32
+REPO = Path(__file__).resolve().parents[1]
 
 needs_triton = pytest.mark.skipif(
     not tri.triton_available(DEVICE), reason=f"Triton cannot run on {DEVICE} here"
@@ -262,3 +271,228 @@ def test_reference_2d_matches_naive_model(data):
     out = _garbage(reqs * next_n)
     ref.causal_lengths(out, _t(seq_lens), next_n)
     assert out.tolist() == _naive("causal_lengths", seq_lens, next_n)
+
+
+# --- Triton equals the reference, bit for bit --------------------------------------
+
+
+@pytest.fixture(params=["stdlib", "interp_twin"])
+def scan_kernel(request, monkeypatch):
+    """Both cumsum kernels: the interpreter twin normally runs only when triton was
+    imported before TRITON_INTERPRET was set, so force it here."""
+    if request.param == "interp_twin":
+        if DEVICE.type != "cpu":
+            pytest.skip("the twin exists for the interpreter only")
+        monkeypatch.setattr(tri, "_stdlib_interpretable", lambda: False)
+    return request.param
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 1000, 1024, 1025, 4096, 4097, 12345])
+def test_cumsum_with_zero_parity(scan_kernel, n):
+    gen = torch.Generator().manual_seed(n)
+    x = _rand(gen, -10_000, 10_000, n)
+    _assert_same(*_both("cumsum_with_zero", (n + 1,), x))
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [1, 3, 1000, 1025])
+@pytest.mark.parametrize(
+    ("lo", "hi"), [(None, None), (-50, None), (None, 70), (-50, 70), (70, -50), (1, 1)]
+)
+def test_clamp_into_parity(n, lo, hi):
+    gen = torch.Generator().manual_seed(n)
+    x = _rand(gen, -100, 100, n)
+    _assert_same(*_both("clamp_into", (n,), x, lo, hi))
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [1, 2, 5, 1024, 1025])
+@pytest.mark.parametrize("step", [0, 1, 3, -2])
+def test_uniform_offsets_parity(n, step):
+    _assert_same(*_both("uniform_offsets", (n,), step))
+
+
+@needs_triton
+def test_1d_kernels_parity_at_a_million(scan_kernel):
+    n = 1_000_000
+    x = _rand(torch.Generator().manual_seed(n), -10_000, 10_000, n)
+    _assert_same(*_both("cumsum_with_zero", (n + 1,), x))
+    if scan_kernel == "stdlib":  # the rest do not scan; once is enough
+        _assert_same(*_both("clamp_into", (n,), x, -50, 70))
+        _assert_same(*_both("uniform_offsets", (n,), 3))
+
+
+GATHER_CASES = [
+    # reqs, width, ctx, pool
+    (1, 1, 1, 1),
+    (1, 5, 3, 2),  # width > ctx
+    (3, 7, 20, 4),  # width < ctx, lengths may exceed width
+    (17, 1500, 1000, 20),  # several column blocks
+    (64, 3000, 5000, 70),
+    (300, 100, 100, 301),
+    (2, 70_000, 70_000, 3),  # long rows
+]
+
+
+@needs_triton
+@pytest.mark.parametrize(("reqs", "width", "ctx", "pool"), GATHER_CASES)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_gather_token_slots_parity(reqs, width, ctx, pool, index_dtype):
+    gen = torch.Generator().manual_seed(reqs * 7919 + width)
+    table = _rand(gen, 1, 2**31 - 1, pool, ctx)
+    indices = _rand(gen, 0, pool, reqs, dtype=index_dtype)
+    seq_lens = _rand(gen, 1, ctx + 1, reqs)
+    seq_lens[0] = min(width, ctx)  # the edges: exactly full, and a single token
+    seq_lens[-1] = 1
+    _assert_same(*_both("gather_token_slots", (reqs, width), table, indices, seq_lens))
+
+
+PAGE_CASES = [
+    # reqs, width, page_size
+    (1, 1, 1),
+    (1, 7, 4),
+    (5, 100, 1),
+    (4, 1000, 3),
+    (9, 1001, 16),  # not a multiple of the page size
+    (33, 4097, 64),
+    (2, 70_000, 1),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize(("reqs", "width", "page_size"), PAGE_CASES)
+@pytest.mark.parametrize("extra_pages", [-1, 0, 3])  # fewer, exactly, more pages than needed
+def test_page_table_from_slots_parity(reqs, width, page_size, extra_pages):
+    gen = torch.Generator().manual_seed(reqs * 31 + width + page_size)
+    slots = _rand(gen, 0, 2**31 - 1, reqs, width)
+    negative = _rand(gen, 0, 4, reqs, width) == 0  # a quarter, to pin down floor division
+    slots = torch.where(negative, _rand(gen, -1000, 0, reqs, width), slots)
+    slots[:, -1] = 0  # a null slot past the length
+    pages = max(1, -(-width // page_size) + extra_pages)
+    _assert_same(*_both("page_table_from_slots", (reqs, pages), slots, page_size))
+
+
+@needs_triton
+@pytest.mark.parametrize("reqs", [1, 5, 300, 4096])
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4])
+def test_causal_lengths_parity(reqs, next_n):
+    gen = torch.Generator().manual_seed(reqs * 5 + next_n)
+    seq_lens = _rand(gen, 1, 100_000, reqs)  # some below next_n: negative lengths, still exact
+    _assert_same(*_both("causal_lengths", (reqs * next_n,), seq_lens, next_n))
+
+
+@needs_triton
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_2d_kernels_parity_on_random_shapes(data):
+    reqs = data.draw(st.integers(1, 9))
+    ctx = data.draw(st.integers(1, 300))
+    pool = data.draw(st.integers(1, 6))
+    width = data.draw(st.integers(1, 1300))
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
+    gen = torch.Generator().manual_seed(seed)
+    table = _rand(gen, 0, 10**6, pool, ctx)
+    indices = _rand(gen, 0, pool, reqs, dtype=dtype)
+    seq_lens = _rand(gen, 1, ctx + 1, reqs)
+    expected, actual = _both("gather_token_slots", (reqs, width), table, indices, seq_lens)
+    _assert_same(expected, actual)
+
+    page_size = data.draw(st.integers(1, 70))
+    pages = data.draw(st.integers(1, width // page_size + 3))
+    _assert_same(*_both("page_table_from_slots", (reqs, pages), expected, page_size))
+
+    next_n = data.draw(st.integers(1, 4))
+    _assert_same(*_both("causal_lengths", (reqs * next_n,), seq_lens, next_n))
+
+
+def test_import_order_does_not_matter():
+    """Another test module may import triton, or this package, before anything sets
+    TRITON_INTERPRET; the launchers must still run under the interpreter then."""
+    script = textwrap.dedent(
+        """
+        import os
+        import torch
+        import triton.language
+        from backends.kernels import generic_torch as ref, generic_triton as tri
+        os.environ["TRITON_INTERPRET"] = "1"
+        assert tri.triton_available(torch.device("cpu"))
+        assert not tri._stdlib_interpretable()
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(-9, 9, (5000,), generator=g, dtype=torch.int32)
+        table = torch.randint(0, 99, (3, 40), generator=g, dtype=torch.int32)
+        idx = torch.tensor([2, 0], dtype=torch.int64)
+        lens = torch.tensor([40, 3], dtype=torch.int32)
+        calls = [
+            ("cumsum_with_zero", (5001,), (x,)),
+            ("clamp_into", (5000,), (x, -3, 4)),
+            ("uniform_offsets", (7,), (5,)),
+            ("gather_token_slots", (2, 50), (table, idx, lens)),
+            ("page_table_from_slots", (3, 7), (table, 6)),
+            ("causal_lengths", (6,), (lens, 3)),
+        ]
+        for name, shape, args in calls:
+            a, b = torch.full(shape, -7, dtype=torch.int32), torch.full(shape, -7, dtype=torch.int32)
+            getattr(ref, name)(a, *args)
+            getattr(tri, name)(b, *args)
+            assert torch.equal(a, b), name
+        print("ok")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "ok"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_capturable_in_a_cuda_graph(impl):
+    """Capture proves no host sync and no allocation of the outputs; replay after
+    changing the inputs in place proves the graph reads them, not stale values."""
+    dev = torch.device("cuda")
+    x = torch.tensor([3, 1, 4, 1, 5], dtype=I32, device=dev)
+    table = torch.arange(1, 25, dtype=I32, device=dev).view(3, 8)
+    idx = torch.tensor([2, 0], dtype=torch.int64, device=dev)
+    lens = torch.tensor([5, 2], dtype=I32, device=dev)
+    outs = {
+        "cumsum": torch.empty(6, dtype=I32, device=dev),
+        "clamp": torch.empty(5, dtype=I32, device=dev),
+        "offsets": torch.empty(3, dtype=I32, device=dev),
+        "slots": torch.empty(2, 10, dtype=I32, device=dev),
+        "pages": torch.empty(2, 4, dtype=I32, device=dev),
+        "causal": torch.empty(4, dtype=I32, device=dev),
+    }
+
+    def step():
+        impl.cumsum_with_zero(outs["cumsum"], x)
+        impl.clamp_into(outs["clamp"], x, 2, 4)
+        impl.uniform_offsets(outs["offsets"], 2)
+        impl.gather_token_slots(outs["slots"], table, idx, lens)
+        impl.page_table_from_slots(outs["pages"], outs["slots"], 3)
+        impl.causal_lengths(outs["causal"], lens, 2)
+
+    step()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    x.copy_(torch.tensor([1, 1, 1, 1, 1], dtype=I32))
+    lens.copy_(torch.tensor([1, 6], dtype=I32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert outs["cumsum"].tolist() == [0, 1, 2, 3, 4, 5]
+    assert outs["clamp"].tolist() == [2, 2, 2, 2, 2]
+    assert outs["offsets"].tolist() == [0, 2, 4]
+    assert outs["slots"].tolist() == [[17] + [0] * 9, [1, 2, 3, 4, 5, 6, 0, 0, 0, 0]]
+    assert outs["pages"].tolist() == [[5, 0, 0, 0], [0, 1, 0, 0]]
+    assert outs["causal"].tolist() == [0, 1, 5, 6]
