@@ -687,3 +687,39 @@ def test_model_code_has_no_host_syncs(model: DSV32Model) -> None:
     with detector:
         model(torch.tensor([3, 4]), {"nsa": plan}, s.cache)
     assert [h for h in detector.hits if "/models/" in h[1]] == []
+
+
+def test_plans_from_the_real_planner(model: DSV32Model) -> None:
+    """Eager plans give the helper's logits bit for bit; replays give padded eager's.
+
+    Padded and unpadded batches are not compared: CPU matmuls differ in the last
+    bit with the row count, and fp8 rounding in the indexer can turn that into a
+    different top-k (a discrete change), which is model behaviour, not a plan bug.
+    """
+    from planner import ForwardBatch, Limits, Planner
+
+    limits = Limits(max_batch=4, max_context=256, page_size=PAGE, num_sms=8)
+    planner = Planner(["nsa"], limits, options={"nsa": {"topk": model.config.index_topk}})
+    s = Session(model, max_context=256)
+    planner.capture(4, req_to_token=s.pool.req_to_token)
+    reqs = [s.add() for _ in range(3)]
+    start = {reqs[0]: 0, reqs[1]: 4, reqs[2]: 9}  # different lengths, past top-k
+    for step in range(26):
+        live = [r for r in reqs if step >= start[r]]
+        lens = [step - start[r] + 1 for r in live]
+        ids = [(7 * r + n) % model.config.vocab_size for r, n in zip(live, lens, strict=True)]
+        for r, n in zip(live, lens, strict=True):
+            while len(s.pages[r]) * PAGE < n:
+                s.pages[r] += s.cache.alloc(1)
+            s.pool.assign(r, s.pages[r], n)
+        idx = torch.tensor(live, dtype=torch.int32)
+        seq = torch.tensor(lens, dtype=torch.int32)
+        loc = s.pool.req_to_token[idx.long(), (seq - 1).long()]
+        batch = ForwardBatch(seq, idx, s.pool.req_to_token, loc)
+        ref = model(torch.tensor(ids), {"nsa": make_plan(s.pool, live, lens, 16)}, s.cache)
+        assert torch.equal(model(torch.tensor(ids), planner.plan(batch), s.cache), ref)
+        padded = torch.tensor(ids + [0] * (4 - len(ids)))
+        eager = model(padded, planner.plan(batch, pad_to=4), s.cache)
+        plans = planner.replay(batch, 4)
+        planner.record(4)  # what replaying the captured graph would run
+        assert torch.equal(model(padded, plans, s.cache), eager)
