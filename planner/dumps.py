@@ -557,6 +557,9 @@ def load_dump(path: str | os.PathLike[str]) -> LoadedDump:
             hint = f" (it holds a mismatch: use {root / 'replayed'} or {root / 'eager'})"
         raise DumpError(f"not a plan dump: {root / INDEX} is missing{hint}")
     index: DumpIndex = _parse(root / INDEX, _read(root / INDEX), DumpIndex)
+    for files in index.backends.values():  # before reading anything the index names
+        _member(root, files.manifest)
+        _member(root, files.tensors)
     manifests: dict[str, BackendManifest] = {}
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for backend, files in index.backends.items():
