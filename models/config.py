@@ -28,6 +28,7 @@ KERNEL_INDEX_HEAD_DIM = 128
 KERNEL_Q_HEADS = (64, 128)
 KERNEL_KV_LORA = 512
 KERNEL_ROPE = 64
+PRESETS = ("tiny", "small", "shapes", "full")
 
 
 class YarnScaling(BaseModel):
@@ -365,6 +366,13 @@ class DSV32Config(BaseModel):
             max_position_embeddings=163840,
             rms_norm_eps=1e-6,
         )
+
+    @classmethod
+    def preset(cls, name: str) -> DSV32Config:
+        """A preset by name (for YAML/CLI): ``tiny``, ``small``, ``shapes`` or ``full``."""
+        if name not in PRESETS:
+            raise ConfigError("unknown model preset", field="preset", expected=PRESETS, actual=name)
+        return getattr(cls, name)()
 
     # -------------------------------------------------------------- HF loading
 

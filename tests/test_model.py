@@ -156,6 +156,13 @@ def test_presets_validate_and_counts_match_arithmetic() -> None:
     assert math.isclose(full.softmax_scale, 192**-0.5 * (0.1 * math.log(40) + 1) ** 2)
 
 
+def test_preset_by_name() -> None:
+    assert DSV32Config.preset("small") == DSV32Config.small()
+    with pytest.raises(ConfigError) as e:
+        DSV32Config.preset("huge")
+    assert e.value.field == "preset" and "tiny" in str(e.value)
+
+
 def test_tiny_model_param_count(model: DSV32Model) -> None:
     assert model.param_count() == model.config.param_count()
 
