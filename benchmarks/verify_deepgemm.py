@@ -67,7 +67,7 @@ KINDS = ["uniform", "equal", "skewed", "splits"]
 
 
 def make_lens(batch: int, next_n: int, max_len: int, kind: str, seed: int) -> torch.Tensor:
-    """CPU int32 ``[batch, next_n]`` per-row causal lengths, last column >= 1."""
+    """CPU int32 ``[batch, next_n]`` per-row causal lengths, all >= 1."""
     g = torch.Generator().manual_seed(seed)
     if kind == "uniform":
         last = torch.randint(1, max_len + 1, (batch,), generator=g)
@@ -80,7 +80,8 @@ def make_lens(batch: int, next_n: int, max_len: int, kind: str, seed: int) -> to
     else:  # near split boundaries
         m = torch.randint(1, max(2, max_len // SPLIT_KV + 1), (batch,), generator=g) * SPLIT_KV
         last = (m + torch.randint(-1, 2, (batch,), generator=g)).clamp(1, max_len)
-    cols = [torch.clamp(last - (next_n - 1 - i), min=0) for i in range(next_n)]
+    last = last.clamp(min=next_n)  # a planner pads every request to >= next_n tokens
+    cols = [last - (next_n - 1 - i) for i in range(next_n)]
     return torch.stack(cols, dim=1).to(torch.int32).contiguous()
 
 
@@ -352,7 +353,7 @@ def graph_checks(device: torch.device, dg: Any) -> list[dict]:
         return ok
 
     def indexer_graph() -> bool:
-        seq = [1, 77, 300, 4096, 2, 1000, 64, 65]
+        seq = [2, 77, 300, 4096, 2, 1000, 64, 65]
         plan = make_plan(seq, 2, 256, 4160, device, seed=3)
         heads = 64
         rows = len(seq) * 2

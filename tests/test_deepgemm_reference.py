@@ -93,7 +93,8 @@ def make_lens(batch: int, next_n: int, max_len: int, kind: str, seed: int) -> to
     else:  # split boundaries: multiples of 256, +-1
         m = torch.randint(1, max(2, max_len // SPLIT_KV), (batch,), generator=g) * SPLIT_KV
         last = (m + torch.randint(-1, 2, (batch,), generator=g)).clamp(1, max_len)
-    cols = [torch.clamp(last - (next_n - 1 - i), min=0) for i in range(next_n)]
+    last = last.clamp(min=next_n)  # a planner pads every request to >= next_n tokens
+    cols = [last - (next_n - 1 - i) for i in range(next_n)]
     return torch.stack(cols, dim=1).to(torch.int32).contiguous()
 
 
@@ -155,7 +156,7 @@ def test_schedule_hand_example():
 
 def test_schedule_reads_only_last_column_for_mtp():
     a = torch.tensor([[255, 256], [511, 512]], dtype=torch.int32)
-    b = torch.tensor([[0, 256], [3, 512]], dtype=torch.int32)
+    b = torch.tensor([[1, 256], [3, 512]], dtype=torch.int32)
     assert torch.equal(
         reference_paged_mqa_schedule(a, 64, 3), reference_paged_mqa_schedule(b, 64, 3)
     )
@@ -204,6 +205,7 @@ GOOD = torch.tensor([[5, 6], [7, 8]], dtype=torch.int32)
         ({"context_lens": torch.ones(2, 3, dtype=torch.int32)}, "context_lens"),  # next_n 3
         ({"context_lens": torch.ones(0, 1, dtype=torch.int32)}, "context_lens"),  # empty batch
         ({"context_lens": torch.tensor([[3, 0]], dtype=torch.int32)}, "context_lens"),
+        ({"context_lens": torch.tensor([[0, 1]], dtype=torch.int32)}, "context_lens"),
         ({"context_lens": torch.zeros(4, 1, dtype=torch.int32)}, "context_lens"),
         ({"context_lens": torch.tensor([[-1, 4]], dtype=torch.int32)}, "context_lens"),
         ({"context_lens": torch.tensor([[9, 4]], dtype=torch.int32)}, "context_lens"),
@@ -229,9 +231,15 @@ def test_schedule_validation(kwargs, field):
         assert e.value.field == field
 
 
-def test_zero_first_column_is_allowed_for_mtp_padding():
-    lens = torch.tensor([[0, 1], [99, 100]], dtype=torch.int32)
-    assert reference_paged_mqa_schedule(lens, 64, 4)[-1].tolist() == [2, 0]
+def test_unchecked_lengths_still_follow_the_kernel():
+    """check_values=False (graph capture) computes what the kernel would, zeros included."""
+    lens = torch.tensor([[0, 1], [99, 100], [5, 0]], dtype=torch.int32)
+    for layout in ("0.1.0", "new"):
+        got = reference_paged_mqa_schedule(lens, 64, 4, layout, check_values=False)
+        assert [tuple(r) for r in got.tolist()] == kernel_port(lens.tolist(), 4, layout)
+    zeros = torch.zeros(40, 1, dtype=torch.int32)  # total 0: every SM at the end (0.1.0)
+    got = reference_paged_mqa_schedule(zeros, 64, 8, check_values=False)
+    assert got.tolist() == [[40, 0]] * 9
 
 
 def test_header_classifier():
@@ -342,7 +350,7 @@ def make_logits_case(batch, next_n, heads, dim, lens_last, seed, extra_blocks=3)
     write_index_cache(cache, torch.arange(nb * PAGE), k_fp8, k_scale)
     q_fp8, _ = quantize_fp8_e4m3_per_vector(torch.randn(batch, next_n, heads, dim, generator=g))
     weights = torch.randn(batch * next_n, heads, generator=g)
-    cols = [(lens_last - (next_n - 1 - i)).clamp(min=0) for i in range(next_n)]
+    cols = [(lens_last - (next_n - 1 - i)).clamp(min=1) for i in range(next_n)]
     lens = torch.stack(cols, 1).to(torch.int32).contiguous()
     sched = reference_paged_mqa_schedule(lens, 64, 8)
     return q_fp8, cache, weights, lens, table.to(torch.int32), sched

@@ -49,7 +49,9 @@ def make_plan(seq_lens, next_n, topk, *, width=None, seed=0, num_sms=8):
         token_slots=token_slots,
         page_table=(token_slots[:, ::PAGE] // PAGE).contiguous(),
         topk_lens=kv_lens.clamp(max=topk),
-        schedule=reference_paged_mqa_schedule(kv_lens.view(-1, next_n), 64, num_sms),
+        schedule=reference_paged_mqa_schedule(
+            kv_lens.view(-1, next_n), 64, num_sms, check_values=False
+        ),
         num_pages=num_pages,
     )
 
@@ -102,7 +104,7 @@ def garbage_past_lengths(*args):
     [
         ([1, 70, 300], 1, 16, None),
         ([5, 129, 64, 400], 2, 32, None),  # MTP: row 0 of each pair sees one token less
-        ([1, 2, 200], 2, 256, None),  # topk longer than most rows: -1 padding
+        ([2, 3, 200], 2, 256, None),  # topk longer than most rows: -1 padding
         ([30, 60], 1, 100, 64),  # logits width narrower than topk
         ([1000, 3], 1, 2048, 1024),  # DSV32's topk on a short batch
     ],
@@ -170,7 +172,7 @@ def make_mla_inputs(plan, heads=4, seed=0, dtype=torch.float32):
     return q_abs, q_rope, kv
 
 
-@pytest.mark.parametrize(("seq_lens", "next_n"), [([1, 50, 130], 1), ([1, 2, 77], 2)])
+@pytest.mark.parametrize(("seq_lens", "next_n"), [([1, 50, 130], 1), ([2, 3, 77], 2)])
 def test_sparse_equals_dense_when_topk_covers_all(seq_lens, next_n):
     plan = make_plan(seq_lens, next_n, topk=256, seed=3)
     q_fp8, weights, cache = make_index_inputs(plan)
@@ -182,8 +184,21 @@ def test_sparse_equals_dense_when_topk_covers_all(seq_lens, next_n):
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-5)
     shuffled = slots[:, torch.randperm(slots.shape[1], generator=torch.Generator().manual_seed(1))]
     torch.testing.assert_close(nsa.sparse_mla_decode(q_abs, q_rope, kv, shuffled, SCALE), sparse)
-    if next_n == 2:  # seq_len 1 leaves row 0 of the pair with nothing to see
-        assert int(plan.kv_lens[0]) == 0 and bool((sparse[0] == 0).all())
+
+
+def test_sparse_row_without_valid_slots_is_zero():
+    plan = make_plan([8], 1, topk=8)
+    q_abs, q_rope, kv = make_mla_inputs(plan)
+    slots = torch.full((1, 8), -1, dtype=torch.int32)
+    assert bool((nsa.sparse_mla_decode(q_abs, q_rope, kv, slots, SCALE) == 0).all())
+
+
+def test_indexer_rejects_zero_length_rows_on_cpu():
+    plan = make_plan([1, 9], 2, topk=4)  # seq_len 1 < next_n: row 0 would see nothing
+    q_fp8, weights, cache = make_index_inputs(plan)
+    with pytest.raises(PlanError) as e:
+        nsa.indexer_topk(plan, q_fp8, weights, cache)
+    assert e.value.field == "context_lens"
 
 
 def test_sparse_over_a_subset_is_attention_over_that_subset():

@@ -71,12 +71,12 @@ def validate_context_lens(context_lens: object, *, check_values: bool = True) ->
     """Reject lengths deep_gemm 0.1.0 would reject, and those it would mis-handle.
 
     Shape and dtype rules are deep_gemm's own (int32, contiguous, 2-D ``[batch, next_n]``,
-    next_n 1 or 2). The value rules are ours: the last column (the only one deep_gemm
-    schedules by) must be >= 1, because all-zero lengths make upstream read out of bounds;
-    every entry must be >= 0; and no row may be longer than its request's last column,
-    because the kernel computes only up to the last column's length, so a longer row
-    would get garbage inside its valid range. A zero in an earlier column (an MTP row with
-    no causal prefix, e.g. a padding request of length 1 with next_n = 2) is allowed.
+    next_n 1 or 2). The value rules are ours: every length must be >= 1 (upstream reads
+    out of bounds on all-zero lengths, and a planner pads requests to length >= next_n, so
+    a zero is always a bug; deep_gemm itself would accept a zero outside the last column),
+    and no row may be longer than its request's last column, because the kernel computes
+    only up to the last column's length, so a longer row would get garbage inside its
+    valid range.
 
     Value checks read the data: on CUDA that is a host sync, so they are skipped while a
     CUDA graph is being captured (and can be turned off with ``check_values=False``).
@@ -120,31 +120,21 @@ def validate_context_lens(context_lens: object, *, check_values: bool = True) ->
         )
     if not check_values or _capturing(context_lens):
         return
-    last = context_lens[:, -1]
-    bad_last = int((last <= 0).sum())
-    if bad_last:
+    bad = int((context_lens <= 0).sum())
+    if bad:
         raise PlanError(
-            "every request's last-column length must be >= 1 (upstream reads out of bounds "
-            "on zero lengths)",
+            "every length must be >= 1 (upstream reads out of bounds on zero lengths)",
             field="context_lens",
             expected=">= 1",
-            actual=f"{bad_last} request(s) with min {int(last.min())}",
+            actual=f"{bad} entr{'y' if bad == 1 else 'ies'}, min {int(context_lens.min())}",
         )
-    if next_n > 1:
-        if bool((context_lens < 0).any()):
-            raise PlanError(
-                "negative length",
-                field="context_lens",
-                expected=">= 0",
-                actual=int(context_lens.min()),
-            )
-        if bool((context_lens > last[:, None]).any()):
-            raise PlanError(
-                "a row is longer than its request's last column, which deep_gemm computes up to",
-                field="context_lens",
-                expected="context_lens[:, i] <= context_lens[:, -1]",
-                actual="longer row",
-            )
+    if next_n > 1 and bool((context_lens > context_lens[:, -1:]).any()):
+        raise PlanError(
+            "a row is longer than its request's last column, which deep_gemm computes up to",
+            field="context_lens",
+            expected="context_lens[:, i] <= context_lens[:, -1]",
+            actual="longer row",
+        )
 
 
 def _validate_block_kv(block_kv: object) -> None:
