@@ -1,0 +1,44 @@
+"""CUDA graph capture and replay over planned batches, and an emulation that runs on the CPU.
+
+``GraphRunner`` captures the model step per batch size (``capture_sizes``),
+largest first into one pool, and replays it after the planner refreshed the
+plans in place; ``EmulatedGraph`` stands in for ``torch.cuda.CUDAGraph`` so
+every phase and all padding logic are tested without a GPU.
+"""
+
+from graphs.emulated import EmulatedGraph, EmulatedPool
+from graphs.graph import CudaGraph, Graph, is_capturing, new_graph, new_pool
+from graphs.inputs import InputSpec, StaticInputs
+from graphs.runner import (
+    BATCH_TOO_LARGE,
+    GRAPHS_DISABLED,
+    MODE_NOT_CAPTURED,
+    SIZE_DROPPED,
+    GraphOutputError,
+    GraphRunner,
+    GraphWarning,
+)
+from graphs.sizes import capture_sizes, default_capture_sizes
+from graphs.stats import GraphStats
+
+__all__ = [
+    "BATCH_TOO_LARGE",
+    "GRAPHS_DISABLED",
+    "MODE_NOT_CAPTURED",
+    "SIZE_DROPPED",
+    "CudaGraph",
+    "EmulatedGraph",
+    "EmulatedPool",
+    "Graph",
+    "GraphOutputError",
+    "GraphRunner",
+    "GraphStats",
+    "GraphWarning",
+    "InputSpec",
+    "StaticInputs",
+    "capture_sizes",
+    "default_capture_sizes",
+    "is_capturing",
+    "new_graph",
+    "new_pool",
+]

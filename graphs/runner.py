@@ -1,0 +1,358 @@
+"""The graph runner: capture the model step once per batch size, replay it for every batch.
+
+Data flows one way: batch -> ``planner.replay`` (refresh plans in place, host
+ops) -> copy model inputs into static buffers -> ``graph.replay()`` (the
+planner's graph-safe ops, then the layers) -> outputs sliced to the real rows.
+
+Everything a graph reads stays alive and in place for the runner's life: the
+planner's static plans, the runner's input buffers, the captured outputs,
+``req_to_token``, the shared pool. Anything the runner cannot replay runs
+eagerly, counted by reason and warned about once, never silently. A size
+whose capture fails is dropped, reported, and its batches pad to the next
+size up.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphs.emulated import flatten_outputs
+from graphs.graph import Graph, GraphKind, new_graph, new_pool
+from graphs.inputs import InputSpec, StaticInputs, as_specs
+from graphs.sizes import capture_sizes
+from graphs.stats import GraphStats
+from planner.batch import ForwardBatch, ForwardMode
+from planner.errors import BatchError, ConfigError, ReplayError
+from planner.planner import Planner, PlanSet
+
+Forward = Callable[[dict[str, torch.Tensor], PlanSet], Any]
+"""``forward(inputs, plans) -> Tensor | dict[str, Tensor]``: one model step over the plans."""
+WarmupHook = Callable[[Planner, int], None]
+"""``warmup(planner, bs)``: a backend's JIT warm-up (e.g. deep_gemm buckets) before capture."""
+
+GRAPHS_DISABLED = "graphs_disabled"
+MODE_NOT_CAPTURED = "mode_not_captured"
+BATCH_TOO_LARGE = "batch_too_large"
+SIZE_DROPPED = "size_dropped"
+
+
+class GraphWarning(RuntimeWarning):
+    """A capture was dropped or a batch ran eagerly (filter on this class)."""
+
+
+class GraphOutputError(ConfigError):
+    """The forward's outputs cannot be captured or sliced; fails every size, so it is raised."""
+
+
+@dataclass
+class _Captured:
+    """One graph and everything it reads or writes."""
+
+    mode: ForwardMode
+    bs: int
+    rows: int
+    graph: Graph
+    plans: PlanSet
+    outputs: Any
+    kinds: list[str]
+
+
+class GraphRunner:
+    """Captures ``forward`` per (mode, size) and replays it; see the module docstring.
+
+    ``use_cuda_graph``: ``None`` uses real CUDA graphs when the planner's device is
+    CUDA and the emulation otherwise; ``False`` forces the emulation (the same
+    runner logic without capture, handy for debugging on a GPU); ``True``
+    requires CUDA. ``enabled=False`` runs every step eagerly.
+    """
+
+    def __init__(
+        self,
+        planner: Planner,
+        forward: Forward,
+        *,
+        req_to_token: torch.Tensor,
+        static_inputs: Mapping[str, InputSpec | torch.dtype] | None = None,
+        modes: Iterable[ForwardMode | str] | None = None,
+        sizes: Sequence[int] | None = None,
+        use_cuda_graph: bool | None = None,
+        enabled: bool = True,
+        warmup: WarmupHook | None = None,
+        warmup_runs: int = 1,
+    ) -> None:
+        self.planner = planner
+        self.forward = forward
+        self.req_to_token = req_to_token
+        self.enabled = enabled
+        self.kind: GraphKind = _graph_kind(planner.device, use_cuda_graph)
+        self.modes = _modes(planner, modes)
+        self.sizes = capture_sizes(planner.limits.max_batch, sizes)
+        self.warmup_hook = warmup
+        self.warmup_runs = warmup_runs
+        top = self.sizes[-1] if enabled else 0
+        rows = max((top * self._next_n(m) for m in self.modes), default=top)
+        self.inputs = StaticInputs(as_specs(static_inputs), top, rows, planner.device)
+        self.stats = GraphStats(kind=self.kind if enabled else "off")
+        self._graphs: dict[tuple[ForwardMode, int], _Captured] = {}
+        self._ladders: dict[ForwardMode, list[int]] = {}
+        self._warned: set[str] = set()
+        self._captured = False
+        self._pool: Any = None
+        self.last_plans: PlanSet | None = None
+        """The plans the last step ran with (the captured objects after a replay): for dumps."""
+
+    # ---- capture --------------------------------------------------------------------------
+
+    def capture(self) -> GraphStats:
+        """Capture every (mode, size), largest first into one pool; once. ``step`` calls it lazily."""
+        if self._captured:
+            return self.stats
+        self._captured = True
+        if not self.enabled:
+            return self.stats
+        start = time.perf_counter()
+        cuda = self.kind == "cuda"
+        stream = torch.cuda.Stream(self.planner.device) if cuda else None
+        self._pool = new_pool(self.kind)
+        if cuda:
+            self.stats.pool_allocated_bytes = self.stats.pool_reserved_bytes = 0
+        # Largest first: later, smaller graphs reuse the blocks the larger ones freed.
+        order = sorted(
+            ((m, bs) for m in self.modes for bs in self.sizes),
+            key=lambda key: (-key[1] * self._next_n(key[0]), key[0].value),
+        )
+        for mode, bs in order:
+            try:
+                self._graphs[(mode, bs)] = self._capture_one(mode, bs, stream)
+            except GraphOutputError:
+                raise
+            except Exception as exc:  # any failure drops only this size
+                self._drop(mode, bs, exc)
+        if cuda:
+            torch.cuda.synchronize(self.planner.device)
+        for mode in self.modes:
+            self._ladders[mode] = sorted(bs for m, bs in self._graphs if m is mode)
+            self.stats.captured[mode.value] = list(self._ladders[mode])
+        self.stats.planner_static_bytes = self.planner.static_bytes()
+        self.stats.input_bytes = self.inputs.nbytes
+        self.stats.capture_seconds = time.perf_counter() - start
+        return self.stats
+
+    def _capture_one(self, mode: ForwardMode, bs: int, stream: Any) -> _Captured:
+        rows = bs * self._next_n(mode)
+        plans = self.planner.capture(bs, mode, req_to_token=self.req_to_token)
+        views = self.inputs.views(bs, rows)
+        self.inputs.pad(bs, rows)
+        if self.warmup_hook is not None:
+            self.warmup_hook(self.planner, bs)
+        for _ in range(self.warmup_runs):
+            _output_kinds(self.forward(dict(views), plans), bs, rows)
+        planner, forward = self.planner, self.forward
+
+        def body() -> Any:
+            # Binds the very objects the graph reads; nothing is looked up again at replay.
+            planner.record(bs, mode)
+            return forward(dict(views), plans)
+
+        graph = new_graph(self.kind, stream)
+        before = self._memory()
+        outputs = graph.capture(body, pool=self._pool)
+        after = self._memory()
+        kinds = _output_kinds(outputs, bs, rows)
+        if before is not None and after is not None:
+            self.stats.pool_allocated_bytes += after[0] - before[0]
+            self.stats.pool_reserved_bytes += after[1] - before[1]
+        return _Captured(mode, bs, rows, graph, plans, outputs, kinds)
+
+    def _memory(self) -> tuple[int, int] | None:
+        if self.kind != "cuda":
+            return None
+        device = self.planner.device
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # torch.cuda.graph empties it too; do it first so deltas are the pool's
+        return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+    def _drop(self, mode: ForwardMode, bs: int, exc: BaseException) -> None:
+        why = f"{type(exc).__name__}: {exc}"
+        self.stats.dropped.setdefault(mode.value, {})[bs] = why
+        warnings.warn(
+            f"graph capture of {mode.value} batch size {bs} failed and was dropped ({why}); "
+            "its batches pad to the next captured size or run eagerly",
+            GraphWarning,
+            stacklevel=4,
+        )
+
+    # ---- steps ----------------------------------------------------------------------------
+
+    def captured_sizes(self, mode: ForwardMode | str = ForwardMode.DECODE) -> list[int]:
+        """Sizes with a working graph for ``mode``, ascending (after capture)."""
+        return list(self._ladders.get(ForwardMode(mode), []))
+
+    def route(self, mode: ForwardMode, bs: int) -> tuple[int | None, str | None]:
+        """(graph size, None) for a batch that replays, or (None, fallback reason)."""
+        if not self.enabled:
+            return None, GRAPHS_DISABLED
+        if mode not in self.modes:
+            return None, MODE_NOT_CAPTURED
+        ladder = self._ladders.get(mode, [])
+        i = bisect.bisect_left(ladder, bs)
+        if i < len(ladder):
+            return ladder[i], None
+        return None, SIZE_DROPPED if bs <= self.sizes[-1] else BATCH_TOO_LARGE
+
+    def step(self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor] | None = None) -> Any:
+        """Run one model step for ``batch``; outputs cover the real rows only.
+
+        Graph outputs are views of the graph's output memory: valid until the
+        next step, as in every graph runner. Copy what must outlive it.
+        """
+        if not isinstance(batch, ForwardBatch):
+            raise BatchError("not a ForwardBatch", field="batch", actual=type(batch).__name__)
+        try:
+            mode = ForwardMode(batch.mode)
+        except ValueError:
+            raise BatchError("unknown mode", field="mode", actual=batch.mode) from None
+        self.capture()
+        inputs = inputs or {}
+        size, reason = self.route(mode, batch.bs)
+        if size is None:
+            return self._eager(batch, inputs, reason or GRAPHS_DISABLED)
+        return self._replay(batch, inputs, self._graphs[(mode, size)])
+
+    def _replay(
+        self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor], entry: _Captured
+    ) -> Any:
+        reqs, rows = batch.bs, batch.bs * self._next_n(entry.mode)
+        self.inputs.check(inputs, reqs, rows)
+        t0 = time.perf_counter()
+        plans = self.planner.replay(batch, entry.bs)
+        if plans is not entry.plans:
+            raise ReplayError(
+                "planner replay returned other plans than the graph captured", field="plans"
+            )
+        self.last_plans = plans
+        t1 = time.perf_counter()
+        self.inputs.fill(inputs, reqs, rows, entry.bs, entry.rows)
+        t2 = time.perf_counter()
+        entry.graph.replay()
+        t3 = time.perf_counter()
+        if self.planner.debug:
+            self.planner.verify(batch, plans)
+        t4 = time.perf_counter()
+        host = self.stats.host_seconds
+        host["refresh"] += t1 - t0
+        host["inputs"] += t2 - t1
+        host["replay"] += t3 - t2
+        host["verify"] += t4 - t3
+        self.stats.steps += 1
+        self.stats.replays[(entry.mode.value, entry.bs)] += 1
+        self.stats.real_rows += rows
+        self.stats.padded_rows += entry.rows - rows
+        return _slice(entry.outputs, iter(entry.kinds), reqs, rows)
+
+    def _eager(self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor], reason: str) -> Any:
+        self._warn_fallback(
+            batch, reason
+        )  # before running: a fallback that then fails is still seen
+        start = time.perf_counter()
+        plans = self.last_plans = self.planner.plan(batch)
+        rows = batch.bs * batch.next_n
+        self.inputs.check(inputs, batch.bs, rows)
+        with self.planner.guard(plans):
+            outputs = self.forward(dict(inputs), plans)
+        self.stats.host_seconds["eager"] += time.perf_counter() - start
+        self.stats.steps += 1
+        self.stats.eager[reason] += 1
+        self.stats.real_rows += rows
+        return outputs
+
+    def _warn_fallback(self, batch: ForwardBatch, reason: str) -> None:
+        if reason in self._warned:
+            return
+        self._warned.add(reason)
+        mode = ForwardMode(batch.mode)
+        sizes = self.captured_sizes(mode) if self.enabled else "none"
+        warnings.warn(
+            f"running eagerly ({reason}: {mode.value} batch of {batch.bs}; captured sizes {sizes}); "
+            "further fallbacks for this reason are only counted in runner.stats.eager",
+            GraphWarning,
+            stacklevel=4,
+        )
+
+    def close(self) -> None:
+        """Release every graph and the pool (the planner's static buffers stay with it)."""
+        for entry in self._graphs.values():
+            entry.graph.reset()
+        self._graphs.clear()
+        self._ladders = {mode: [] for mode in self.modes}
+        self._pool = None
+
+    def _next_n(self, mode: ForwardMode) -> int:
+        return self.planner.program(mode).next_n
+
+
+def _graph_kind(device: torch.device, use_cuda_graph: bool | None) -> GraphKind:
+    if use_cuda_graph is None:
+        return "cuda" if device.type == "cuda" else "emulated"
+    if use_cuda_graph and device.type != "cuda":
+        raise ConfigError(
+            "CUDA graphs need a CUDA planner device", field="use_cuda_graph", actual=str(device)
+        )
+    return "cuda" if use_cuda_graph else "emulated"
+
+
+def _modes(planner: Planner, modes: Iterable[ForwardMode | str] | None) -> tuple[ForwardMode, ...]:
+    """DECODE, plus TARGET_VERIFY when the planner verifies more than one token."""
+    if modes is None:
+        verify = (ForwardMode.TARGET_VERIFY,) if planner.limits.next_n > 1 else ()
+        return (ForwardMode.DECODE, *verify)
+    out = []
+    for mode in modes:
+        try:
+            out.append(ForwardMode(mode))
+        except ValueError:
+            raise ConfigError(
+                "unknown forward mode",
+                field="modes",
+                expected=[m.value for m in ForwardMode],
+                actual=mode,
+            ) from None
+    return tuple(dict.fromkeys(out))
+
+
+def _output_kinds(outputs: Any, reqs: int, rows: int) -> list[str]:
+    """Per output tensor, whether its leading dimension is the rows or the requests."""
+    try:
+        flat = flatten_outputs(outputs)
+    except TypeError as exc:
+        raise GraphOutputError(str(exc), field="forward") from None
+    kinds = []
+    for tensor in flat:
+        if tensor.dim() and tensor.shape[0] == rows:
+            kinds.append("rows")
+        elif tensor.dim() and tensor.shape[0] == reqs:
+            kinds.append("reqs")
+        else:
+            raise GraphOutputError(
+                "every output's leading dimension must be the batch's rows or requests (to slice padding off)",
+                field="forward",
+                expected=f"{rows} rows or {reqs} requests",
+                actual=tuple(tensor.shape),
+            )
+    return kinds
+
+
+def _slice(outputs: Any, kinds: Iterator[str], reqs: int, rows: int) -> Any:
+    """The outputs' real rows (views, same structure)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs[: rows if next(kinds) == "rows" else reqs]
+    if isinstance(outputs, dict):
+        return {key: _slice(value, kinds, reqs, rows) for key, value in outputs.items()}
+    return type(outputs)(_slice(value, kinds, reqs, rows) for value in outputs)
