@@ -1,0 +1,434 @@
+"""The graph runner on the CPU (emulated graphs): same outputs as eager, padding that stays harmless."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from graphs import (
+    BATCH_TOO_LARGE,
+    GRAPHS_DISABLED,
+    MODE_NOT_CAPTURED,
+    SIZE_DROPPED,
+    EmulatedGraph,
+    EmulatedPool,
+    GraphOutputError,
+    GraphRunner,
+    GraphWarning,
+    capture_sizes,
+    is_capturing,
+)
+from graphs.emulated import POISON_INT
+from planner import (
+    BatchError,
+    ConfigError,
+    ForwardMode,
+    Limits,
+    Planner,
+    PlanWriteError,
+    ReplayError,
+)
+from tests.graph_helpers import Scheduler, TinyPagedModel, make_table
+
+PAGE, MAX_CTX, MAX_BATCH, NEXT_N = 4, 32, 12, 3
+SIZES = [1, 2, 4, 8]  # batches of 9..12 exceed the largest size: eager fallbacks
+POOL = 20
+SLOTS = POOL * (MAX_CTX // PAGE) * PAGE
+DECODE, VERIFY = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Shapes here are tiny: intra-op threads only add contention (10x slower on a busy host)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _planner(debug: bool = False, **kw) -> Planner:
+    limits = Limits(max_batch=MAX_BATCH, max_context=MAX_CTX, page_size=PAGE, next_n=NEXT_N)
+    return Planner(["paged"], limits, debug=debug, **kw)
+
+
+def _setup(seed: int = 0, *, debug: bool = False, planner_kw: dict | None = None, **runner_kw):
+    """A runner over a tiny model, its eager twin (own KV cache, own planner) and a scheduler."""
+    table = make_table(POOL, MAX_CTX, PAGE, seed=seed)
+    model = TinyPagedModel(SLOTS, seed=seed)
+    twin = model.clone_state()
+    runner_kw.setdefault("sizes", SIZES)
+    runner = GraphRunner(
+        _planner(debug, **(planner_kw or {})),
+        model,
+        req_to_token=table,
+        static_inputs={"input_ids": torch.int64},
+        **runner_kw,
+    )
+    return runner, model, twin, _planner(), Scheduler(table, next_n=NEXT_N, seed=seed)
+
+
+def _check_equal(out: dict, want: dict, rows: int) -> None:
+    assert out["meta"].shape[0] == rows and out["hidden"].shape[0] == rows
+    assert torch.equal(out["meta"], want["meta"])  # every plan field, bit for bit
+    # paged_attention computes in float32 over the plan's width (max_context when captured,
+    # the batch's longest length when eager): equal up to float32 rounding, not bit for bit
+    torch.testing.assert_close(out["hidden"], want["hidden"], **TOL)
+
+
+# ---- capture sizes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("max_batch", "expected"),
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (20, [1, 2, 4, 8, 16, 20]),
+        (64, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]),
+        (100, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100]),
+    ],
+)
+def test_default_capture_sizes(max_batch, expected):
+    assert capture_sizes(max_batch) == expected
+
+
+@given(st.integers(1, 4096))
+def test_default_sizes_are_a_bounded_ladder(max_batch):
+    sizes = capture_sizes(max_batch)
+    assert sizes[0] == 1 and sizes[-1] == max_batch
+    assert sizes == sorted(set(sizes))
+    gaps = [b - a for a, b in zip(sizes, sizes[1:], strict=False)]
+    assert all(gap <= (8 if b <= 64 else 16) for gap, b in zip(gaps, sizes[1:], strict=True))
+
+
+@pytest.mark.parametrize("bad", [[0], [1, 13], [4, 2], [2, 2], [], [1, "4"], [True], "1,2"])
+def test_capture_size_override_is_validated(bad):
+    with pytest.raises(ConfigError) as err:
+        capture_sizes(MAX_BATCH, bad)
+    assert err.value.field == "capture_sizes"
+
+
+def test_capture_size_override_taken_as_written():
+    assert capture_sizes(MAX_BATCH, [1, 3, 5]) == [1, 3, 5]
+    with pytest.raises(ConfigError) as err:
+        capture_sizes(0)
+    assert err.value.field == "max_batch"
+
+
+# ---- the emulated graph ----------------------------------------------------------------------
+
+
+def test_emulated_graph_replays_into_the_captured_outputs():
+    state = torch.zeros(3)
+    seen = []
+
+    def body():
+        seen.append(is_capturing())
+        return {"f": state * 2, "i": state.long() + 1}
+
+    pool = EmulatedPool()
+    graph = EmulatedGraph()
+    with pytest.raises(RuntimeError):
+        graph.replay()
+    out = graph.capture(body, pool=pool)
+    assert seen == [True] and not is_capturing()
+    assert torch.isnan(out["f"]).all() and (out["i"] == POISON_INT).all()  # garbage until replay
+    ptrs = (out["f"].data_ptr(), out["i"].data_ptr())
+    for value in (1.0, 5.0):
+        state.fill_(value)
+        graph.replay()
+        assert out["f"].tolist() == [2 * value] * 3 and out["i"].tolist() == [int(value) + 1] * 3
+        assert (out["f"].data_ptr(), out["i"].data_ptr()) == ptrs
+    assert seen == [True, False, False] and graph.pool() is pool and pool.graphs == 1
+    with pytest.raises(RuntimeError):
+        graph.capture(body)
+    graph.reset()
+    assert pool.graphs == 0
+
+
+def test_emulated_graph_refuses_shape_changes():
+    n = [2]
+    graph = EmulatedGraph()
+    graph.capture(lambda: torch.zeros(n[0]))
+    n[0] = 3
+    with pytest.raises(RuntimeError, match="shapes are fixed"):
+        graph.replay()
+
+
+# ---- the runner against eager ----------------------------------------------------------------
+
+
+def test_thousand_random_steps_equal_eager():
+    """Decode and verify, sizes 1..12 (9..12 beyond the largest graph), debug verify on."""
+    runner, model, twin, ref, sched = _setup(seed=11, debug=True)
+    rng = random.Random(11)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(1000):
+            mode = rng.choice([DECODE, VERIFY])
+            batch, inputs = sched.batch(rng.randint(1, MAX_BATCH), mode)
+            out = runner.step(batch, inputs)
+            want = twin(inputs, ref.plan(batch))
+            _check_equal(out, want, batch.bs * batch.next_n)
+    # every real KV slot was written identically; slot 0 is the null slot padding writes
+    torch.testing.assert_close(model.k_cache[:, 1:], twin.k_cache[:, 1:], **TOL)
+    torch.testing.assert_close(model.v_cache[:, 1:], twin.v_cache[:, 1:], **TOL)
+    stats = runner.stats
+    assert stats.steps == 1000 and set(stats.eager) == {BATCH_TOO_LARGE}
+    assert stats.graph_steps + stats.eager[BATCH_TOO_LARGE] == 1000
+    assert {bs for _, bs in stats.replays} == set(SIZES)
+    assert runner.planner.stats.verified == stats.graph_steps
+    assert stats.captured == {"decode": SIZES, "target_verify": SIZES} and not stats.dropped
+    fallbacks = [w for w in caught if issubclass(w.category, GraphWarning)]
+    assert len(fallbacks) == 1 and BATCH_TOO_LARGE in str(fallbacks[0].message)
+
+
+@pytest.mark.parametrize("ops_in_graph", [True, False])
+def test_host_ops_path_equals_eager(ops_in_graph):
+    """With ops outside the graph, replay itself refreshes every field; same outputs."""
+    runner, _, twin, ref, sched = _setup(
+        seed=3, planner_kw={"ops_in_graph": ops_in_graph}, sizes=[2, 4, 12]
+    )
+    rng = random.Random(3)
+    for _ in range(40):
+        batch, inputs = sched.batch(rng.randint(1, MAX_BATCH), rng.choice([DECODE, VERIFY]))
+        _check_equal(
+            runner.step(batch, inputs), twin(inputs, ref.plan(batch)), batch.bs * batch.next_n
+        )
+    assert runner.stats.graph_steps == 40
+
+
+def test_padding_rows_write_only_the_null_slot():
+    runner, model, _, _, sched = _setup(seed=5)
+    rng = random.Random(5)
+    sentinel = 1e6  # finite: masked reads of slot 0 weigh it by exactly 0
+    padded_steps = 0
+    for _ in range(60):
+        mode = rng.choice([DECODE, VERIFY])
+        batch, inputs = sched.batch(rng.choice([1, 3, 5, 6, 7]), mode)
+        model.k_cache[:, 0] = sentinel
+        before = model.k_cache.clone()
+        out = runner.step(batch, inputs)
+        rows = batch.bs * batch.next_n
+        assert out["hidden"].shape[0] == rows and out["meta"].shape[0] == rows
+        assert (
+            out["meta"][:, 1].tolist()
+            == batch.req_pool_indices.repeat_interleave(batch.next_n).tolist()
+        )
+        changed = (model.k_cache != before).flatten(2).any(-1).any(0).nonzero().flatten().tolist()
+        real = set(batch.out_cache_loc.tolist())
+        assert set(changed) - {0} <= real and 0 not in real
+        padded = runner.route(mode, batch.bs)[0] > batch.bs
+        assert (0 in changed) == padded  # padding rows land on the null slot, and only they do
+        padded_steps += padded
+    assert padded_steps > 20
+    assert runner.stats.padded_rows > 0
+
+
+def test_outputs_are_graph_memory_sliced_to_real_rows():
+    runner, _, twin, ref, sched = _setup(seed=2)
+    ptrs = set()
+    for bs, mode in [(3, DECODE), (4, DECODE), (3, DECODE), (2, VERIFY), (1, VERIFY)]:
+        batch, inputs = sched.batch(bs, mode)
+        out = runner.step(batch, inputs)
+        rows = bs * batch.next_n
+        _check_equal(out, twin(inputs, ref.plan(batch)), rows)
+        assert runner.last_plans.phase == "capture" and runner.last_plans.real_reqs == bs
+        if mode is DECODE:
+            ptrs.add(out["hidden"].data_ptr())
+    assert len(ptrs) == 1  # decode batches of 3 and 4 both replay the size-4 graph's outputs
+    assert runner.stats.replays == {
+        ("decode", 4): 3,
+        ("target_verify", 2): 1,
+        ("target_verify", 1): 1,
+    }
+
+
+# ---- failures, fallbacks, debug --------------------------------------------------------------
+
+
+def test_failed_capture_is_dropped_once_and_others_keep_working():
+    table = make_table(POOL, MAX_CTX, PAGE)
+    model = TinyPagedModel(SLOTS)
+    twin = model.clone_state()
+
+    def flaky(inputs, plans):
+        if is_capturing() and plans.mode is DECODE and plans.reqs == 4:
+            raise RuntimeError("capture exploded")
+        return model(inputs, plans)
+
+    def warmup(planner, bs):
+        if bs == 2:
+            raise RuntimeError("JIT warm-up failed")
+
+    runner = GraphRunner(
+        _planner(),
+        flaky,
+        req_to_token=table,
+        static_inputs={"input_ids": torch.int64},
+        sizes=SIZES,
+        warmup=warmup,
+    )
+    with pytest.warns(GraphWarning) as caught:
+        stats = runner.capture()
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 3  # decode 4, decode 2, verify 2: each reported once
+    assert (
+        stats.dropped["decode"].keys() == {2, 4}
+        and "capture exploded" in stats.dropped["decode"][4]
+    )
+    assert stats.dropped["target_verify"].keys() == {2}
+    assert runner.captured_sizes(DECODE) == [1, 8] and runner.captured_sizes(VERIFY) == [1, 4, 8]
+    ref, sched = _planner(), Scheduler(table, next_n=NEXT_N, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback, no repeated report
+        for bs, mode in [
+            (3, DECODE),
+            (4, DECODE),
+            (2, DECODE),
+            (1, DECODE),
+            (2, VERIFY),
+            (8, DECODE),
+        ]:
+            batch, inputs = sched.batch(bs, mode)
+            _check_equal(
+                runner.step(batch, inputs), twin(inputs, ref.plan(batch)), bs * batch.next_n
+            )
+    assert (
+        runner.stats.replays[("decode", 8)] == 4 and runner.stats.replays[("target_verify", 4)] == 1
+    )
+    assert "dropped decode/4" in runner.stats.render()
+
+
+def test_dropped_largest_size_falls_back_with_its_own_reason():
+    def warmup(planner, bs):
+        if bs == 8:
+            raise RuntimeError("out of memory")
+
+    runner, _, twin, ref, sched = _setup(warmup=warmup)
+    with pytest.warns(GraphWarning):
+        runner.capture()
+    batch, inputs = sched.batch(6, DECODE)
+    with pytest.warns(GraphWarning, match=SIZE_DROPPED):
+        out = runner.step(batch, inputs)
+    _check_equal(out, twin(inputs, ref.plan(batch)), 6)
+    assert runner.stats.eager == {SIZE_DROPPED: 1}
+
+
+def test_fallback_reasons_are_counted_and_warned_once():
+    runner, _, twin, ref, sched = _setup(modes=[DECODE])
+    for reason, bs, mode in [(MODE_NOT_CAPTURED, 2, VERIFY), (BATCH_TOO_LARGE, 10, DECODE)]:
+        with pytest.warns(GraphWarning, match=reason):
+            batch, inputs = sched.batch(bs, mode)
+            _check_equal(
+                runner.step(batch, inputs), twin(inputs, ref.plan(batch)), bs * batch.next_n
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            batch, inputs = sched.batch(bs, mode)
+            _check_equal(
+                runner.step(batch, inputs), twin(inputs, ref.plan(batch)), bs * batch.next_n
+            )
+    assert runner.stats.eager == {MODE_NOT_CAPTURED: 2, BATCH_TOO_LARGE: 2}
+
+    off, _, twin, ref, sched = _setup(enabled=False)
+    batch, inputs = sched.batch(3, DECODE)
+    with pytest.warns(GraphWarning, match=GRAPHS_DISABLED):
+        _check_equal(off.step(batch, inputs), twin(inputs, ref.plan(batch)), 3)
+    assert off.stats.kind == "off" and off.stats.captured == {} and off.inputs.nbytes == 0
+
+
+def test_debug_mode_catches_a_layer_writing_a_plan():
+    table = make_table(POOL, MAX_CTX, PAGE)
+    model = TinyPagedModel(SLOTS)
+
+    def vandal(inputs, plans):
+        out = model(inputs, plans)
+        plans["paged"].kv_lens.add_(1)  # a layer must only read plans
+        return out
+
+    runner = GraphRunner(
+        _planner(debug=True),
+        vandal,
+        req_to_token=table,
+        static_inputs={"input_ids": torch.int64},
+        sizes=[4],
+    )
+    sched = Scheduler(table, next_n=NEXT_N, seed=0)
+    batch, inputs = sched.batch(3, DECODE)
+    with pytest.raises(ReplayError, match="kv_lens"):
+        runner.step(batch, inputs)
+    batch, inputs = sched.batch(6, DECODE)
+    with pytest.warns(GraphWarning), pytest.raises(PlanWriteError):
+        runner.step(batch, inputs)
+
+
+def test_inputs_and_config_are_validated():
+    runner, _, _, _, sched = _setup()
+    batch, inputs = sched.batch(3, DECODE)
+    for bad, field in [
+        ({}, "inputs"),
+        ({**inputs, "extra": inputs["input_ids"]}, "inputs"),
+        ({"input_ids": inputs["input_ids"][:2]}, "inputs.input_ids"),
+        ({"input_ids": inputs["input_ids"].int()}, "inputs.input_ids"),
+    ]:
+        with pytest.raises(BatchError) as err:
+            runner.step(batch, bad)
+        assert err.value.field == field
+    with pytest.raises(BatchError):
+        runner.step("not a batch", inputs)
+    table = make_table(POOL, MAX_CTX, PAGE)
+    with pytest.raises(ConfigError) as err:
+        GraphRunner(_planner(), lambda i, p: i, req_to_token=table, use_cuda_graph=True)
+    assert err.value.field == "use_cuda_graph"
+    with pytest.raises(ConfigError) as err:
+        GraphRunner(_planner(), lambda i, p: i, req_to_token=table, modes=["prefill"])
+    assert err.value.field == "modes"
+    with pytest.raises(ConfigError) as err:
+        GraphRunner(_planner(), lambda i, p: i, req_to_token=table, sizes=[16])
+    assert err.value.field == "capture_sizes"
+
+
+@pytest.mark.parametrize("result", [lambda: 3, lambda: torch.zeros(()), lambda: torch.zeros(5, 2)])
+def test_unsliceable_outputs_raise_instead_of_dropping_every_size(result):
+    table = make_table(POOL, MAX_CTX, PAGE)
+    runner = GraphRunner(
+        _planner(), lambda inputs, plans: result(), req_to_token=table, sizes=[2, 4]
+    )
+    with pytest.raises(GraphOutputError):
+        runner.capture()
+
+
+def test_stats_summary_and_table():
+    runner, _, _, _, sched = _setup(sizes=[2, 4])
+    rng = random.Random(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphWarning)
+        for _ in range(10):
+            batch, inputs = sched.batch(rng.randint(1, 6), rng.choice([DECODE, VERIFY]))
+            runner.step(batch, inputs)
+    summary = runner.stats.summary()
+    assert summary["kind"] == "emulated" and summary["graphs"] == 4
+    assert summary["pool_allocated_bytes"] is None and summary["pool_reserved_bytes"] is None
+    assert summary["planner_static_bytes"] == runner.planner.static_bytes() > 0
+    assert summary["input_bytes"] == 4 * NEXT_N * 8  # int64 input_ids for 4 verify requests
+    assert (
+        summary["steps"] == 10 == summary["graph_steps"] + sum(summary["eager_fallbacks"].values())
+    )
+    assert summary["host_seconds"]["refresh"] > 0 and summary["host_seconds"]["replay"] > 0
+    text = runner.stats.render()
+    assert "captured decode" in text and "2, 4" in text and "graph hit rate" in text
+    runner.stats.reset_counters()
+    assert runner.stats.steps == 0 and runner.stats.captured == {
+        "decode": [2, 4],
+        "target_verify": [2, 4],
+    }
+    runner.close()
+    assert runner.captured_sizes(DECODE) == []
