@@ -70,7 +70,9 @@ def indexer_topk(
     ``plan.topk`` positions are taken with ``torch.topk`` (sorted, best first) and mapped
     through ``token_slots`` of the row's request. Entries beyond a row's valid length are
     ``-1``. Ties: ``torch.topk`` does not promise which of equal scores wins, and CPU and
-    CUDA may differ, so only distinct scores give a deterministic set.
+    CUDA may differ, so only distinct scores give a deterministic set. ``max_seq_len`` must
+    cover every ``kv_lens`` entry (positions past it can never be chosen; checking would
+    need a host sync).
     """
     next_n = plan_attr(plan, "next_n")
     topk = plan_attr(plan, "topk")
@@ -87,7 +89,7 @@ def indexer_topk(
     )
     pos = torch.arange(width, device=logits.device)
     lens = kv_lens.to(torch.int64).unsqueeze(1)
-    logits = logits.masked_fill(pos >= lens, float("-inf"))
+    logits.masked_fill_(pos >= lens, float("-inf"))  # a fresh tensor: no second [rows, W]
     if width < topk:  # topk wider than the row: pad with never-valid positions
         logits = torch.nn.functional.pad(logits, (0, topk - width), value=float("-inf"))
     _, idx = torch.topk(logits, topk, dim=-1, largest=True, sorted=True)

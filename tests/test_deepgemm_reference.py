@@ -9,6 +9,8 @@ dequantise-then-matmul in float64.
 from __future__ import annotations
 
 import math
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -248,6 +250,42 @@ def test_header_classifier():
     assert _native.classify_schedule_header(old * 2) == "0.1.0"
     assert _native.classify_schedule_header(old + new) == "new"  # the non-varlen branch is last
     assert _native.classify_schedule_header("nothing here") is None
+
+
+def test_native_import_failure_is_remembered_and_warned_once(monkeypatch):
+    calls = []
+
+    def fail(name):
+        calls.append(name)
+        raise OSError("undefined symbol: _ZN3c10fake")
+
+    monkeypatch.setattr(_native, "importlib", SimpleNamespace(import_module=fail))
+    _native.reset()
+    try:
+        with pytest.warns(RuntimeWarning, match="undefined symbol"):
+            assert _native.load() is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert _native.load() is None and not _native.available()
+        assert calls == ["deep_gemm"]
+    finally:
+        _native.reset()
+
+
+def test_native_layout_is_read_from_the_shipped_header(monkeypatch, tmp_path):
+    header = tmp_path / "include" / "deep_gemm" / "scheduler" / "paged_mqa_logits.cuh"
+    header.parent.mkdir(parents=True)
+    header.write_text("const uint32_t pivot = kNumSMs - r;\nseg_starts = sm_idx * q + pivot;\n")
+    monkeypatch.setattr(_native, "_package_dir", lambda: str(tmp_path))
+    _native.reset()
+    try:
+        assert _native.native_schedule_layout() == "new"
+        monkeypatch.setattr(_native, "_package_dir", lambda: None)
+        assert _native.native_schedule_layout() == "new"  # cached for the process
+        _native.reset()
+        assert _native.native_schedule_layout() is None
+    finally:
+        _native.reset()
 
 
 # --------------------------------------------------------------------------- fp8
