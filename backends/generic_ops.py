@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from backends.kernels import generic_torch as ref
 from backends.kernels import generic_triton as tri
-from planner.ops import metadata_op, triton_usable
+from planner.ops import metadata_op
+
+triton_usable = tri.triton_available
 
 cumsum_with_zero = metadata_op(
     "cumsum_with_zero", "out[0] = 0, out[i+1] = x[0] + ... + x[i]: cumulative lengths (cu_seqlens)."

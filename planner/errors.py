@@ -27,8 +27,12 @@ class PlanError(ValueError):
         parts = [message]
         if field is not None:
             parts.insert(0, f"[{field}]")
-        if expected is not None or actual is not None:
+        if expected is not None and actual is not None:
             parts.append(f"(expected {expected}, got {actual})")
+        elif expected is not None:
+            parts.append(f"(expected {expected})")
+        elif actual is not None:
+            parts.append(f"(got {actual})")
         super().__init__(" ".join(parts))
 
 

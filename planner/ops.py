@@ -9,7 +9,6 @@ a CUDA graph (device work only, no host sync) or needs the host.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -162,14 +161,3 @@ def _warn_once(message: str) -> None:
 def warn_once(message: str) -> None:
     """Say a fallback happened, once per process, never per step."""
     _warn_once(message)
-
-
-def triton_usable(device: torch.device) -> bool:
-    """Triton runs on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (tests)."""
-    if device.type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return False
-        return True
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"

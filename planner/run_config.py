@@ -1,0 +1,126 @@
+"""The decode run's YAML config: model, planner, graphs and request loop, validated once.
+
+Every section is a frozen pydantic model with ``extra="forbid"``, so a typo
+in a YAML key is an error naming the key, not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from planner.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSection(_Section):
+    """Which DeepSeek-V3.2 to build: a preset or a ``config.json``, plus overrides."""
+
+    preset: str = Field("tiny", description="tiny | small | shapes | full, or a path to a config.json")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="DSV32Config fields to change")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = Field(0, ge=0)
+    weights: str | None = Field(None, description="safetensors file to load instead of random init")
+
+
+class PlannerSection(_Section):
+    """Limits and provider choices of the planner."""
+
+    max_batch: int = Field(16, ge=1, le=4096)
+    max_context: int = Field(512, ge=64, le=1 << 20)
+    next_n: Literal[1, 2] = Field(1, description="2 runs speculative target-verify steps")
+    num_sms: int | None = Field(None, ge=1, description="None: the GPU's SM count (132 on the CPU)")
+    providers: dict[str, str] = Field(default_factory=dict, description="op or backend.field -> provider")
+    debug: bool = False
+    ops_in_graph: bool = True
+    schedule_layout: Literal["0.1.0", "new"] = "0.1.0"
+
+
+class GraphsSection(_Section):
+    """CUDA graphs (emulated on the CPU)."""
+
+    enabled: bool | Literal["auto"] = "auto"
+    sizes: list[int] | None = None
+
+
+class LoopSection(_Section):
+    """The continuous-batching request loop."""
+
+    requests: int = Field(24, ge=1, le=1_000_000)
+    arrival_rate: float = Field(4.0, gt=0, description="mean new requests per step (Poisson)")
+    prompt_len: tuple[int, int] = (8, 48)
+    max_new_tokens: tuple[int, int] = (8, 32)
+    seed: int = Field(0, ge=0)
+    max_steps: int = Field(100_000, ge=1)
+    kv_pages: int | None = Field(None, ge=2, description="KV cache pages; None: enough for max_batch")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> LoopSection:
+        for name in ("prompt_len", "max_new_tokens"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be [lo, hi] with 1 <= lo <= hi, got {[lo, hi]}")
+        return self
+
+
+class RunConfig(_Section):
+    """A whole decode run."""
+
+    device: str = "cpu"
+    model: ModelSection = ModelSection()
+    planner: PlannerSection = PlannerSection()
+    graphs: GraphsSection = GraphsSection()
+    loop: LoopSection = LoopSection()
+
+    @model_validator(mode="after")
+    def _fits(self) -> RunConfig:
+        longest = self.loop.prompt_len[1] + self.loop.max_new_tokens[1] + self.planner.next_n
+        if longest > self.planner.max_context:
+            raise ValueError(
+                f"planner.max_context ({self.planner.max_context}) is below the longest request "
+                f"(prompt {self.loop.prompt_len[1]} + new {self.loop.max_new_tokens[1]} + next_n)"
+            )
+        return self
+
+
+def _format(exc: ValidationError, origin: str) -> ConfigError:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "<root>"
+    more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    value = first.get("input")
+    shown = value if isinstance(value, (int, float, str, bool)) else None
+    return ConfigError(f"{origin}: {first['msg']}{more}", field=where, actual=shown)
+
+
+def load_run_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read and validate a YAML run config; ``overrides`` are dotted keys (``planner.debug``)."""
+    data: dict[str, Any] = {}
+    origin = "defaults"
+    if path is not None:
+        origin = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config: {exc.strerror}", field="--config", actual=str(path)) from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{origin}: not valid YAML: {exc}", field="--config") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{origin}: top level must be a mapping", field="<root>", actual=type(data).__name__)
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise _format(exc, origin) from None

@@ -1,0 +1,1 @@
+"""A small continuous-batching decode loop that drives models through the planner."""

@@ -1,0 +1,59 @@
+"""Requests and the synthetic workload: arrivals, prompts, output budgets.
+
+Seeded, so two runs (with and without graphs, before and after a save and
+load) see exactly the same traffic and can be compared token for token.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from planner.run_config import LoopSection
+
+
+@dataclass
+class Request:
+    """One generation request and where its KV lives."""
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    arrival_step: int
+    pool_idx: int = -1
+    pages: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    fed: int = 0  # tokens whose KV is in the cache
+    finish_step: int = -1
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def prefilling(self) -> bool:
+        """Still feeding prompt tokens whose predictions are not kept."""
+        return self.fed < len(self.prompt) - 1
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) >= self.max_new_tokens
+
+
+def make_workload(loop: LoopSection, vocab_size: int) -> list[Request]:
+    """``loop.requests`` requests with Poisson arrivals, random prompts and budgets."""
+    rng = random.Random(loop.seed)
+    step = 0
+    out = []
+    for rid in range(loop.requests):
+        prompt_len = rng.randint(*loop.prompt_len)
+        out.append(
+            Request(
+                rid=rid,
+                prompt=[rng.randrange(vocab_size) for _ in range(prompt_len)],
+                max_new_tokens=rng.randint(*loop.max_new_tokens),
+                arrival_step=step,
+            )
+        )
+        step += int(rng.expovariate(loop.arrival_rate))
+    return out

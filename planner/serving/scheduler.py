@@ -1,0 +1,96 @@
+"""Admission, KV page growth and batch building for the decode loop.
+
+Everything a step needs is computed on the host from the requests' page
+lists (slots, positions, lengths): the device is touched only to write a
+request's ``req_to_token`` row when it gains a page.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from models.kv_cache import PagedKVCache, RequestPool
+from planner.batch import ForwardBatch, ForwardMode
+from planner.serving.requests import Request
+
+
+class Scheduler:
+    """Moves requests from waiting to running to finished, and builds each step's batch."""
+
+    def __init__(self, cache: PagedKVCache, pool: RequestPool, max_batch: int, page_size: int) -> None:
+        self.cache = cache
+        self.pool = pool
+        self.max_batch = max_batch
+        self.page_size = page_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+
+    def arrive(self, requests: list[Request]) -> None:
+        self.waiting.extend(requests)
+
+    def admit(self, next_n: int) -> int:
+        """Start waiting requests, in arrival order, while their whole KV fits.
+
+        Pages for the request's final length are taken up front, so a running
+        request never waits for memory (no preemption needed) and its token
+        row is written once.
+        """
+        admitted = 0
+        while self.waiting and len(self.running) < self.max_batch and self.pool.num_free:
+            request = self.waiting[0]
+            final = len(request.prompt) + request.max_new_tokens + next_n
+            need = -(-final // self.page_size)
+            if self.cache.num_free_pages < need:
+                break
+            self.waiting.popleft()
+            request.pool_idx = self.pool.alloc()
+            request.pages = self.cache.alloc(need)
+            self.pool.assign(request.pool_idx, request.pages, min(need * self.page_size, self.pool.max_context))
+            self.running.append(request)
+            admitted += 1
+        return admitted
+
+    def slot(self, request: Request, position: int) -> int:
+        page = request.pages[position // self.page_size]
+        return page * self.page_size + position % self.page_size
+
+    def finish(self, request: Request, step: int) -> None:
+        request.finish_step = step
+        self.running.remove(request)
+        self.cache.free(request.pages)
+        self.pool.free(request.pool_idx)
+        request.pages = []
+        self.finished.append(request)
+
+    def build(
+        self, requests: list[Request], mode: ForwardMode, next_n: int, drafts: list[int] | None = None
+    ) -> tuple[ForwardBatch, torch.Tensor]:
+        """The batch and ``input_ids`` for feeding ``next_n`` tokens of each request.
+
+        Row ``i`` of a request is position ``fed + i``: its own next token
+        first, then the draft (target-verify).
+        """
+        lens, pools, locs, positions, ids = [], [], [], [], []
+        for j, request in enumerate(requests):
+            tokens = request.tokens
+            lens.append(request.fed + next_n)
+            pools.append(request.pool_idx)
+            for i in range(next_n):
+                position = request.fed + i
+                positions.append(position)
+                locs.append(self.slot(request, position))
+                ids.append(tokens[position] if i == 0 else drafts[j])
+        device = self.pool.req_to_token.device
+        batch = ForwardBatch(
+            seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
+            req_pool_indices=torch.tensor(pools, dtype=torch.int32),
+            req_to_token=self.pool.req_to_token,
+            out_cache_loc=torch.tensor(locs, dtype=torch.int32),
+            positions=torch.tensor(positions, dtype=torch.int32),
+            mode=mode,
+            next_n=next_n,
+        )
+        return batch, torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)

@@ -1,0 +1,92 @@
+"""DeepSeek-V3.2 decode through the planner loop: graphs, reloads and verify change no token."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.run_config import load_run_config
+from planner.serving.engine import DecodeEngine
+from planner.serving.report import summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {
+    "loop.requests": 6,
+    "loop.prompt_len": [3, 10],
+    "loop.max_new_tokens": [4, 9],
+    "loop.arrival_rate": 2.0,
+    "planner.max_batch": 4,
+    "planner.max_context": 128,
+}
+
+
+def _run(**overrides):
+    engine = DecodeEngine(load_run_config(ROOT / "configs" / "dsv32-tiny.yaml", {**SMALL, **overrides}))
+    result = engine.run(progress=False)
+    return engine, result
+
+
+@pytest.fixture(scope="module")
+def with_graphs():
+    return _run()
+
+
+def test_every_request_finishes_with_its_budget(with_graphs):
+    engine, result = with_graphs
+    assert len(result.tokens) == 6
+    summary = summarize(engine, result)
+    assert summary["graph_replays"] == result.decode_steps > 0
+    assert summary["schedule_calls_per_step"] == pytest.approx(1.0)
+    assert not engine.scheduler.running and engine.cache.num_used_pages == 0
+
+
+def test_greedy_tokens_identical_without_graphs(with_graphs):
+    _, result = with_graphs
+    _, eager = _run(**{"graphs.enabled": False})
+    assert eager.tokens == result.tokens
+
+
+def test_greedy_tokens_identical_after_save_and_reload(with_graphs, tmp_path):
+    engine, result = with_graphs
+    path = tmp_path / "tiny.safetensors"
+    engine.model.save(path)
+    _, reloaded = _run(**{"model.weights": str(path), "model.seed": 123})
+    assert reloaded.tokens == result.tokens
+
+
+def test_speculative_verify_runs_and_counts_drafts(with_graphs):
+    engine, result = _run(**{"planner.next_n": 2})
+    assert len(result.tokens) == 6
+    assert engine.runner.stats.summary()["captured"].get("target_verify")
+    assert all(len(t) > 0 for t in result.tokens.values())
+
+
+def test_debug_mode_verifies_every_replay():
+    engine, result = _run(**{"planner.debug": True, "loop.requests": 3})
+    assert engine.planner.stats.verified == result.decode_steps > 0
+
+
+def test_cli_prints_the_summary(tmp_path):
+    out = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "planner", "decode", "--requests", "3", "--quiet", "--json", str(out)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens/s" in proc.stdout and "schedule computations per step" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["summary"]["requests_finished"] == 3
+
+
+def test_cli_config_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("planner:\n  max_batch: 0\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "planner", "decode", "--config", str(bad)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert proc.returncode == 2
+    assert "planner.max_batch" in proc.stderr and "Traceback" not in proc.stderr
