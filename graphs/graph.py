@@ -9,6 +9,7 @@ wraps it in ``torch.cuda.graph``: three lines, so nothing else differs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
@@ -44,6 +45,9 @@ class CudaGraph:
         try:
             with torch.cuda.graph(self._graph, pool=pool, stream=self._stream):
                 return fn()
+        except BaseException:
+            _end_failed_capture(pool)
+            raise
         finally:
             # When capture_end raises (a capture invalidated by a sync), torch.cuda.graph
             # skips restoring the stream; later work would silently run on the side stream.
@@ -57,6 +61,22 @@ class CudaGraph:
 
     def reset(self) -> None:
         self._graph.reset()
+
+
+def _end_failed_capture(pool: Any) -> None:
+    """Take the caching allocator out of capture mode after a capture that CUDA invalidated.
+
+    ``CUDAGraph::capture_end`` raises on ``cudaStreamEndCapture``'s error before it
+    calls ``endAllocateToPool``, so the allocator believes a capture is still underway:
+    the next ``torch.cuda.empty_cache()`` (which every ``torch.cuda.graph`` entry calls)
+    then dies on ``captures_underway.empty() INTERNAL ASSERT``, and every later size
+    would be dropped. After a plain Python error in the body, capture_end succeeded,
+    nothing is left behind, and the call below raises; that is ignored.
+    """
+    if pool is None:
+        return
+    with contextlib.suppress(RuntimeError, AttributeError, TypeError):
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
 
 
 def new_pool(kind: GraphKind) -> Any:

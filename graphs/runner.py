@@ -180,7 +180,7 @@ class GraphRunner:
         return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
     def _drop(self, mode: ForwardMode, bs: int, exc: BaseException) -> None:
-        why = f"{type(exc).__name__}: {exc}"
+        why = _describe(exc)
         self.stats.dropped.setdefault(mode.value, {})[bs] = why
         warnings.warn(
             f"graph capture of {mode.value} batch size {bs} failed and was dropped ({why}); "
@@ -296,6 +296,19 @@ class GraphRunner:
 
     def _next_n(self, mode: ForwardMode) -> int:
         return self.planner.program(mode).next_n
+
+
+def _describe(exc: BaseException) -> str:
+    """The error, and the one it happened while handling: a CUDA capture invalidated by a
+    sync raises twice (the sync, then capture_end), and the first is the cause."""
+    chain = [exc]
+    while chain[-1].__context__ is not None and len(chain) < 4:
+        chain.append(chain[-1].__context__)
+    parts = [
+        f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        for e in chain
+    ]
+    return parts[-1] if len(parts) == 1 else f"{parts[-1]} (then {parts[0]})"
 
 
 def _graph_kind(device: torch.device, use_cuda_graph: bool | None) -> GraphKind:

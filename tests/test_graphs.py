@@ -432,3 +432,43 @@ def test_stats_summary_and_table():
     }
     runner.close()
     assert runner.captured_sizes(DECODE) == []
+
+
+# ---- the CUDA adapter's failure path, with torch.cuda faked ------------------------------------
+
+
+def test_cuda_adapter_restores_stream_and_allocator_after_a_failed_capture(monkeypatch):
+    """A capture CUDA invalidates leaves torch's stream and allocator in capture state; undo both."""
+    from contextlib import contextmanager
+
+    from graphs import graph as graph_mod
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "default-stream")
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: calls.append(("set_stream", s)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(
+        torch._C,
+        "_cuda_endAllocateToPool",
+        lambda dev, pool: calls.append(("end", dev, pool)),
+        raising=False,
+    )
+
+    @contextmanager
+    def fake_graph(g, pool=None, stream=None):
+        calls.append(("begin", pool))
+        yield  # like torch.cuda.graph: an exception in the body skips the stream restore
+
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    adapter = graph_mod.CudaGraph()
+    assert adapter.capture(lambda: "out", pool=(0, 7)) == "out"
+    assert calls == [("begin", (0, 7)), ("set_stream", "default-stream")]
+    calls.clear()
+
+    def sync_in_capture():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError, match="not permitted"):
+        adapter.capture(sync_in_capture, pool=(0, 7))
+    assert calls == [("begin", (0, 7)), ("end", 0, (0, 7)), ("set_stream", "default-stream")]
