@@ -121,7 +121,8 @@ def _check_host_range(name: str, tensor: torch.Tensor, lo: int, hi: int) -> None
     """Values must lie in [lo, hi]; checked only for host tensors (no device sync)."""
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return
-    low, high = int(tensor.min()), int(tensor.max())
+    values = tensor.numpy()  # host reductions through numpy: microseconds, not a torch dispatch
+    low, high = int(values.min()), int(values.max())
     if low < lo or high > hi:
         bad = low if low < lo else high
         raise BatchError("value out of range", field=name, expected=f"[{lo}, {hi}]", actual=bad)
@@ -178,7 +179,7 @@ def validate_batch(
     table = _check_tensor(
         "req_to_token", batch.req_to_token, dtypes=(torch.int32,), rank=2, devices=(device,)
     )
-    longest = int(seq.max())
+    longest = int(seq.numpy().max())
     if table.shape[1] < longest:
         raise BatchError(
             "token table narrower than the longest request",

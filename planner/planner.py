@@ -440,6 +440,7 @@ class Planner:
                 self._run(step, capture.views, batch)
         self._check_pointers(capture)
         capture.plans.real_reqs = batch.bs
+        capture.plans.phase = "replay"
         self.stats.record_steps(program.steps)
         self.stats.batches["replay"] += 1
         self.stats.host_seconds["replay"] += time.perf_counter() - start
