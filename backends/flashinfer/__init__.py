@@ -1,5 +1,18 @@
 """FlashInfer backends: paged decode (MHA/GQA) and DeepSeek MLA, planned once per batch.
 
-This package never imports ``flashinfer`` at import time, so the planner's
+Importing this package registers two plan schemas (``flashinfer_decode``,
+``flashinfer_mla``), their device metadata ops (torch references and Triton
+kernels) and the ``flashinfer_plan`` host op. It never imports ``flashinfer``
+itself: the package is loaded on the first plan that uses it, so the planner's
 registry (which imports every in-tree backend) works on any CPU.
 """
+
+from backends.flashinfer.plans import FlashInferDecodePlan, FlashInferMLAPlan
+from backends.flashinfer.wrappers import flashinfer_importable, release_wrappers
+
+__all__ = [
+    "FlashInferDecodePlan",
+    "FlashInferMLAPlan",
+    "flashinfer_importable",
+    "release_wrappers",
+]

@@ -1,0 +1,140 @@
+"""FlashInfer's metadata ops: the paged-KV tables (device) and ``flashinfer_plan`` (host).
+
+Device ops, each with the exact torch reference and a Triton kernel:
+
+- ``pages_per_request``: ``ceil(seq_len / page_size)``, whose prefix sum
+  (the generic ``cumsum_with_zero``) is ``kv_indptr``;
+- ``last_page_len``: tokens in each request's last page;
+- ``paged_kv_indices``: the flat ragged page list over a ``[req_pages]`` buffer.
+
+``flashinfer_plan`` is the host op (``graph_safe=False``): it runs in
+``replay()`` outside the graph, takes the batch's host lengths
+(``seq_lens_cpu``) and the plan tensors FlashInfer's wrapper is bound to, and
+writes a 4-entry summary ``[requests, pages, tokens, longest]`` so dumps and
+debug-mode replay checks see what FlashInfer was planned with. Its
+``flashinfer`` provider plans a real wrapper; its ``torch`` provider does only
+the bookkeeping, so the three phases run and are checked on any machine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from backends.flashinfer import kernels as tri
+from backends.flashinfer import reference as ref
+from backends.flashinfer import wrappers
+from planner.errors import SchemaError
+from planner.ops import metadata_op
+
+__all__ = ["flashinfer_plan", "last_page_len", "paged_kv_indices", "pages_per_request"]
+
+pages_per_request = metadata_op(
+    "pages_per_request", "out[r] = ceil(seq_lens[r] / page_size): pages in request r's page list."
+)
+last_page_len = metadata_op(
+    "last_page_len", "out[r] = (seq_lens[r] - 1) % page_size + 1: tokens in request r's last page."
+)
+paged_kv_indices = metadata_op(
+    "paged_kv_indices",
+    "FlashInfer's flat page list: out[kv_indptr[r] + p] = req_to_token[pool[r], p * page_size]"
+    " // page_size for p < pages of r; 0 elsewhere.",
+)
+flashinfer_plan = metadata_op(
+    "flashinfer_plan",
+    "Host op: plan FlashInfer's wrapper for this batch from host lengths; out = [requests, pages,"
+    " tokens, longest].",
+)
+
+pages_per_request.provider("torch")(ref.pages_per_request)
+pages_per_request.provider("triton", available=tri.triton_usable)(tri.pages_per_request)
+last_page_len.provider("torch")(ref.last_page_len)
+last_page_len.provider("triton", available=tri.triton_usable)(tri.last_page_len)
+paged_kv_indices.provider("torch")(ref.paged_kv_indices)
+paged_kv_indices.provider("triton", available=tri.triton_usable)(tri.paged_kv_indices)
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_KV_DTYPES = {**_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def dtype_named(name: str, *, field: str, kv: bool = False) -> torch.dtype:
+    """A dtype setting by name (settings stay JSON-able strings)."""
+    table = _KV_DTYPES if kv else _DTYPES
+    if name not in table:
+        raise SchemaError("unsupported dtype", field=field, expected=sorted(table), actual=name)
+    return table[name]
+
+
+def wrapper_config(kind: str, params: dict[str, Any]) -> wrappers.WrapperConfig:
+    """The op's resolved parameters as the (hashable) wrapper configuration."""
+    return wrappers.WrapperConfig(
+        kind=kind,
+        page_size=params["page_size"],
+        next_n=params["next_n"],
+        heads=params["heads"],
+        kv_heads=params.get("kv_heads", 1),
+        head_dim=params["head_dim"],
+        rope_dim=params.get("rope_dim", 0),
+        q_dtype=dtype_named(params["q_dtype"], field=f"{kind}.q_dtype"),
+        kv_dtype=dtype_named(params["kv_dtype"], field=f"{kind}.kv_dtype", kv=True),
+        sm_scale=params.get("sm_scale"),
+        use_tensor_cores=bool(params.get("use_tensor_cores", False)),
+        workspace_mb=params.get("workspace_mb", 128),
+        backend=params.get("backend", "auto"),
+    )
+
+
+def is_static_view(t: torch.Tensor) -> bool:
+    """Capture and replay hand ops slices of the planner's static buffers; eager, fresh tensors.
+
+    A graph wrapper must be bound to static memory and an eager plan must not
+    create one per batch, so the host op needs to tell the two apart. Until the
+    planner passes the phase (a ``static=`` keyword, which ``_plan`` accepts),
+    the tell is that its static views are slices with a base and eager fields
+    are fresh allocations.
+    """
+    return t._base is not None
+
+
+def _plan(
+    use_flashinfer: bool,
+    out: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_tail: torch.Tensor,
+    *,
+    kind: str,
+    static: bool | None = None,
+    **params: Any,
+) -> None:
+    config = wrapper_config(kind, params)
+    wrappers.POOL.plan(
+        config,
+        static=is_static_view(kv_indptr) if static is None else static,
+        use_flashinfer=use_flashinfer,
+        seq_lens_cpu=seq_lens_cpu,
+        bound=(qo_indptr, kv_indptr, kv_indices, kv_tail),
+        out=out,
+    )
+
+
+@flashinfer_plan.provider("torch", graph_safe=False)
+def _plan_bookkeeping(out: torch.Tensor, *inputs: torch.Tensor, **params: Any) -> None:
+    """No FlashInfer: record the host plan arguments and the summary; the reference reads the plan."""
+    _plan(False, out, *inputs, **params)
+
+
+def _flashinfer_usable(device: torch.device) -> bool:
+    # An injected module (tests) counts on any device; the real one needs CUDA.
+    if wrappers._module is not None:
+        return True
+    return torch.device(device).type == "cuda" and wrappers.flashinfer_importable()
+
+
+@flashinfer_plan.provider("flashinfer", graph_safe=False, available=lambda d: _flashinfer_usable(d))
+def _plan_flashinfer(out: torch.Tensor, *inputs: torch.Tensor, **params: Any) -> None:
+    """Plan the slot's FlashInfer wrapper (graph wrapper for static views, else the eager one)."""
+    _plan(True, out, *inputs, **params)

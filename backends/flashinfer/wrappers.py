@@ -1,0 +1,365 @@
+"""FlashInfer wrappers: one per captured (batch size, mode), planned from host lengths.
+
+FlashInfer splits attention into ``plan`` (host: schedules work from the
+lengths, copies it to the device) and ``run`` (per layer). Under CUDA graphs
+``run`` is captured once over fixed buffers, so each captured batch size needs
+its own wrapper built with ``use_cuda_graph=True`` over the planner's static
+plan tensors, re-planned in place before every replay. Eager plans share one
+ordinary wrapper per configuration.
+
+Two hazards are handled here rather than left to callers:
+
+- no device-to-host sync: ``plan`` calls ``.to("cpu")`` on the index arrays it
+  is given, so it always receives host copies computed from the batch's host
+  lengths (``seq_lens_cpu``), never the device plan fields;
+- no race on pinned memory: ``plan`` enqueues asynchronous copies out of
+  pinned host buffers (ours and FlashInfer's own). Before a slot refills them
+  for the next batch it waits for the event recorded after its previous plan.
+
+The ``flashinfer`` package is imported on first use, never at import time, so
+this module (and the planner's registry, which imports it) works on any CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import weakref
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from planner.errors import ProviderError
+
+__all__ = [
+    "POOL",
+    "HostArgs",
+    "PlanSlot",
+    "WrapperConfig",
+    "WrapperPool",
+    "flashinfer_importable",
+    "load_flashinfer",
+    "release_wrappers",
+]
+
+_module: ModuleType | None = None
+"""The imported (or, in tests, injected) flashinfer module."""
+
+
+def flashinfer_importable() -> bool:
+    """Whether ``import flashinfer`` would find a package; does not import it."""
+    return _module is not None or importlib.util.find_spec("flashinfer") is not None
+
+
+def load_flashinfer() -> ModuleType:
+    """Import flashinfer on first use (it JIT-compiles kernels and needs CUDA)."""
+    global _module
+    if _module is None:
+        try:
+            _module = importlib.import_module("flashinfer")
+        except ImportError as exc:
+            raise ProviderError(
+                "flashinfer is not importable", field="flashinfer", actual=repr(exc)
+            ) from exc
+    return _module
+
+
+@dataclass(frozen=True)
+class WrapperConfig:
+    """What one wrapper is planned for, besides the lengths (hashable: it keys the pool)."""
+
+    kind: str  # "decode" (BatchDecodeWithPagedKVCacheWrapper) or "mla"
+    page_size: int
+    next_n: int
+    heads: int
+    kv_heads: int
+    head_dim: int  # decode: head_dim; MLA: head_dim_ckv
+    rope_dim: int  # MLA: head_dim_kpe; decode: 0
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    sm_scale: float | None
+    use_tensor_cores: bool = False
+    workspace_mb: int = 128
+    backend: str = "auto"
+
+    @property
+    def causal(self) -> bool:
+        """Verify rows attend causally to the draft tokens before them; decode rows see all."""
+        return self.next_n > 1
+
+
+class HostArgs:
+    """Host copies of the arrays FlashInfer's ``plan`` reads, for up to ``capacity`` requests.
+
+    Pinned on CUDA so FlashInfer's ``non_blocking`` copies out of them are truly
+    asynchronous (a pageable source may make the driver synchronise).
+    """
+
+    def __init__(self, capacity: int, pin: bool) -> None:
+        self.capacity = capacity
+        self.reqs = 0
+        i32 = {"dtype": torch.int32, "pin_memory": pin}
+        self._qo_indptr = torch.zeros(capacity + 1, **i32)
+        self._kv_indptr = torch.zeros(capacity + 1, **i32)
+        self._last_page_len = torch.zeros(capacity, **i32)
+        self._kv_lens = torch.zeros(capacity, **i32)
+        self.summary = torch.zeros(4, dtype=torch.int64, pin_memory=pin)
+
+    def fill(self, seq_lens_cpu: torch.Tensor, reqs: int, page_size: int, next_n: int) -> None:
+        """The batch's lengths padded to ``reqs`` with ``next_n`` (the plans' pad), then the tables.
+
+        Numpy on views of the same memory: a dozen tiny torch ops would cost
+        more host time than the whole plan.
+        """
+        real = seq_lens_cpu.shape[0]
+        if not real <= reqs <= self.capacity:
+            raise ProviderError(
+                "batch does not fit the planned size",
+                field="seq_lens_cpu",
+                expected=f"<= {reqs}",
+                actual=real,
+            )
+        self.reqs = reqs
+        lens = self._kv_lens.numpy()[:reqs]
+        lens[:real] = seq_lens_cpu.numpy()
+        lens[real:] = next_n
+        indptr = self._kv_indptr.numpy()[: reqs + 1]
+        indptr[0] = 0
+        np.cumsum((lens + (page_size - 1)) // page_size, dtype=np.int32, out=indptr[1:])
+        np.add(np.fmod(lens - 1, page_size), 1, out=self._last_page_len.numpy()[:reqs])
+        np.multiply(
+            np.arange(reqs + 1, dtype=np.int32), next_n, out=self._qo_indptr.numpy()[: reqs + 1]
+        )
+        self.summary.numpy()[:] = summary_of(lens, page_size)
+
+    @property
+    def qo_indptr(self) -> torch.Tensor:
+        return self._qo_indptr[: self.reqs + 1]
+
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        return self._kv_indptr[: self.reqs + 1]
+
+    @property
+    def last_page_len(self) -> torch.Tensor:
+        return self._last_page_len[: self.reqs]
+
+    @property
+    def kv_lens(self) -> torch.Tensor:
+        return self._kv_lens[: self.reqs]
+
+    @property
+    def total_pages(self) -> int:
+        return int(self._kv_indptr.numpy()[self.reqs])
+
+
+def summary_of(lens: np.ndarray, page_size: int) -> list[int]:
+    """``[requests, pages, tokens, longest]``: what a plan was made for, as the plan records it."""
+    pages = (lens.astype(np.int64) + (page_size - 1)) // page_size
+    return [int(lens.shape[0]), int(pages.sum()), int(lens.astype(np.int64).sum()), int(lens.max())]
+
+
+class PlanSlot:
+    """One wrapper (``None`` without flashinfer), its host arrays, and the event guarding them."""
+
+    def __init__(
+        self,
+        config: WrapperConfig,
+        reqs: int,
+        device: torch.device,
+        wrapper: Any,
+        bound: tuple[torch.Tensor, ...] | None,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.wrapper = wrapper
+        self.bound = bound  # graph slots: the static plan tensors the wrapper reads
+        self._pin = device.type == "cuda"
+        self.args = HostArgs(reqs, self._pin)
+        self._done = torch.cuda.Event() if self._pin else None
+        self._pending = False
+        self.planned_for: torch.Tensor | None = None
+        self.plans = 0
+
+    @property
+    def static(self) -> bool:
+        return self.bound is not None
+
+    def plan(
+        self, seq_lens_cpu: torch.Tensor, reqs: int, kv_indices: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """Fill the host arrays, plan the wrapper, record the summary in ``out``; no device sync."""
+        if self._pending:
+            self._done.synchronize()  # our previous plan's async copies still read these buffers
+            self._pending = False
+        if reqs > self.args.capacity:  # eager slots grow to the largest batch seen
+            self.args = HostArgs(reqs, self._pin)
+        c = self.config
+        self.args.fill(seq_lens_cpu, reqs, c.page_size, c.next_n)
+        if self.wrapper is not None:
+            self._plan_wrapper(kv_indices)
+        out.copy_(self.args.summary, non_blocking=self._pin)
+        if self._done is not None:
+            self._done.record()
+            self._pending = True
+        self.plans += 1
+
+    def _plan_wrapper(self, kv_indices: torch.Tensor) -> None:
+        # kv_indices: the plan's own device field, cut to the pages in use. In graph
+        # mode FlashInfer copies it onto its buffer, which is that same memory, and
+        # torch skips a copy between identical views; eager wrappers keep a reference.
+        c, a = self.config, self.args
+        indices = kv_indices[: a.total_pages]
+        if c.kind == "decode":
+            self.wrapper.plan(
+                a.kv_indptr,
+                indices,
+                a.last_page_len,
+                c.heads,
+                c.kv_heads,
+                c.head_dim,
+                c.page_size,
+                q_data_type=c.q_dtype,
+                kv_data_type=c.kv_dtype,
+                sm_scale=c.sm_scale,
+                non_blocking=True,
+            )
+        else:
+            self.wrapper.plan(
+                a.qo_indptr,
+                a.kv_indptr,
+                indices,
+                a.kv_lens,
+                c.heads,
+                c.head_dim,
+                c.rope_dim,
+                c.page_size,
+                c.causal,
+                c.sm_scale,
+                c.q_dtype,
+                c.kv_dtype,
+            )
+
+
+class WrapperPool:
+    """Every slot of the process, found again from the plan a layer holds.
+
+    Graph slots are keyed by the static tensors they are bound to (one per
+    captured size and mode); eager slots by configuration. A forward finds its
+    slot through the identity of the plan's ``kv_indptr`` tensor, so an eager
+    plan that a newer eager plan superseded finds nothing instead of running
+    with the newer batch's schedule.
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple, PlanSlot] = {}
+        self._by_plan: dict[int, tuple[weakref.ref, PlanSlot]] = {}
+        self._workspaces: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+    def plan(
+        self,
+        config: WrapperConfig,
+        *,
+        static: bool,
+        use_flashinfer: bool,
+        seq_lens_cpu: torch.Tensor,
+        bound: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        out: torch.Tensor,
+    ) -> PlanSlot:
+        """Plan the slot for these plan tensors (``qo_indptr, kv_indptr, kv_indices, kv_tail``)."""
+        kv_indptr, kv_indices = bound[1], bound[2]
+        reqs = kv_indptr.shape[0] - 1
+        device = kv_indptr.device
+        if static:
+            key = (config, device, use_flashinfer, reqs, tuple(t.data_ptr() for t in bound))
+        else:
+            key = (config, device, use_flashinfer, "eager")
+        slot = self._slots.get(key)
+        if slot is None or (
+            static and any(a is not b for a, b in zip(slot.bound, bound, strict=True))
+        ):
+            wrapper = self._new_wrapper(config, static, bound, device) if use_flashinfer else None
+            slot = PlanSlot(config, reqs, device, wrapper, bound if static else None)
+            self._slots[key] = slot
+        old = slot.planned_for
+        if old is not None and old is not kv_indptr:
+            self._by_plan.pop(id(old), None)
+        slot.plan(seq_lens_cpu, reqs, kv_indices, out)
+        slot.planned_for = kv_indptr
+        self._by_plan[id(kv_indptr)] = (weakref.ref(kv_indptr), slot)
+        return slot
+
+    def lookup(self, kv_indptr: torch.Tensor) -> PlanSlot | None:
+        """The slot last planned for the plan owning this ``kv_indptr``, or None."""
+        entry = self._by_plan.get(id(kv_indptr))
+        if entry is None or entry[0]() is not kv_indptr or entry[1].planned_for is not kv_indptr:
+            return None
+        return entry[1]
+
+    def slots(self) -> list[PlanSlot]:
+        return list(self._slots.values())
+
+    def release(self) -> None:
+        """Drop every wrapper, workspace and reference to planner buffers (e.g. between tests)."""
+        self._slots.clear()
+        self._by_plan.clear()
+        self._workspaces.clear()
+
+    def workspace(self, device: torch.device, mb: int) -> torch.Tensor:
+        """One float workspace per (device, size), shared: wrappers run one after another on one stream."""
+        key = (device, mb)
+        if key not in self._workspaces:
+            self._workspaces[key] = torch.zeros(mb << 20, dtype=torch.uint8, device=device)
+        return self._workspaces[key]
+
+    def _new_wrapper(
+        self, c: WrapperConfig, static: bool, bound: tuple[torch.Tensor, ...], device: torch.device
+    ) -> Any:
+        fi = load_flashinfer()
+        workspace = self.workspace(device, c.workspace_mb)
+        qo_indptr, kv_indptr, kv_indices, kv_tail = bound
+        if c.kind == "decode":
+            if c.next_n > 1:
+                raise ProviderError(
+                    "FlashInfer's decode wrapper plans one query token per request; target-verify "
+                    "needs the prefill wrapper, which this backend does not plan yet",
+                    field="flashinfer_decode.next_n",
+                    expected=1,
+                    actual=c.next_n,
+                )
+            if not static:
+                return fi.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace, "NHD", use_tensor_cores=c.use_tensor_cores
+                )
+            return fi.BatchDecodeWithPagedKVCacheWrapper(
+                workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=c.use_tensor_cores,
+                paged_kv_indptr_buffer=kv_indptr,
+                paged_kv_indices_buffer=kv_indices,
+                paged_kv_last_page_len_buffer=kv_tail,
+            )
+        if not static:
+            return fi.BatchMLAPagedAttentionWrapper(workspace, backend=c.backend)
+        return fi.BatchMLAPagedAttentionWrapper(
+            workspace,
+            use_cuda_graph=True,
+            qo_indptr=qo_indptr,
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            kv_len_arr=kv_tail,
+            backend=c.backend,
+        )
+
+
+POOL = WrapperPool()
+"""The process's wrappers; a forward finds its own through the plan it is handed."""
+
+
+def release_wrappers() -> None:
+    """Free every FlashInfer wrapper and the planner buffers they hold (see ``WrapperPool.release``)."""
+    POOL.release()
