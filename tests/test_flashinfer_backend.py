@@ -1,7 +1,11 @@
-"""FlashInfer backends on the CPU: metadata ops, the three phases, the host op.
+"""FlashInfer backends on the CPU: metadata ops, the three phases, the host op, the references.
 
 Without CUDA the Triton kernels run under the interpreter, switched on before
 ``triton.language`` is first imported (see ``backends.kernels.generic_triton``).
+FlashInfer itself is replaced by a small fake that keeps its documented
+contract (buffers bound at construction in graph mode, ``plan`` reading host
+arrays, ``run`` reading only what it was bound to and planned with), which
+checks the wrapper plumbing that the GPU run then confirms with the real kernels.
 """
 
 from __future__ import annotations
@@ -17,15 +21,23 @@ import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from backends.flashinfer import (  # noqa: E402
+    flashinfer_decode_attention,
+    flashinfer_mla_attention,
+    reference_decode_attention,
+    reference_mla_attention,
+    release_wrappers,
+    wrappers,
+)
 from backends.flashinfer import kernels as tri  # noqa: E402
 from backends.flashinfer import reference as ref  # noqa: E402
-from backends.flashinfer import release_wrappers, wrappers  # noqa: E402
-from planner import ForwardMode, Limits, Planner, SchemaError  # noqa: E402
+from planner import ForwardMode, Limits, PlanError, Planner, SchemaError  # noqa: E402
 from tests.batches import make_pool, random_batch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -269,6 +281,336 @@ def test_unsupported_settings_are_refused_at_build(backend, options, page_size):
     limits = Limits(max_batch=4, max_context=64, page_size=page_size)
     with pytest.raises(SchemaError):
         Planner([backend], limits, options={backend: options})
+
+
+# --- attention through plans -----------------------------------------------------------
+
+
+def _dense(batch, kv_lens_of, q, keys, values, scale, next_n):
+    """Attention straight from the batch: slots from req_to_token, float64, a loop."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // keys.shape[1]
+    for r, (req, length) in enumerate(
+        zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu.tolist(), strict=True)
+    ):
+        slots = batch.req_to_token[req, :length].long()
+        k = keys[slots].double().repeat_interleave(group, dim=1)
+        v = (values if values is not None else keys)[slots].double().repeat_interleave(group, dim=1)
+        for i in range(next_n):
+            n = length - (next_n - 1 - i)
+            row = r * next_n + i
+            logits = kv_lens_of(q[row].double(), k[:n]) * scale
+            out[row] = torch.einsum("ht,thd->hd", torch.softmax(logits, dim=-1), v[:n])
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("next_n", [1, 3])
+def test_reference_decode_through_plans_equals_dense(page_size, next_n):
+    table = TABLES[page_size]
+    g = torch.Generator().manual_seed(page_size * 10 + next_n)
+    planner = _planner(page_size, next_n, backends=("flashinfer_decode",))
+    mode = ForwardMode.TARGET_VERIFY if next_n > 1 else ForwardMode.DECODE
+    batch = random_batch(
+        random.Random(next_n),
+        table,
+        max_batch=5,
+        max_context=MAX_CTX,
+        next_n=next_n,
+        mode=mode,
+        bs=5,
+    )
+    slots = int(table.max()) + 1
+    pages = -(-slots // page_size)
+    k = torch.randn(pages, page_size, 2, 64, generator=g)
+    v = torch.randn(pages, page_size, 2, 64, generator=g)
+    q = torch.randn(5 * next_n, 4, 64, generator=g)
+    expected = _dense(
+        batch,
+        lambda qh, kt: torch.einsum("hd,thd->ht", qh, kt),
+        q,
+        k.view(-1, 2, 64),
+        v.view(-1, 2, 64),
+        64**-0.5,
+        next_n,
+    )
+    eager = planner.plan(batch)["flashinfer_decode"]
+    got = flashinfer_decode_attention(eager, q, (k, v))
+    assert torch.allclose(got.double(), expected, atol=1e-5)
+    assert torch.allclose(
+        reference_decode_attention(eager, q, torch.stack([k, v], 1)).double(), expected, atol=1e-5
+    )
+    planner.capture(8, mode, req_to_token=table)
+    replayed = planner.replay(batch, 8)["flashinfer_decode"]
+    q8 = torch.cat([q, torch.randn(3 * next_n, 4, 64, generator=g)])
+    got8 = flashinfer_decode_attention(replayed, q8, (k, v))
+    assert torch.allclose(got8[: 5 * next_n].double(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_reference_mla_through_plans_equals_dense(page_size, next_n):
+    table = TABLES[page_size]
+    g = torch.Generator().manual_seed(page_size + next_n)
+    planner = _planner(page_size, next_n, backends=("flashinfer_mla",))
+    mode = ForwardMode.TARGET_VERIFY if next_n > 1 else ForwardMode.DECODE
+    batch = random_batch(
+        random.Random(page_size),
+        table,
+        max_batch=4,
+        max_context=MAX_CTX,
+        next_n=next_n,
+        mode=mode,
+        bs=4,
+    )
+    pages = -(-(int(table.max()) + 1) // page_size)
+    ckv = torch.randn(pages, page_size, 512, generator=g) * 0.1
+    kpe = torch.randn(pages, page_size, 64, generator=g)
+    q_nope = torch.randn(4 * next_n, 2, 512, generator=g) * 0.1
+    q_pe = torch.randn(4 * next_n, 2, 64, generator=g)
+    scale = 192**-0.5
+    kv = torch.cat([ckv, kpe], -1).view(-1, 1, 576)
+    q = torch.cat([q_nope, q_pe], -1)
+    expected = _dense(
+        batch, lambda qh, kt: torch.einsum("hd,thd->ht", qh, kt), q, kv, None, scale, next_n
+    )[..., :512]
+    eager = planner.plan(batch)["flashinfer_mla"]
+    got = flashinfer_mla_attention(eager, q_nope, q_pe, ckv, kpe)
+    assert torch.allclose(got.double(), expected, atol=1e-5)
+    planner.capture(4, mode, req_to_token=table)
+    replayed = planner.replay(batch, 4)["flashinfer_mla"]
+    assert torch.allclose(
+        reference_mla_attention(replayed, q_nope, q_pe, ckv, kpe).double(), expected, atol=1e-5
+    )
+
+
+def test_attention_refuses_rows_that_do_not_match_the_plan():
+    planner = _planner(16, backends=("flashinfer_decode",))
+    batch = random_batch(random.Random(2), TABLES[16], max_batch=3, max_context=MAX_CTX, bs=3)
+    plan = planner.plan(batch)["flashinfer_decode"]
+    cache = torch.zeros(200, 16, 2, 64)
+    with pytest.raises(PlanError, match="rows"):
+        flashinfer_decode_attention(plan, torch.zeros(4, 4, 64), (cache, cache))
+    with pytest.raises(PlanError, match="implementation"):
+        flashinfer_decode_attention(plan, torch.zeros(3, 4, 64), (cache, cache), impl="cuda")
+
+
+# --- the wrapper plumbing, against a fake FlashInfer -----------------------------------
+
+
+class _FakeWrapper:
+    """FlashInfer's contract, minus the kernels: what plan() may read, what run() reads."""
+
+    made: list[_FakeWrapper] = []
+
+    def __init__(self, workspace, *, graph, buffers, kind):
+        self.kind, self.graph, self.buffers = kind, graph, buffers
+        self.planned = None
+        _FakeWrapper.made.append(self)
+
+    def _host(self, *tensors):
+        for t in tensors:  # plan() calls .to("cpu") on these: device tensors would sync
+            assert t.device.type == "cpu" and (t.is_pinned() or not torch.cuda.is_available())
+
+    def _bind(self, names, values, indices):
+        if self.graph:
+            for name, value in zip(names, values, strict=True):
+                self.buffers[name].copy_(value)
+            self.buffers["indices"][: len(indices)].copy_(indices)
+        else:
+            self.buffers = {name: value.clone() for name, value in zip(names, values, strict=True)}
+            self.buffers["indices"] = indices
+
+    def _pages(self, r, page_size):
+        indptr, indices = self.buffers["indptr"], self.buffers["indices"]
+        pages = indices[int(indptr[r]) : int(indptr[r + 1])].long()
+        return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+
+class _FakeDecode(_FakeWrapper):
+    def __init__(self, workspace, layout, use_cuda_graph=False, use_tensor_cores=False, **buffers):
+        bufs = {
+            "indptr": buffers.get("paged_kv_indptr_buffer"),
+            "indices": buffers.get("paged_kv_indices_buffer"),
+            "last": buffers.get("paged_kv_last_page_len_buffer"),
+        }
+        super().__init__(workspace, graph=use_cuda_graph, buffers=bufs, kind="decode")
+
+    def plan(
+        self,
+        indptr,
+        indices,
+        last,
+        heads,
+        kv_heads,
+        head_dim,
+        page_size,
+        *,
+        q_data_type,
+        kv_data_type,
+        sm_scale,
+        non_blocking,
+    ):
+        self._host(indptr, last)
+        self._bind(("indptr", "last"), (indptr, last), indices)
+        self.planned = SimpleNamespace(
+            page_size=page_size, reqs=len(last), scale=sm_scale or head_dim**-0.5
+        )
+
+    def run(self, q, kv_cache):
+        p = self.planned
+        k, v = kv_cache
+        out = torch.zeros_like(q)
+        for r in range(p.reqs):
+            tokens = self._pages(r, p.page_size)
+            n = (len(tokens) // p.page_size - 1) * p.page_size + int(self.buffers["last"][r])
+            kk = k.reshape(-1, *k.shape[2:])[tokens[:n]].repeat_interleave(
+                q.shape[1] // k.shape[2], 1
+            )
+            vv = v.reshape(-1, *v.shape[2:])[tokens[:n]].repeat_interleave(
+                q.shape[1] // k.shape[2], 1
+            )
+            w = torch.softmax(torch.einsum("hd,thd->ht", q[r], kk) * p.scale, -1)
+            out[r] = torch.einsum("ht,thd->hd", w, vv)
+        return out
+
+
+class _FakeMLA(_FakeWrapper):
+    def __init__(
+        self,
+        workspace,
+        use_cuda_graph=False,
+        qo_indptr=None,
+        kv_indptr=None,
+        kv_indices=None,
+        kv_len_arr=None,
+        backend="auto",
+    ):
+        bufs = {"qo": qo_indptr, "indptr": kv_indptr, "indices": kv_indices, "lens": kv_len_arr}
+        super().__init__(workspace, graph=use_cuda_graph, buffers=bufs, kind="mla")
+
+    def plan(
+        self,
+        qo,
+        indptr,
+        indices,
+        lens,
+        heads,
+        ckv,
+        kpe,
+        page_size,
+        causal,
+        scale,
+        q_dtype,
+        kv_dtype,
+    ):
+        self._host(qo, indptr, lens)
+        self._bind(("qo", "indptr", "lens"), (qo, indptr, lens), indices)
+        self.planned = SimpleNamespace(
+            page_size=page_size, causal=causal, scale=scale, qo=qo.clone(), lens=lens.clone()
+        )
+
+    def run(self, q_nope, q_pe, ckv, kpe):
+        p = self.planned
+        out = torch.zeros_like(q_nope)
+        latent, rope = ckv.reshape(-1, ckv.shape[-1]), kpe.reshape(-1, kpe.shape[-1])
+        for r in range(len(p.lens)):
+            tokens = self._pages(r, p.page_size)[: int(p.lens[r])]
+            rows = range(int(p.qo[r]), int(p.qo[r + 1]))
+            for i, row in enumerate(rows):
+                n = len(tokens) - (len(rows) - 1 - i) if p.causal else len(tokens)
+                t = tokens[:n]
+                logits = (q_nope[row] @ latent[t].T + q_pe[row] @ rope[t].T) * p.scale
+                out[row] = torch.softmax(logits, -1) @ latent[t]
+        return out
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    _FakeWrapper.made.clear()
+    fake = SimpleNamespace(
+        BatchDecodeWithPagedKVCacheWrapper=_FakeDecode, BatchMLAPagedAttentionWrapper=_FakeMLA
+    )
+    monkeypatch.setattr(wrappers, "_module", fake)
+    return fake
+
+
+def test_wrappers_per_size_bound_to_static_plans_and_planned_every_replay(fake_flashinfer):
+    table = TABLES[1]
+    planner = _planner(1, providers={"flashinfer_plan": "flashinfer"})
+    g = torch.Generator().manual_seed(0)
+    pages = int(table.max()) + 1
+    k, v = torch.randn(pages, 1, 2, 64, generator=g), torch.randn(pages, 1, 2, 64, generator=g)
+    ckv, kpe = torch.randn(pages, 1, 512, generator=g) * 0.1, torch.randn(pages, 1, 64, generator=g)
+    captured = {bs: planner.capture(bs, req_to_token=table) for bs in SIZES}
+    graph_wrappers = [w for w in _FakeWrapper.made if w.graph]
+    assert len(graph_wrappers) == 2 * len(SIZES)  # one per (size, backend), made at capture
+    for plans in captured.values():
+        slot = wrappers.POOL.lookup(plans["flashinfer_decode"].kv_indptr)
+        assert slot.wrapper.buffers["indptr"] is plans["flashinfer_decode"].kv_indptr
+        assert slot.wrapper.buffers["indices"] is plans["flashinfer_decode"].kv_indices
+    rng = random.Random(4)
+    for _ in range(5):
+        batch = random_batch(rng, table, max_batch=MAX_BATCH, max_context=MAX_CTX)
+        bs = min(s for s in SIZES if s >= batch.bs)
+        plans = planner.replay(batch, bs)
+        assert plans is captured[bs]
+        d, m = plans["flashinfer_decode"], plans["flashinfer_mla"]
+        q = torch.randn(bs, 4, 64, generator=g)
+        qn, qp = torch.randn(bs, 2, 512, generator=g) * 0.1, torch.randn(bs, 2, 64, generator=g)
+        assert torch.allclose(
+            flashinfer_decode_attention(d, q, (k, v)),
+            reference_decode_attention(d, q, (k, v)),
+            atol=1e-5,
+        )
+        assert torch.allclose(
+            flashinfer_mla_attention(m, qn, qp, ckv, kpe),
+            reference_mla_attention(m, qn, qp, ckv, kpe),
+            atol=1e-5,
+        )
+    assert len([w for w in _FakeWrapper.made if w.graph]) == 2 * len(SIZES)  # none made at replay
+
+
+def test_eager_wrapper_is_reused_and_a_superseded_plan_is_refused(fake_flashinfer):
+    table = TABLES[64]
+    planner = _planner(
+        64, next_n=2, providers={"flashinfer_plan": "flashinfer"}, backends=("flashinfer_mla",)
+    )
+    rng = random.Random(5)
+    ckv, kpe = torch.randn(200, 64, 512) * 0.1, torch.randn(200, 64, 64)
+    first = planner.plan(
+        random_batch(
+            rng,
+            table,
+            max_batch=3,
+            max_context=MAX_CTX,
+            next_n=2,
+            mode=ForwardMode.TARGET_VERIFY,
+            bs=3,
+        )
+    )["flashinfer_mla"]
+    qn, qp = torch.randn(6, 2, 512) * 0.1, torch.randn(6, 2, 64)
+    got = flashinfer_mla_attention(first, qn, qp, ckv, kpe)
+    assert torch.allclose(got, reference_mla_attention(first, qn, qp, ckv, kpe), atol=1e-5)
+    second = planner.plan(random_batch(rng, table, max_batch=5, max_context=MAX_CTX, bs=5))[
+        "flashinfer_mla"
+    ]
+    assert len(_FakeWrapper.made) == 2  # one eager wrapper per mode (next_n), reused across batches
+    planner.plan(random_batch(rng, table, max_batch=5, max_context=MAX_CTX, bs=2))
+    assert len(_FakeWrapper.made) == 2
+    with pytest.raises(PlanError, match="newer eager plan"):
+        flashinfer_mla_attention(
+            second, torch.zeros(5, 2, 512), torch.zeros(5, 2, 64), ckv, kpe, impl="flashinfer"
+        )
+
+
+def test_decode_wrapper_refuses_target_verify(fake_flashinfer):
+    planner = _planner(
+        16, next_n=2, providers={"flashinfer_plan": "flashinfer"}, backends=("flashinfer_decode",)
+    )
+    planner.capture(2, ForwardMode.DECODE, req_to_token=TABLES[16])
+    with pytest.raises(PlanError, match="prefill wrapper"):
+        planner.capture(2, ForwardMode.TARGET_VERIFY, req_to_token=TABLES[16])
 
 
 def test_importing_the_backend_never_imports_flashinfer():
