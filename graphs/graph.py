@@ -9,7 +9,7 @@ wraps it in ``torch.cuda.graph``: three lines, so nothing else differs.
 
 from __future__ import annotations
 
-import contextlib
+import gc
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
@@ -36,7 +36,7 @@ class CudaGraph:
     """``torch.cuda.CUDAGraph`` captured from a callable on a shared side stream."""
 
     def __init__(self, stream: torch.cuda.Stream | None = None) -> None:
-        self._graph = torch.cuda.CUDAGraph()
+        self._graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
         self._stream = stream
 
     def capture(self, fn: Callable[[], Any], *, pool: Any = None) -> Any:
@@ -46,7 +46,8 @@ class CudaGraph:
             with torch.cuda.graph(self._graph, pool=pool, stream=self._stream):
                 return fn()
         except BaseException:
-            _end_failed_capture(pool)
+            # Freeing the failed graph lets newer torch's CUDAGraph::reset() tidy the allocator.
+            self._graph = None
             raise
         finally:
             # When capture_end raises (a capture invalidated by a sync), torch.cuda.graph
@@ -63,20 +64,26 @@ class CudaGraph:
         self._graph.reset()
 
 
-def _end_failed_capture(pool: Any) -> None:
-    """Take the caching allocator out of capture mode after a capture that CUDA invalidated.
+def recover_after_failed_capture(pool: Any) -> None:
+    """Leave torch able to capture again after a capture failed; call outside the ``except``.
 
-    ``CUDAGraph::capture_end`` raises on ``cudaStreamEndCapture``'s error before it
-    calls ``endAllocateToPool``, so the allocator believes a capture is still underway:
-    the next ``torch.cuda.empty_cache()`` (which every ``torch.cuda.graph`` entry calls)
-    then dies on ``captures_underway.empty() INTERNAL ASSERT``, and every later size
-    would be dropped. After a plain Python error in the body, capture_end succeeded,
-    nothing is left behind, and the call below raises; that is ignored.
+    When CUDA invalidates a capture (a host sync inside it), older torch's
+    ``CUDAGraph::capture_end`` raises before ``endAllocateToPool``: the caching
+    allocator believes a capture is still underway, and the next
+    ``torch.cuda.empty_cache()`` (which every ``torch.cuda.graph`` entry calls) dies on
+    ``captures_underway.empty() INTERNAL ASSERT``, so every later size would be
+    dropped. Newer torch tidies up itself, in capture_end or when the failed graph is
+    freed. So: free it, probe, and only if the allocator is still capturing, end the
+    capture into our pool by hand (ending it when torch already did would raise).
     """
-    if pool is None:
-        return
-    with contextlib.suppress(RuntimeError, AttributeError, TypeError):
+    gc.collect()  # the failed graph may sit in a traceback cycle
+    try:
+        torch.cuda.empty_cache()
+    except RuntimeError as exc:
+        if "captures_underway" not in str(exc) or pool is None:
+            raise
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+        torch.cuda.empty_cache()
 
 
 def new_pool(kind: GraphKind) -> Any:

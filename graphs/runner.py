@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from graphs.emulated import flatten_outputs
-from graphs.graph import Graph, GraphKind, new_graph, new_pool
+from graphs.graph import Graph, GraphKind, new_graph, new_pool, recover_after_failed_capture
 from graphs.inputs import InputSpec, StaticInputs, as_specs
 from graphs.sizes import capture_sizes
 from graphs.stats import GraphStats
@@ -128,13 +128,24 @@ class GraphRunner:
             ((m, bs) for m in self.modes for bs in self.sizes),
             key=lambda key: (-key[1] * self._next_n(key[0]), key[0].value),
         )
+        broken: Exception | None = None  # torch cannot capture any more: drop the rest
         for mode, bs in order:
+            if broken is not None:
+                self._drop(mode, bs, broken)
+                continue
+            failed = False
             try:
                 self._graphs[(mode, bs)] = self._capture_one(mode, bs, stream)
             except GraphOutputError:
                 raise
             except Exception as exc:  # any failure drops only this size
                 self._drop(mode, bs, exc)
+                failed = True
+            if failed and cuda:
+                try:
+                    recover_after_failed_capture(self._pool)  # outside except: the graph is freed
+                except Exception as exc:
+                    broken = exc
         if cuda:
             torch.cuda.synchronize(self.planner.device)
         for mode in self.modes:
