@@ -503,3 +503,23 @@ def test_recovery_ends_the_pool_capture_only_when_torch_did_not(
         assert fake_cuda == [("empty_cache",), ("end", 0, (0, 7)), ("empty_cache",)]
     else:
         assert fake_cuda == [("empty_cache",)]
+
+
+def test_replay_overhead_benchmark_runs_on_emulated_graphs(tmp_path):
+    """A smoke run on the CPU, so the GPU script cannot rot between GPU sessions."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "replay_overhead.py"
+    spec = importlib.util.spec_from_file_location("replay_overhead", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    args = ["--device", "cpu", "--batches", "1", "4", "--iters", "3", "--warmup", "1"]
+    args += ["--max-context", "256", "--backends", "paged", "--out", str(out)]
+    result = bench.main(args)
+    saved = json.loads(out.read_text())
+    assert [r["bs"] for r in saved["rows"]] == [1, 4] == [r["graph_size"] for r in result["rows"]]
+    assert saved["graphs"]["eager_fallbacks"] == {} and saved["graph_kind"] == "emulated"
+    assert all(r["refresh"]["p50"] > 0 for r in saved["rows"])
