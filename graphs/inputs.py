@@ -117,6 +117,8 @@ class StaticInputs:
         for name, buf in self.buffers.items():
             spec = self.specs[name]
             n, total = (rows, padded_rows) if spec.per == "rows" else (reqs, padded_reqs)
+            # non_blocking: a device input stays on the stream, a pageable host one is staged
+            # by the driver before this returns; neither waits for the previous graph.
             buf[:n].copy_(inputs[name], non_blocking=True)
             if total > n:
                 buf[n:total].fill_(spec.pad)

@@ -111,7 +111,12 @@ class GraphRunner:
     # ---- capture --------------------------------------------------------------------------
 
     def capture(self) -> GraphStats:
-        """Capture every (mode, size), largest first into one pool; once. ``step`` calls it lazily."""
+        """Capture every (mode, size), largest first into one shared pool; once.
+
+        ``step`` calls it lazily; an engine calls it at start-up. A size that fails is
+        dropped and reported (warning and ``stats.dropped``); on CUDA the runner then
+        restores torch's capture state and continues in a fresh pool.
+        """
         if self._captured:
             return self.stats
         self._captured = True
@@ -146,6 +151,10 @@ class GraphRunner:
                     recover_after_failed_capture(self._pool)  # outside except: the graph is freed
                 except Exception as exc:
                     broken = exc
+                # Some torch versions also leave the pinned-host allocator "recording" to the
+                # failed capture's pool (no Python API ends it) and refuse to begin another
+                # capture into that pool id: continue in a fresh pool (costs sharing, only here).
+                self._pool = new_pool(self.kind)
         if cuda:
             torch.cuda.synchronize(self.planner.device)
         for mode in self.modes:
