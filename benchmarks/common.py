@@ -1,0 +1,120 @@
+"""Shared pieces of the benchmarks: timing with warm-up and medians, tables, plots, run metadata."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn: Callable[[int], Any], device: torch.device, *, warmup: int, iters: int) -> dict[str, float]:
+    """Wall time of ``fn(i)`` including a device sync: median, p10, p90 in milliseconds.
+
+    Synchronising after each call charges the step with everything it made
+    the GPU do and everything the host did to launch it, which is what a
+    serving step costs.
+    """
+    for i in range(warmup):
+        fn(i)
+    sync(device)
+    samples = []
+    for i in range(iters):
+        start = time.perf_counter()
+        fn(i)
+        sync(device)
+        samples.append((time.perf_counter() - start) * 1e3)
+    samples.sort()
+    return {
+        "median_ms": statistics.median(samples),
+        "p10_ms": samples[len(samples) // 10],
+        "p90_ms": samples[(len(samples) * 9) // 10],
+        "iters": iters,
+    }
+
+
+def time_host(fn: Callable[[int], Any], *, warmup: int, iters: int) -> dict[str, float]:
+    """Host time of ``fn(i)`` (no device sync): median, p10, p90 in microseconds."""
+    for i in range(warmup):
+        fn(i)
+    samples = []
+    for i in range(iters):
+        start = time.perf_counter()
+        fn(i)
+        samples.append((time.perf_counter() - start) * 1e6)
+    samples.sort()
+    return {
+        "median_us": statistics.median(samples),
+        "p10_us": samples[len(samples) // 10],
+        "p90_us": samples[(len(samples) * 9) // 10],
+        "iters": iters,
+    }
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, sms=props.multi_processor_count, cuda=torch.version.cuda)
+    return info
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain fixed-width table (printed and returned), readable in any log."""
+    cells = [[str(c) for c in header]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = [title, "  ".join(h.rjust(w) for h, w in zip(cells[0], widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells[1:]]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=2, default=str))
+
+
+def plot_bars(path: str | None, title: str, groups: list[str], series: dict[str, list[float]], ylabel: str) -> None:
+    """Grouped bars (one group per configuration, one bar per variant) as a PNG."""
+    if not path:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(groups) + 2), 4))
+    width = 0.8 / max(1, len(series))
+    for k, (name, values) in enumerate(series.items()):
+        ax.bar([i + k * width for i in range(len(groups))], values, width, label=name)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(groups))])
+    ax.set_xticklabels(groups, rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

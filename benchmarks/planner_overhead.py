@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Host time the planner adds per step, beside metadata code written the way engines write it.
+
+For each batch size: host time (no device sync, median of ``--iters``) of
+  - ``plan()``: eager plans in fresh tensors (full validation);
+  - ``replay()`` with the ops recorded in the graph (what a graph step pays on the host);
+  - ``replay()`` with the ops outside the graph (``ops_in_graph=False``: the seed's way);
+  - hand-written: the same NSA metadata as per-field tensor ops and copies into
+    static buffers (one host-to-device copy per input, a gather, a cumsum, a
+    clamp, the schedule call), as engines write their replay paths today;
+  - hand-written eager: the same into fresh tensors.
+Plus the FlashInfer plans where that backend and flashinfer are usable.
+
+    python3 benchmarks/planner_overhead.py --out $OUT/planner_overhead.json --plot $OUT/planner_overhead.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import warnings
+from typing import Any
+
+import torch
+
+from benchmarks.common import machine, plot_bars, print_table, sync, time_host, write_json
+from benchmarks.seed_stack import make_batch, make_table
+
+
+class HandWrittenNSA:
+    """NSA metadata the way engine code does it today: one tensor op or copy per field."""
+
+    def __init__(self, max_bs: int, max_ctx: int, device: torch.device, sms: int, topk: int) -> None:
+        i32 = dict(dtype=torch.int32, device=device)
+        self.device, self.sms, self.topk, self.max_ctx = device, sms, topk, max_ctx
+        self.seq_lens = torch.ones(max_bs, **i32)
+        self.req_pool = torch.zeros(max_bs, **i32)
+        self.out_loc = torch.zeros(max_bs, **i32)
+        self.positions = torch.zeros(max_bs, **i32)
+        self.cu_k = torch.zeros(max_bs + 1, **i32)
+        self.page_table = torch.zeros(max_bs, -(-max_ctx // 64), **i32)
+        self.topk_lens = torch.ones(max_bs, **i32)
+        self.schedule = torch.zeros(sms + 1, 2, **i32)
+
+    def _schedule(self, lens: torch.Tensor) -> torch.Tensor:
+        from backends.deepgemm import _native, reference_paged_mqa_schedule
+
+        dg = _native.load() if lens.is_cuda else None
+        if dg is not None:
+            return dg.get_paged_mqa_logits_metadata(lens, 64, self.sms)
+        return reference_paged_mqa_schedule(lens, 64, self.sms, check_values=False)
+
+    def replay(self, batch, bs: int) -> None:
+        n = batch.bs
+        self.seq_lens[:n].copy_(batch.seq_lens_cpu, non_blocking=True)
+        self.seq_lens[n:bs].fill_(1)
+        self.req_pool[:n].copy_(batch.req_pool_indices, non_blocking=True)
+        self.req_pool[n:bs].fill_(0)
+        self.out_loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
+        self.positions[:n].copy_(batch.positions, non_blocking=True)
+        torch.cumsum(self.seq_lens[:bs], 0, out=self.cu_k[1 : bs + 1])
+        slots = batch.req_to_token[self.req_pool[:bs].long(), : self.max_ctx]
+        self.page_table[:bs].copy_(slots[:, ::64] // 64)
+        torch.clamp(self.seq_lens[:bs], max=self.topk, out=self.topk_lens[:bs])
+        self.schedule.copy_(self._schedule(self.seq_lens[:bs].view(-1, 1)))
+
+    def plan(self, batch) -> dict[str, torch.Tensor]:
+        dev = self.device
+        seq = batch.seq_lens_cpu.to(dev, non_blocking=True)
+        pool = batch.req_pool_indices.to(dev, non_blocking=True)
+        width = int(batch.seq_lens_cpu.max())
+        cu = torch.nn.functional.pad(torch.cumsum(seq, 0, dtype=torch.int32), (1, 0))
+        slots = batch.req_to_token[pool.long(), :width]
+        return {
+            "seq_lens": seq,
+            "req_pool": pool,
+            "out_loc": batch.out_cache_loc.to(dev, non_blocking=True),
+            "positions": batch.positions.to(dev, non_blocking=True),
+            "cu_k": cu,
+            "page_table": slots[:, ::64] // 64,
+            "topk_lens": seq.clamp(max=self.topk),
+            "schedule": self._schedule(seq.view(-1, 1)),
+        }
+
+
+def measure(args, batch_size: int, device: torch.device) -> dict[str, Any]:
+    from planner import Limits, Planner
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    table, num_pages = make_table(batch_size, args.context, device, args.seed)
+    rng = random.Random(args.seed)
+    batches = [make_batch(table, batch_size, args.context, rng) for _ in range(8)]
+    limits = Limits(max_batch=batch_size, max_context=args.context, page_size=64, num_sms=sms,
+                    kv_slots=num_pages * 64, device=str(device))
+    out: dict[str, Any] = {"batch": batch_size}
+    kw = dict(warmup=args.warmup, iters=args.iters)
+    for in_graph in (True, False):
+        planner = Planner(["nsa"], limits, options={"nsa": {"topk": 2048}}, ops_in_graph=in_graph)
+        planner.capture(batch_size, req_to_token=table)
+        name = "replay_ops_in_graph" if in_graph else "replay_ops_outside"
+        out[name] = time_host(lambda i: planner.replay(batches[i % 8], batch_size), **kw)
+        sync(device)
+        if in_graph:
+            out["plan"] = time_host(lambda i: planner.plan(batches[i % 8]), **kw)
+            sync(device)
+    hand = HandWrittenNSA(batch_size, args.context, device, sms, 2048)
+    out["hand_replay"] = time_host(lambda i: hand.replay(batches[i % 8], batch_size), **kw)
+    sync(device)
+    out["hand_plan"] = time_host(lambda i: hand.plan(batches[i % 8]), **kw)
+    sync(device)
+    for backend in args.flashinfer:
+        try:
+            planner = Planner([backend], limits)
+        except Exception as exc:  # backend absent or refuses these limits: say so, keep going
+            out[f"{backend}_error"] = f"{type(exc).__name__}: {exc}"
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            planner.capture(batch_size, req_to_token=table)
+            out[f"{backend}_replay"] = time_host(lambda i: planner.replay(batches[i % 8], batch_size), **kw)
+            sync(device)
+            out[f"{backend}_plan"] = time_host(lambda i: planner.plan(batches[i % 8]), **kw)
+            sync(device)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="planner host overhead vs hand-written metadata code")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--iters", type=int, default=500)
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--flashinfer", nargs="*", default=["flashinfer_decode", "flashinfer_mla"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out")
+    p.add_argument("--plot")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    import backends  # noqa: F401
+
+    results = [dict(run=run, **measure(args, bs, device)) for run in range(args.runs) for bs in args.batches]
+    cols = ["plan", "replay_ops_in_graph", "replay_ops_outside", "hand_replay", "hand_plan"]
+    fi_cols = [f"{b}_{k}" for b in args.flashinfer for k in ("plan", "replay")]
+    cols += [c for c in fi_cols if any(c in r for r in results)]
+    rows = [(r["run"], r["batch"], *(r[c]["median_us"] if c in r else "-" for c in cols)) for r in results]
+    table = print_table("planner host time per step, median us (no device sync)", ("run", "batch", *cols), rows)
+    for r in results:
+        for k, v in r.items():
+            if k.endswith("_error"):
+                print(f"batch {r['batch']}: {k}: {v}")
+    write_json(args.out, {"machine": machine(), "args": vars(args), "results": results, "table": table})
+    first = [r for r in results if r["run"] == 0]
+    plot_bars(args.plot, "planner host time per step", [f"B{r['batch']}" for r in first],
+              {c: [r[c]["median_us"] if c in r else 0.0 for r in first] for c in cols}, "us (median)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
