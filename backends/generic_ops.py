@@ -16,9 +16,12 @@ triton_usable = tri.triton_available
 cumsum_with_zero = metadata_op(
     "cumsum_with_zero", "out[0] = 0, out[i+1] = x[0] + ... + x[i]: cumulative lengths (cu_seqlens)."
 )
-clamp = metadata_op("clamp", "out = clamp(x, lo, hi) elementwise: e.g. sparse lengths min(len, topk).")
+clamp = metadata_op(
+    "clamp", "out = clamp(x, lo, hi) elementwise: e.g. sparse lengths min(len, topk)."
+)
 uniform_offsets = metadata_op(
-    "uniform_offsets", "out[i] = i * step: cumulative query lengths when every request has step tokens."
+    "uniform_offsets",
+    "out[i] = i * step: cumulative query lengths when every request has step tokens.",
 )
 gather_token_slots = metadata_op(
     "gather_token_slots",

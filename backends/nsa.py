@@ -32,7 +32,9 @@ def _schedule_torch(
     out: torch.Tensor, kv_lens: torch.Tensor, next_n: int, block_kv: int, num_sms: int, layout: str
 ) -> None:
     # Lengths were validated at the planner's door (>= next_n), so no device read is needed here.
-    paged_mqa_schedule_into(out, kv_lens.view(-1, next_n), block_kv, num_sms, layout, check_values=False)
+    paged_mqa_schedule_into(
+        out, kv_lens.view(-1, next_n), block_kv, num_sms, layout, check_values=False
+    )
 
 
 def _deep_gemm_usable(device: torch.device) -> bool:
@@ -51,24 +53,44 @@ def _schedule_deep_gemm(
             expected=layout,
             actual=built,
         )
-    out.copy_(native.load().get_paged_mqa_logits_metadata(kv_lens.view(-1, next_n), block_kv, num_sms))
+    out.copy_(
+        native.load().get_paged_mqa_logits_metadata(kv_lens.view(-1, next_n), block_kv, num_sms)
+    )
 
 
 class NSAPlan(Plan, backend="nsa"):
     """What DeepSeek-V3.2's indexer and sparse MLA read in every layer (decode and target-verify)."""
 
-    defaults: ClassVar[dict[str, Any]] = {"topk": 2048, "block_kv": BLOCK_KV, "schedule_layout": "0.1.0"}
+    defaults: ClassVar[dict[str, Any]] = {
+        "topk": 2048,
+        "block_kv": BLOCK_KV,
+        "schedule_layout": "0.1.0",
+    }
 
     seq_lens: Tensor = tensor_field(
-        I32, ("reqs",), source="seq_lens", pad=Setting("next_n"), doc="KV length per request, new tokens included"
+        I32,
+        ("reqs",),
+        source="seq_lens",
+        pad=Setting("next_n"),
+        doc="KV length per request, new tokens included",
     )
     req_pool_indices: Tensor = tensor_field(
-        I32, ("reqs",), source="req_pool_indices", pad=0, doc="row of req_to_token; padding uses the null request 0"
+        I32,
+        ("reqs",),
+        source="req_pool_indices",
+        pad=0,
+        doc="row of req_to_token; padding uses the null request 0",
     )
     out_cache_loc: Tensor = tensor_field(
-        I32, ("rows",), source="out_cache_loc", pad=0, doc="KV slot each new token is written to; 0 is the null slot"
+        I32,
+        ("rows",),
+        source="out_cache_loc",
+        pad=0,
+        doc="KV slot each new token is written to; 0 is the null slot",
     )
-    positions: Tensor = tensor_field(I32, ("rows",), source="positions", pad=0, doc="rope position of each query token")
+    positions: Tensor = tensor_field(
+        I32, ("rows",), source="positions", pad=0, doc="rope position of each query token"
+    )
     kv_lens: Tensor = tensor_field(
         I32,
         ("rows",),
@@ -79,11 +101,20 @@ class NSAPlan(Plan, backend="nsa"):
         doc="causal KV length of each query row (deep_gemm's context_lens, viewed [reqs, next_n]); never 0",
     )
     cu_seqlens_q: Tensor = tensor_field(
-        I32, ("reqs+1",), op="uniform_offsets", params={"step": Setting("next_n")}, pad=PAD_DERIVED,
+        I32,
+        ("reqs+1",),
+        op="uniform_offsets",
+        params={"step": Setting("next_n")},
+        pad=PAD_DERIVED,
         doc="query offsets per request",
     )
     cu_seqlens_k: Tensor = tensor_field(
-        I32, ("reqs+1",), op="cumsum_with_zero", inputs=("seq_lens",), pad=PAD_DERIVED, doc="KV offsets per request"
+        I32,
+        ("reqs+1",),
+        op="cumsum_with_zero",
+        inputs=("seq_lens",),
+        pad=PAD_DERIVED,
+        doc="KV offsets per request",
     )
     token_slots: Tensor = tensor_field(
         I32,
@@ -133,18 +164,38 @@ class NSAPlan(Plan, backend="nsa"):
     def check_settings(cls, settings: dict[str, Any]) -> None:
         """What deep_gemm's kernels accept; refused at planner build, not at the first batch."""
         if settings["block_kv"] != BLOCK_KV:
-            raise SchemaError("deep_gemm on Hopper needs 64-token blocks", field="nsa.block_kv", expected=BLOCK_KV, actual=settings["block_kv"])
+            raise SchemaError(
+                "deep_gemm on Hopper needs 64-token blocks",
+                field="nsa.block_kv",
+                expected=BLOCK_KV,
+                actual=settings["block_kv"],
+            )
         if settings["page_size"] != BLOCK_KV:
             raise SchemaError(
-                "the NSA page table is built from 64-token KV pages", field="page_size", expected=BLOCK_KV, actual=settings["page_size"]
+                "the NSA page table is built from 64-token KV pages",
+                field="page_size",
+                expected=BLOCK_KV,
+                actual=settings["page_size"],
             )
         if settings["next_n"] not in (1, 2):
-            raise SchemaError("deep_gemm's paged MQA logits take next_n 1 or 2", field="next_n", expected=(1, 2), actual=settings["next_n"])
+            raise SchemaError(
+                "deep_gemm's paged MQA logits take next_n 1 or 2",
+                field="next_n",
+                expected=(1, 2),
+                actual=settings["next_n"],
+            )
         topk = settings["topk"]
         if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-            raise SchemaError("top-k must be a positive int", field="nsa.topk", expected=">= 1", actual=topk)
+            raise SchemaError(
+                "top-k must be a positive int", field="nsa.topk", expected=">= 1", actual=topk
+            )
         if settings["schedule_layout"] not in LAYOUTS:
-            raise SchemaError("unknown schedule layout", field="nsa.schedule_layout", expected=LAYOUTS, actual=settings["schedule_layout"])
+            raise SchemaError(
+                "unknown schedule layout",
+                field="nsa.schedule_layout",
+                expected=LAYOUTS,
+                actual=settings["schedule_layout"],
+            )
 
 
 def warmup_schedule_buckets(max_batch: int, next_n: int, num_sms: int, device: torch.device) -> int:

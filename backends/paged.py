@@ -19,15 +19,29 @@ class PagedPlan(Plan, backend="paged"):
     """What a paged decode / verify attention kernel reads in every layer."""
 
     seq_lens: Tensor = tensor_field(
-        I32, ("reqs",), source="seq_lens", pad=Setting("next_n"), doc="KV length per request, new tokens included"
+        I32,
+        ("reqs",),
+        source="seq_lens",
+        pad=Setting("next_n"),
+        doc="KV length per request, new tokens included",
     )
     req_pool_indices: Tensor = tensor_field(
-        I32, ("reqs",), source="req_pool_indices", pad=0, doc="row of req_to_token; padding uses the null request 0"
+        I32,
+        ("reqs",),
+        source="req_pool_indices",
+        pad=0,
+        doc="row of req_to_token; padding uses the null request 0",
     )
     out_cache_loc: Tensor = tensor_field(
-        I32, ("rows",), source="out_cache_loc", pad=0, doc="KV slot each new token is written to; 0 is the null slot"
+        I32,
+        ("rows",),
+        source="out_cache_loc",
+        pad=0,
+        doc="KV slot each new token is written to; 0 is the null slot",
     )
-    positions: Tensor = tensor_field(I32, ("rows",), source="positions", pad=0, doc="position of each query token")
+    positions: Tensor = tensor_field(
+        I32, ("rows",), source="positions", pad=0, doc="position of each query token"
+    )
     kv_lens: Tensor = tensor_field(
         I32,
         ("rows",),
@@ -38,7 +52,12 @@ class PagedPlan(Plan, backend="paged"):
         doc="causal KV length of each query row; padding rows get 1..next_n, never 0",
     )
     cu_seqlens_k: Tensor = tensor_field(
-        I32, ("reqs+1",), op="cumsum_with_zero", inputs=("seq_lens",), pad=PAD_DERIVED, doc="KV offsets per request"
+        I32,
+        ("reqs+1",),
+        op="cumsum_with_zero",
+        inputs=("seq_lens",),
+        pad=PAD_DERIVED,
+        doc="KV offsets per request",
     )
     token_slots: Tensor = tensor_field(
         I32,
@@ -64,7 +83,9 @@ class PagedPlan(Plan, backend="paged"):
 def _need(plan: object, name: str) -> torch.Tensor:
     """Layers read plans; a missing field is an error, never a per-layer recomputation."""
     if not hasattr(plan, name):
-        raise PlanError("plan lacks a field this layer reads", field=name, actual=type(plan).__name__)
+        raise PlanError(
+            "plan lacks a field this layer reads", field=name, actual=type(plan).__name__
+        )
     return getattr(plan, name)
 
 

@@ -24,7 +24,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_calls(fn: Callable[[int], Any], device: torch.device, *, warmup: int, iters: int) -> dict[str, float]:
+def time_calls(
+    fn: Callable[[int], Any], device: torch.device, *, warmup: int, iters: int
+) -> dict[str, float]:
     """Wall time of ``fn(i)`` including a device sync: median, p10, p90 in milliseconds.
 
     Synchronising after each call charges the step with everything it made
@@ -82,7 +84,9 @@ def machine() -> dict[str, Any]:
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A plain fixed-width table (printed and returned), readable in any log."""
-    cells = [[str(c) for c in header]] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    cells = [[str(c) for c in header]] + [
+        [f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = [title, "  ".join(h.rjust(w) for h, w in zip(cells[0], widths))]
     lines.append("  ".join("-" * w for w in widths))
@@ -97,7 +101,9 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(payload, indent=2, default=str))
 
 
-def plot_bars(path: str | None, title: str, groups: list[str], series: dict[str, list[float]], ylabel: str) -> None:
+def plot_bars(
+    path: str | None, title: str, groups: list[str], series: dict[str, list[float]], ylabel: str
+) -> None:
     """Grouped bars (one group per configuration, one bar per variant) as a PNG."""
     if not path:
         return

@@ -79,11 +79,18 @@ def make_batch(table, batch: int, ctx: int, rng: random.Random):
     seq = torch.tensor(lens, dtype=torch.int32)
     pool = torch.arange(1, batch + 1, dtype=torch.int32)
     loc = table[pool.to(table.device).long(), (seq - 1).to(table.device).long()].cpu()
-    return ForwardBatch(seq_lens_cpu=seq, req_pool_indices=pool, req_to_token=table, out_cache_loc=loc,
-                        positions=(seq - 1).to(torch.int32))
+    return ForwardBatch(
+        seq_lens_cpu=seq,
+        req_pool_indices=pool,
+        req_to_token=table,
+        out_cache_loc=loc,
+        positions=(seq - 1).to(torch.int32),
+    )
 
 
-def random_index_caches(layers: int, num_pages: int, device: torch.device, seed: int) -> list[torch.Tensor]:
+def random_index_caches(
+    layers: int, num_pages: int, device: torch.device, seed: int
+) -> list[torch.Tensor]:
     """Valid fp8 keys and scales (no NaN bit patterns), one cache per layer."""
     from backends.deepgemm import new_index_cache, quantize_fp8_e4m3_per_vector, write_index_cache
 
@@ -123,7 +130,13 @@ def model_stack(args, batch: int, ctx: int, device: torch.device, model):
     table, num_pages = make_table(batch, ctx, device, args.seed)
     cfg = model.config
     cache = object.__new__(PagedKVCache)  # all layers share one cache (see the module docstring)
-    cache.config, cache.page_size, cache.num_pages, cache.device, cache.dtype = cfg, 64, num_pages, device, model.dtype
+    cache.config, cache.page_size, cache.num_pages, cache.device, cache.dtype = (
+        cfg,
+        64,
+        num_pages,
+        device,
+        model.dtype,
+    )
     mla = torch.randn(num_pages * 64, cfg.kv_cache_dim, device=device, dtype=model.dtype) * 0.1
     index = random_index_caches(1, num_pages, device, args.seed)[0]
     cache.mla, cache.index = [mla] * cfg.num_hidden_layers, [index] * cfg.num_hidden_layers
@@ -135,16 +148,29 @@ def model_stack(args, batch: int, ctx: int, device: torch.device, model):
     return table, num_pages, forward, {"topk": cfg.index_topk}
 
 
-def run_variant(variant: str, graphs: bool, batch: int, ctx: int, setup, device, args) -> dict[str, Any]:
+def run_variant(
+    variant: str, graphs: bool, batch: int, ctx: int, setup, device, args
+) -> dict[str, Any]:
     from backends.nsa import warmup_schedule_buckets
     from graphs import GraphRunner
     from planner import Limits, Planner
 
     table, num_pages, forward, nsa_options = setup
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 132
+    )
     planner = Planner(
         ["nsa"],
-        Limits(max_batch=batch, max_context=ctx, page_size=64, num_sms=sms, kv_slots=num_pages * 64, device=str(device)),
+        Limits(
+            max_batch=batch,
+            max_context=ctx,
+            page_size=64,
+            num_sms=sms,
+            kv_slots=num_pages * 64,
+            device=str(device),
+        ),
         options={"nsa": nsa_options},
         ops_in_graph=(variant == "c_planner"),
     )
@@ -172,7 +198,12 @@ def run_variant(variant: str, graphs: bool, batch: int, ctx: int, setup, device,
         runner.capture()
         calls_before = planner.stats.op_calls["paged_mqa_schedule"]
         proxies.clear()
-        timing = time_calls(lambda i: runner.step(batches[i % len(batches)]), device, warmup=args.warmup, iters=args.iters)
+        timing = time_calls(
+            lambda i: runner.step(batches[i % len(batches)]),
+            device,
+            warmup=args.warmup,
+            iters=args.iters,
+        )
     steps = args.warmup + args.iters
     per_step = (planner.stats.op_calls["paged_mqa_schedule"] - calls_before) / steps
     if variant == "a_per_layer":
@@ -182,12 +213,18 @@ def run_variant(variant: str, graphs: bool, batch: int, ctx: int, setup, device,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="per-layer vs once-per-batch deep_gemm schedule (the seed)")
+    p = argparse.ArgumentParser(
+        description="per-layer vs once-per-batch deep_gemm schedule (the seed)"
+    )
     p.add_argument("--stack", choices=("indexer", "model"), default="indexer")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--layers", type=int, default=61, help="indexer layers (indexer stack)")
-    p.add_argument("--preset", default="shapes", help="model preset for --stack model (tiny for a CPU smoke test)")
+    p.add_argument(
+        "--preset",
+        default="shapes",
+        help="model preset for --stack model (tiny for a CPU smoke test)",
+    )
     p.add_argument("--modes", nargs="+", choices=("eager", "graph"), default=["eager", "graph"])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
@@ -204,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         from models.model import DSV32Model
 
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = DSV32Model(DSV32Config.preset(args.preset), seed=args.seed, device=device, dtype=dtype)
+        model = DSV32Model(
+            DSV32Config.preset(args.preset), seed=args.seed, device=device, dtype=dtype
+        )
         args.layers_in_stack = model.config.num_hidden_layers
     else:
         args.layers_in_stack = args.layers
@@ -212,32 +251,66 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(args.runs):
         for ctx in args.contexts:
             for batch in args.batches:
-                setup = indexer_stack(args, batch, ctx, device) if model is None else model_stack(args, batch, ctx, device, model)
+                setup = (
+                    indexer_stack(args, batch, ctx, device)
+                    if model is None
+                    else model_stack(args, batch, ctx, device, model)
+                )
                 for mode in args.modes:
                     row = {"run": run, "batch": batch, "ctx": ctx, "mode": mode}
                     for variant in VARIANTS:
-                        row[variant] = run_variant(variant, mode == "graph", batch, ctx, setup, device, args)
+                        row[variant] = run_variant(
+                            variant, mode == "graph", batch, ctx, setup, device, args
+                        )
                     a, b, c = (row[v]["median_ms"] for v in VARIANTS)
                     row.update(b_over_a=b / a, c_over_a=c / a, c_over_b=c / b)
                     results.append(row)
-                    print(f"run {run} ctx {ctx} batch {batch} {mode}: a {a:.3f} b {b:.3f} c {c:.3f} ms  "
-                          f"b/a {b / a:.3f} c/a {c / a:.3f} c/b {c / b:.3f}", flush=True)
+                    print(
+                        f"run {run} ctx {ctx} batch {batch} {mode}: a {a:.3f} b {b:.3f} c {c:.3f} ms  "
+                        f"b/a {b / a:.3f} c/a {c / a:.3f} c/b {c / b:.3f}",
+                        flush=True,
+                    )
                 del setup
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 sync(device)
     rows = [
-        (r["run"], r["ctx"], r["batch"], r["mode"], *(r[v]["median_ms"] for v in VARIANTS),
-         r["b_over_a"], r["c_over_a"], r["c_over_b"], r["a_per_layer"]["schedules_per_step"], r["c_planner"]["schedules_per_step"])
+        (
+            r["run"],
+            r["ctx"],
+            r["batch"],
+            r["mode"],
+            *(r[v]["median_ms"] for v in VARIANTS),
+            r["b_over_a"],
+            r["c_over_a"],
+            r["c_over_b"],
+            r["a_per_layer"]["schedules_per_step"],
+            r["c_planner"]["schedules_per_step"],
+        )
         for r in results
     ]
     table = print_table(
         f"seed reproduction, {args.stack} stack ({args.layers_in_stack} layers), step median ms",
-        ("run", "ctx", "batch", "mode", "a per-layer", "b seed", "c planner", "b/a", "c/a", "c/b", "sched/step a", "sched/step c"),
+        (
+            "run",
+            "ctx",
+            "batch",
+            "mode",
+            "a per-layer",
+            "b seed",
+            "c planner",
+            "b/a",
+            "c/a",
+            "c/b",
+            "sched/step a",
+            "sched/step c",
+        ),
         rows,
     )
-    write_json(args.out, {"machine": machine(), "args": vars(args), "results": results, "table": table})
+    write_json(
+        args.out, {"machine": machine(), "args": vars(args), "results": results, "table": table}
+    )
     graph_rows = [r for r in results if r["mode"] == "graph" and r["run"] == 0]
     plot_bars(
         args.plot,

@@ -18,19 +18,54 @@ def add_decode_parser(sub: Any) -> None:
         description="Serve a synthetic workload with continuous batching: every decode step goes "
         "through the planner and the graph runner; a summary is printed at the end.",
     )
-    p.add_argument("--config", type=Path, default=None, help=f"YAML run config (default: {DEFAULT_CONFIG.name})")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"YAML run config (default: {DEFAULT_CONFIG.name})",
+    )
     p.add_argument("--device", help="override the config's device (cpu, cuda)")
     p.add_argument("--requests", type=int, help="override loop.requests")
     p.add_argument("--max-steps", type=int, help="stop after this many loop steps")
-    p.add_argument("--next-n", type=int, choices=(1, 2), help="2: speculative target-verify with a trivial draft")
+    p.add_argument(
+        "--next-n",
+        type=int,
+        choices=(1, 2),
+        help="2: speculative target-verify with a trivial draft",
+    )
     p.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
-    p.add_argument("--debug", action="store_true", help="verify every replayed plan against eager (slow)")
-    p.add_argument("--provider", action="append", default=[], metavar="OP=NAME", help="force a provider for an op")
+    p.add_argument(
+        "--debug", action="store_true", help="verify every replayed plan against eager (slow)"
+    )
+    p.add_argument(
+        "--provider",
+        action="append",
+        default=[],
+        metavar="OP=NAME",
+        help="force a provider for an op",
+    )
     p.add_argument("--load-weights", type=Path, help="safetensors weights saved by --save-weights")
-    p.add_argument("--save-weights", type=Path, help="save the model's weights (safetensors) before running")
-    p.add_argument("--dump-dir", type=Path, default=os.environ.get("PLANNER_DUMP_DIR"), help="write plan dumps here (PLANNER_DUMP_DIR)")
-    p.add_argument("--dump-every", type=int, default=int(os.environ.get("PLANNER_DUMP_EVERY", "1")), help="dump every Nth decode step")
-    p.add_argument("--dump-keep", type=int, default=int(os.environ.get("PLANNER_DUMP_KEEP", "8")), help="keep the last N step dumps")
+    p.add_argument(
+        "--save-weights", type=Path, help="save the model's weights (safetensors) before running"
+    )
+    p.add_argument(
+        "--dump-dir",
+        type=Path,
+        default=os.environ.get("PLANNER_DUMP_DIR"),
+        help="write plan dumps here (PLANNER_DUMP_DIR)",
+    )
+    p.add_argument(
+        "--dump-every",
+        type=int,
+        default=int(os.environ.get("PLANNER_DUMP_EVERY", "1")),
+        help="dump every Nth decode step",
+    )
+    p.add_argument(
+        "--dump-keep",
+        type=int,
+        default=int(os.environ.get("PLANNER_DUMP_KEEP", "8")),
+        help="keep the last N step dumps",
+    )
     p.add_argument("--json", type=Path, help="also write the summary (and tokens) as JSON here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_decode)

@@ -90,6 +90,7 @@ class _Capture:
     plans: PlanSet
     views: dict[tuple[str, str], torch.Tensor]
     pointers: list[tuple[str, int]]
+    tensors: list[torch.Tensor]
     table_ptr: int
     table_shape: tuple[int, ...]
     dummy: ForwardBatch
@@ -375,11 +376,15 @@ class Planner:
             self._run(step, views, dummy)
         dims = self.dims(mode, bs, self.limits.max_context)
         plans = PlanSet(self._build_plans(mode, views, dims), "capture", mode, bs, bs)
-        pointers = [
-            (f"{b}.{n}", t.data_ptr()) for b, p in plans.items() for n, t in p.tensors().items()
-        ]
+        named = [(f"{b}.{n}", t) for b, p in plans.items() for n, t in p.tensors().items()]
         self._captured[(mode, bs)] = _Capture(
-            plans, views, pointers, req_to_token.data_ptr(), tuple(req_to_token.shape), dummy
+            plans,
+            views,
+            [(key, t.data_ptr()) for key, t in named],
+            [t for _, t in named],
+            req_to_token.data_ptr(),
+            tuple(req_to_token.shape),
+            dummy,
         )
         self.stats.batches["capture"] += 1
         return plans
@@ -447,18 +452,14 @@ class Planner:
         return capture.plans
 
     def _check_pointers(self, capture: _Capture) -> None:
-        i = 0
-        for backend, plan in capture.plans.items():
-            for name, tensor in plan.tensors().items():
-                key, ptr = capture.pointers[i]
-                if tensor.data_ptr() != ptr:
-                    raise ReplayError(
-                        "plan tensor moved since capture",
-                        field=key,
-                        expected=hex(ptr),
-                        actual=hex(tensor.data_ptr()),
-                    )
-                i += 1
+        for tensor, (key, ptr) in zip(capture.tensors, capture.pointers):
+            if tensor.data_ptr() != ptr:
+                raise ReplayError(
+                    "plan tensor moved since capture",
+                    field=key,
+                    expected=hex(ptr),
+                    actual=hex(tensor.data_ptr()),
+                )
 
     # ---- checks ---------------------------------------------------------------------------
 

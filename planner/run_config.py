@@ -22,8 +22,12 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     """Which DeepSeek-V3.2 to build: a preset or a ``config.json``, plus overrides."""
 
-    preset: str = Field("tiny", description="tiny | small | shapes | full, or a path to a config.json")
-    overrides: dict[str, Any] = Field(default_factory=dict, description="DSV32Config fields to change")
+    preset: str = Field(
+        "tiny", description="tiny | small | shapes | full, or a path to a config.json"
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="DSV32Config fields to change"
+    )
     dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = Field(0, ge=0)
     weights: str | None = Field(None, description="safetensors file to load instead of random init")
@@ -36,7 +40,9 @@ class PlannerSection(_Section):
     max_context: int = Field(512, ge=64, le=1 << 20)
     next_n: Literal[1, 2] = Field(1, description="2 runs speculative target-verify steps")
     num_sms: int | None = Field(None, ge=1, description="None: the GPU's SM count (132 on the CPU)")
-    providers: dict[str, str] = Field(default_factory=dict, description="op or backend.field -> provider")
+    providers: dict[str, str] = Field(
+        default_factory=dict, description="op or backend.field -> provider"
+    )
     debug: bool = False
     ops_in_graph: bool = True
     schedule_layout: Literal["0.1.0", "new"] = "0.1.0"
@@ -58,7 +64,9 @@ class LoopSection(_Section):
     max_new_tokens: tuple[int, int] = (8, 32)
     seed: int = Field(0, ge=0)
     max_steps: int = Field(100_000, ge=1)
-    kv_pages: int | None = Field(None, ge=2, description="KV cache pages; None: enough for max_batch")
+    kv_pages: int | None = Field(
+        None, ge=2, description="KV cache pages; None: enough for max_batch"
+    )
 
     @model_validator(mode="after")
     def _ranges(self) -> LoopSection:
@@ -107,13 +115,17 @@ def load_run_config(path: str | Path | None, overrides: dict[str, Any] | None = 
         try:
             text = Path(path).read_text()
         except OSError as exc:
-            raise ConfigError(f"cannot read config: {exc.strerror}", field="--config", actual=str(path)) from None
+            raise ConfigError(
+                f"cannot read config: {exc.strerror}", field="--config", actual=str(path)
+            ) from None
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{origin}: not valid YAML: {exc}", field="--config") from None
         if not isinstance(data, dict):
-            raise ConfigError(f"{origin}: top level must be a mapping", field="<root>", actual=type(data).__name__)
+            raise ConfigError(
+                f"{origin}: top level must be a mapping", field="<root>", actual=type(data).__name__
+            )
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")

@@ -19,7 +19,9 @@ def make_pool(pool_size: int, max_context: int, page_size: int, seed: int = 0) -
     offsets = torch.arange(page_size, dtype=torch.int32)
     for req in range(1, pool_size):
         pages = page_ids[(req - 1) * pages_per_req : req * pages_per_req]
-        slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * page_size + offsets[None, :]).reshape(-1)
+        slots = (
+            torch.tensor(pages, dtype=torch.int32)[:, None] * page_size + offsets[None, :]
+        ).reshape(-1)
         table[req] = slots[:max_context]
     return table
 

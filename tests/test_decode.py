@@ -25,7 +25,9 @@ SMALL = {
 
 
 def _run(**overrides):
-    engine = DecodeEngine(load_run_config(ROOT / "configs" / "dsv32-tiny.yaml", {**SMALL, **overrides}))
+    engine = DecodeEngine(
+        load_run_config(ROOT / "configs" / "dsv32-tiny.yaml", {**SMALL, **overrides})
+    )
     result = engine.run(progress=False)
     return engine, result
 
@@ -73,8 +75,21 @@ def test_debug_mode_verifies_every_replay():
 def test_cli_prints_the_summary(tmp_path):
     out = tmp_path / "summary.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "planner", "decode", "--requests", "3", "--quiet", "--json", str(out)],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "planner",
+            "decode",
+            "--requests",
+            "3",
+            "--quiet",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     assert "tokens/s" in proc.stdout and "schedule computations per step" in proc.stdout
@@ -86,7 +101,10 @@ def test_cli_config_errors_are_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("planner:\n  max_batch: 0\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "planner", "decode", "--config", str(bad)], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-m", "planner", "decode", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert proc.returncode == 2
     assert "planner.max_batch" in proc.stderr and "Traceback" not in proc.stderr

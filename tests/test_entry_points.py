@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +30,22 @@ print(plan.window_lens.tolist(), plan.cu_window.tolist(), plan.window)
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> dict[str, str]:
     target = tmp_path_factory.mktemp("site")
+    source = tmp_path_factory.mktemp("src") / "example_backend"
+    shutil.copytree(EXAMPLE, source)  # building in place would leave build/ in the repository
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--no-index", "--target", str(target), str(EXAMPLE)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(source),
+        ],
         check=True,
         capture_output=True,
         cwd=target,
@@ -42,7 +56,10 @@ def installed(tmp_path_factory) -> dict[str, str]:
 def test_third_party_backend_is_listed(installed):
     out = subprocess.run(
         [sys.executable, "-m", "planner", "backends", "--json"],
-        env=installed, check=True, capture_output=True, text=True,
+        env=installed,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     rows = json.loads(out.stdout)
     assert {"backend": "example-window", "field": "window_lens"}.items() <= next(
@@ -51,11 +68,19 @@ def test_third_party_backend_is_listed(installed):
 
 
 def test_third_party_backend_is_planned(installed):
-    out = subprocess.run([sys.executable, "-c", PLAN_IT], env=installed, check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PLAN_IT], env=installed, check=True, capture_output=True, text=True
+    )
     assert out.stdout.strip() == "[3, 8, 8] [0, 3, 11, 19] 8"
 
 
 def test_not_listed_without_the_package():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "planner", "backends", "--json"], env=env, check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "planner", "backends", "--json"],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     assert all(r["backend"] != "example-window" for r in json.loads(out.stdout))

@@ -36,8 +36,12 @@ class Layer(torch.nn.Module):
 def _setup(layers: int, debug: bool, bad_layer: int | None = None):
     table = make_pool(12, MAX_CTX, PAGE)
     slots = int(table.max()) + 1
-    planner = Planner(["paged"], Limits(max_batch=6, max_context=MAX_CTX, page_size=PAGE), debug=debug)
-    model = torch.nn.ModuleList(Layer(slots, i, writes_plan=(i == bad_layer)) for i in range(layers))
+    planner = Planner(
+        ["paged"], Limits(max_batch=6, max_context=MAX_CTX, page_size=PAGE), debug=debug
+    )
+    model = torch.nn.ModuleList(
+        Layer(slots, i, writes_plan=(i == bad_layer)) for i in range(layers)
+    )
     return table, planner, model
 
 
@@ -52,8 +56,15 @@ def test_each_op_runs_once_per_batch_whatever_the_depth(layers):
         x = torch.randn(batch.bs, DIM)
         for layer in model:
             x = layer(x, plans)
-    assert planner.stats.field_calls and all(n == batches for n in planner.stats.field_calls.values())
-    assert set(planner.stats.op_calls) == {"causal_lengths", "cumsum_with_zero", "gather_token_slots", "page_table"}
+    assert planner.stats.field_calls and all(
+        n == batches for n in planner.stats.field_calls.values()
+    )
+    assert set(planner.stats.op_calls) == {
+        "causal_lengths",
+        "cumsum_with_zero",
+        "gather_token_slots",
+        "page_table",
+    }
 
 
 def test_replay_counts_once_per_batch_too():

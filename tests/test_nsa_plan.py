@@ -19,12 +19,16 @@ TABLE = make_pool(60, MAX_CTX, 64, seed=3)
 
 
 def _planner(next_n: int, num_sms: int = 8, **kw) -> Planner:
-    limits = Limits(max_batch=MAX_BATCH, max_context=MAX_CTX, page_size=64, next_n=next_n, num_sms=num_sms)
+    limits = Limits(
+        max_batch=MAX_BATCH, max_context=MAX_CTX, page_size=64, next_n=next_n, num_sms=num_sms
+    )
     return Planner(["nsa"], limits, options={"nsa": {"topk": 48}}, **kw)
 
 
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 2**31), next_n=st.sampled_from([1, 2]), num_sms=st.sampled_from([1, 8, 132]))
+@given(
+    seed=st.integers(0, 2**31), next_n=st.sampled_from([1, 2]), num_sms=st.sampled_from([1, 8, 132])
+)
 def test_nsa_replay_equals_eager(seed, next_n, num_sms):
     rng = random.Random(seed)
     planner = _planner(next_n, num_sms)
@@ -35,7 +39,9 @@ def test_nsa_replay_equals_eager(seed, next_n, num_sms):
             planner.capture(bs, mode, req_to_token=TABLE)
     for _ in range(6):
         mode = rng.choice(modes)
-        batch = random_batch(rng, TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX, next_n=next_n, mode=mode)
+        batch = random_batch(
+            rng, TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX, next_n=next_n, mode=mode
+        )
         bs = min(s for s in sizes if s >= batch.bs)
         plans = planner.replay(batch, bs)
         planner.record(bs, mode)
@@ -55,7 +61,9 @@ def test_eager_schedule_is_the_reference_of_the_batch():
     batch = random_batch(random.Random(1), TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX, bs=13)
     plan = planner.plan(batch)["nsa"]
     assert plan.schedule.shape == (9, 2)
-    assert torch.equal(plan.schedule, reference_paged_mqa_schedule(batch.seq_lens_cpu.view(-1, 1), 64, 8))
+    assert torch.equal(
+        plan.schedule, reference_paged_mqa_schedule(batch.seq_lens_cpu.view(-1, 1), 64, 8)
+    )
     assert plan.schedule[-1].tolist() == [13, 0]
     assert plan.max_seq_len == int(batch.seq_lens_cpu.max())
     assert plan.page_table.shape[1] == -(-plan.max_seq_len // 64)
@@ -66,14 +74,36 @@ def test_the_schedule_never_sees_a_zero_length(monkeypatch):
     provider = get_op("paged_mqa_schedule").providers["torch"]
     original = provider.fn
     planner = _planner(2)
-    for step in planner.program(ForwardMode.TARGET_VERIFY).steps + planner.program(ForwardMode.DECODE).steps:
+    for step in (
+        planner.program(ForwardMode.TARGET_VERIFY).steps + planner.program(ForwardMode.DECODE).steps
+    ):
         if step.op_name == "paged_mqa_schedule":
-            object.__setattr__(step, "provider", type(provider)(**{**provider.__dict__, "fn": lambda out, kv, *a, **k: (seen.append(int(kv.view(-1, k["next_n"])[:, -1].min())), original(out, kv, *a, **k))}))
+            object.__setattr__(
+                step,
+                "provider",
+                type(provider)(
+                    **{
+                        **provider.__dict__,
+                        "fn": lambda out, kv, *a, **k: (
+                            seen.append(int(kv.view(-1, k["next_n"])[:, -1].min())),
+                            original(out, kv, *a, **k),
+                        ),
+                    }
+                ),
+            )
     for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
         for bs in (1, 8, MAX_BATCH):
             planner.capture(bs, mode, req_to_token=TABLE)
             planner.record(bs, mode)
-            batch = random_batch(random.Random(bs), TABLE, max_batch=bs, max_context=MAX_CTX, next_n=2, mode=mode, bs=1)
+            batch = random_batch(
+                random.Random(bs),
+                TABLE,
+                max_batch=bs,
+                max_context=MAX_CTX,
+                next_n=2,
+                mode=mode,
+                bs=1,
+            )
             planner.replay(batch, bs)
             planner.record(bs, mode)
     assert seen and min(seen) >= 1

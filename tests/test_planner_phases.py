@@ -23,7 +23,9 @@ def table() -> torch.Tensor:
 
 
 def _planner(next_n: int) -> Planner:
-    return Planner(["paged"], Limits(max_batch=MAX_BATCH, max_context=MAX_CTX, page_size=PAGE, next_n=next_n))
+    return Planner(
+        ["paged"], Limits(max_batch=MAX_BATCH, max_context=MAX_CTX, page_size=PAGE, next_n=next_n)
+    )
 
 
 @settings(max_examples=25, deadline=None)
@@ -37,10 +39,15 @@ def test_replay_equals_eager_for_random_sequences(table, seed, next_n, steps):
     for mode in modes:
         for bs in sizes:
             plans = planner.capture(bs, mode, req_to_token=table)
-            captured[(mode, bs)] = (plans, {k: t.data_ptr() for k, t in plans["paged"].tensors().items()})
+            captured[(mode, bs)] = (
+                plans,
+                {k: t.data_ptr() for k, t in plans["paged"].tensors().items()},
+            )
     for _ in range(steps):
         mode = rng.choice(modes)
-        batch = random_batch(rng, table, max_batch=MAX_BATCH, max_context=MAX_CTX, next_n=next_n, mode=mode)
+        batch = random_batch(
+            rng, table, max_batch=MAX_BATCH, max_context=MAX_CTX, next_n=next_n, mode=mode
+        )
         bs = min(s for s in sizes if s >= batch.bs)
         replayed = planner.replay(batch, bs)
         planner.record(bs, mode)  # what the graph does on replay
@@ -79,13 +86,21 @@ def test_eager_plan_values_match_a_direct_computation(table):
     for r, (req, length) in enumerate(zip(batch.req_pool_indices.tolist(), lens)):
         assert plan.token_slots[r, :length].tolist() == table[req, :length].tolist()
         pages = -(-length // PAGE)
-        assert plan.page_table[r, :pages].tolist() == (table[req, : length : PAGE] // PAGE).tolist()
+        assert plan.page_table[r, :pages].tolist() == (table[req, :length:PAGE] // PAGE).tolist()
         assert not plan.page_table[r, pages:].any()
 
 
 def test_verify_mode_causal_lengths(table):
     planner = _planner(3)
-    batch = random_batch(random.Random(3), table, max_batch=4, max_context=MAX_CTX, next_n=3, mode=ForwardMode.TARGET_VERIFY, bs=2)
+    batch = random_batch(
+        random.Random(3),
+        table,
+        max_batch=4,
+        max_context=MAX_CTX,
+        next_n=3,
+        mode=ForwardMode.TARGET_VERIFY,
+        bs=2,
+    )
     plan = planner.plan(batch)["paged"]
     s0, s1 = batch.seq_lens_cpu.tolist()
     assert plan.kv_lens.tolist() == [s0 - 2, s0 - 1, s0, s1 - 2, s1 - 1, s1]

@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from backends.paged import PagedPlan
-from planner import ForwardMode, Limits, Plan, Planner, SchemaError, Setting, Tensor, scalar_field, tensor_field
+from planner import (
+    ForwardMode,
+    Limits,
+    Plan,
+    Planner,
+    SchemaError,
+    Setting,
+    Tensor,
+    scalar_field,
+    tensor_field,
+)
 from planner.dims import parse_dim, resolve_shape
 from planner.errors import ProviderError
 
@@ -38,10 +48,14 @@ def test_manual_construction_validates_dtype_and_names_the_field():
     good["page_table"] = torch.zeros(2, 1, dtype=torch.int32)
     PagedPlan(**good, max_seq_len=3, next_n=1)
     with pytest.raises(SchemaError) as info:
-        PagedPlan(**{**good, "seq_lens": torch.zeros(2, dtype=torch.int64)}, max_seq_len=3, next_n=1)
+        PagedPlan(
+            **{**good, "seq_lens": torch.zeros(2, dtype=torch.int64)}, max_seq_len=3, next_n=1
+        )
     assert info.value.field == "paged.seq_lens" and "int64" in str(info.value)
     with pytest.raises(SchemaError, match="rank"):
-        PagedPlan(**{**good, "page_table": torch.zeros(2, dtype=torch.int32)}, max_seq_len=3, next_n=1)
+        PagedPlan(
+            **{**good, "page_table": torch.zeros(2, dtype=torch.int32)}, max_seq_len=3, next_n=1
+        )
 
 
 def test_plans_are_frozen():
@@ -67,15 +81,21 @@ def test_unknown_input_is_refused_at_class_creation():
 
         class Broken(Plan):
             seq_lens: Tensor = tensor_field(torch.int32, ("reqs",), source="seq_lens", pad=1)
-            cu: Tensor = tensor_field(torch.int32, ("reqs+1",), op="cumsum_with_zero", inputs=("lens",), pad=0)
+            cu: Tensor = tensor_field(
+                torch.int32, ("reqs+1",), op="cumsum_with_zero", inputs=("lens",), pad=0
+            )
 
     assert info.value.field == "cu"
 
 
 def test_cycles_and_unknown_ops_and_settings_are_refused_at_planner_build():
     class Cyclic(Plan, backend="test-cyclic"):
-        a: Tensor = tensor_field(torch.int32, ("reqs",), op="clamp", inputs=("b",), params={"lo": 0, "hi": None}, pad=0)
-        b: Tensor = tensor_field(torch.int32, ("reqs",), op="clamp", inputs=("a",), params={"lo": 0, "hi": None}, pad=0)
+        a: Tensor = tensor_field(
+            torch.int32, ("reqs",), op="clamp", inputs=("b",), params={"lo": 0, "hi": None}, pad=0
+        )
+        b: Tensor = tensor_field(
+            torch.int32, ("reqs",), op="clamp", inputs=("a",), params={"lo": 0, "hi": None}, pad=0
+        )
 
     limits = Limits(max_batch=2, max_context=8)
     with pytest.raises(SchemaError, match="cycle"):
@@ -90,7 +110,14 @@ def test_cycles_and_unknown_ops_and_settings_are_refused_at_planner_build():
 
     class NeedsTopk(Plan, backend="test-needs-topk"):
         s: Tensor = tensor_field(torch.int32, ("reqs",), source="seq_lens", pad=1)
-        a: Tensor = tensor_field(torch.int32, ("reqs",), op="clamp", inputs=("s",), params={"lo": None, "hi": Setting("topk")}, pad=1)
+        a: Tensor = tensor_field(
+            torch.int32,
+            ("reqs",),
+            op="clamp",
+            inputs=("s",),
+            params={"lo": None, "hi": Setting("topk")},
+            pad=1,
+        )
 
     with pytest.raises(SchemaError, match="topk") as info:
         Planner([NeedsTopk], limits)
@@ -123,7 +150,9 @@ def test_dims():
 def test_leading_dimension_only_may_depend_on_the_batch():
     class Sideways(Plan, backend="test-sideways"):
         s: Tensor = tensor_field(torch.int32, ("reqs",), source="seq_lens", pad=1)
-        t: Tensor = tensor_field(torch.int32, (2, "reqs"), op="clamp", inputs=("s",), params={"lo": 0, "hi": None}, pad=0)
+        t: Tensor = tensor_field(
+            torch.int32, (2, "reqs"), op="clamp", inputs=("s",), params={"lo": 0, "hi": None}, pad=0
+        )
 
     with pytest.raises(SchemaError, match="leading dimension"):
         Planner([Sideways], Limits(max_batch=2, max_context=8))

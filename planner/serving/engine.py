@@ -27,7 +27,12 @@ from planner.serving.requests import Request, make_workload
 from planner.serving.scheduler import Scheduler
 
 PAGE = 64
-_PRESETS = {"tiny": DSV32Config.tiny, "small": DSV32Config.small, "shapes": DSV32Config.shapes, "full": DSV32Config.full}
+_PRESETS = {
+    "tiny": DSV32Config.tiny,
+    "small": DSV32Config.small,
+    "shapes": DSV32Config.shapes,
+    "full": DSV32Config.full,
+}
 
 
 def model_config(section: ModelSection) -> DSV32Config:
@@ -80,7 +85,9 @@ class DecodeEngine:
             if config.model.weights:
                 model = DSV32Model.from_file(config.model.weights, device=self.device)
             else:
-                model = DSV32Model(self.model_config, seed=config.model.seed, device=self.device, dtype=dtype)
+                model = DSV32Model(
+                    self.model_config, seed=config.model.seed, device=self.device, dtype=dtype
+                )
         self.model = model
         p = config.planner
         pages = config.loop.kv_pages or p.max_batch * -(-p.max_context // PAGE) + 1
@@ -88,7 +95,11 @@ class DecodeEngine:
         self.pool = RequestPool(p.max_batch + 1, p.max_context, page_size=PAGE, device=self.device)
         num_sms = p.num_sms
         if num_sms is None:
-            num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 132
+            num_sms = (
+                torch.cuda.get_device_properties(self.device).multi_processor_count
+                if self.device.type == "cuda"
+                else 132
+            )
         self.limits = Limits(
             max_batch=p.max_batch,
             max_context=p.max_context,
@@ -101,7 +112,9 @@ class DecodeEngine:
         self.planner = Planner(
             ["nsa"],
             self.limits,
-            options={"nsa": {"topk": self.model_config.index_topk, "schedule_layout": p.schedule_layout}},
+            options={
+                "nsa": {"topk": self.model_config.index_topk, "schedule_layout": p.schedule_layout}
+            },
             providers=p.providers,
             debug=p.debug or None,
             ops_in_graph=p.ops_in_graph,
@@ -135,7 +148,12 @@ class DecodeEngine:
     def _warmup(self, planner: Planner, bs: int) -> None:
         if not self._warmed:
             self._warmed = True
-            warmup_schedule_buckets(planner.limits.max_batch, planner.limits.next_n, planner.limits.num_sms, planner.device)
+            warmup_schedule_buckets(
+                planner.limits.max_batch,
+                planner.limits.next_n,
+                planner.limits.num_sms,
+                planner.device,
+            )
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -151,7 +169,9 @@ class DecodeEngine:
     def _decode_step(self, requests: list[Request]) -> int:
         """One decode (or verify) step through the graph runner; returns drafts accepted."""
         n = self.limits.next_n if self.decode_mode is ForwardMode.TARGET_VERIFY else 1
-        drafts = [r.tokens[r.fed] for r in requests] if n > 1 else None  # trivial draft: repeat the token
+        drafts = (
+            [r.tokens[r.fed] for r in requests] if n > 1 else None
+        )  # trivial draft: repeat the token
         batch, ids = self.scheduler.build(requests, self.decode_mode, n, drafts)
         logits = self.runner.step(batch, {"input_ids": ids})
         if self.dump_ring is not None:
@@ -176,7 +196,9 @@ class DecodeEngine:
         pending = list(reversed(workload))
         result = RunResult(tokens={})
         limit = max_steps or loop.max_steps
-        bar = tqdm(total=len(workload), unit="req", desc="decode", disable=not progress, leave=False)
+        bar = tqdm(
+            total=len(workload), unit="req", desc="decode", disable=not progress, leave=False
+        )
         self.runner.capture()
         start = time.perf_counter()
         step = 0

@@ -19,7 +19,9 @@ from planner.serving.requests import Request
 class Scheduler:
     """Moves requests from waiting to running to finished, and builds each step's batch."""
 
-    def __init__(self, cache: PagedKVCache, pool: RequestPool, max_batch: int, page_size: int) -> None:
+    def __init__(
+        self, cache: PagedKVCache, pool: RequestPool, max_batch: int, page_size: int
+    ) -> None:
         self.cache = cache
         self.pool = pool
         self.max_batch = max_batch
@@ -48,7 +50,9 @@ class Scheduler:
             self.waiting.popleft()
             request.pool_idx = self.pool.alloc()
             request.pages = self.cache.alloc(need)
-            self.pool.assign(request.pool_idx, request.pages, min(need * self.page_size, self.pool.max_context))
+            self.pool.assign(
+                request.pool_idx, request.pages, min(need * self.page_size, self.pool.max_context)
+            )
             self.running.append(request)
             admitted += 1
         return admitted
@@ -66,7 +70,11 @@ class Scheduler:
         self.finished.append(request)
 
     def build(
-        self, requests: list[Request], mode: ForwardMode, next_n: int, drafts: list[int] | None = None
+        self,
+        requests: list[Request],
+        mode: ForwardMode,
+        next_n: int,
+        drafts: list[int] | None = None,
     ) -> tuple[ForwardBatch, torch.Tensor]:
         """The batch and ``input_ids`` for feeding ``next_n`` tokens of each request.
 
