@@ -103,7 +103,7 @@ def test_cuda_graphs_equal_eager_over_random_steps():
     stats = runner.stats
     assert stats.kind == "cuda" and not stats.dropped
     assert stats.pool_allocated_bytes > 0 and stats.pool_reserved_bytes > 0
-    assert runner.planner.stats.verified == stats.graph_steps > 300
+    assert runner.planner.stats.verified == stats.graph_steps > 200  # ~2/3 of 400 fit
     assert set(stats.eager) == {"batch_too_large"}
     print(stats.render())
 
