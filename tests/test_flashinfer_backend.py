@@ -240,6 +240,8 @@ def test_forced_triton_providers_plan_what_torch_plans():
     for _ in range(3):
         batch = random_batch(rng, table, max_batch=4, max_context=MAX_CTX)
         pa, pb = a.replay(batch, 4)["flashinfer_decode"], b.replay(batch, 4)["flashinfer_decode"]
+        a.record(4)  # what the graph runs on replay
+        b.record(4)
         for name, tensor in pa.tensors().items():
             assert torch.equal(tensor, getattr(pb, name)), name
 
@@ -342,6 +344,7 @@ def test_reference_decode_through_plans_equals_dense(page_size, next_n):
     )
     planner.capture(8, mode, req_to_token=table)
     replayed = planner.replay(batch, 8)["flashinfer_decode"]
+    planner.record(8, mode)
     q8 = torch.cat([q, torch.randn(3 * next_n, 4, 64, generator=g)])
     got8 = flashinfer_decode_attention(replayed, q8, (k, v))
     assert torch.allclose(got8[: 5 * next_n].double(), expected, atol=1e-5)
@@ -379,6 +382,7 @@ def test_reference_mla_through_plans_equals_dense(page_size, next_n):
     assert torch.allclose(got.double(), expected, atol=1e-5)
     planner.capture(4, mode, req_to_token=table)
     replayed = planner.replay(batch, 4)["flashinfer_mla"]
+    planner.record(4, mode)
     assert torch.allclose(
         reference_mla_attention(replayed, q_nope, q_pe, ckv, kpe).double(), expected, atol=1e-5
     )
@@ -554,6 +558,7 @@ def test_wrappers_per_size_bound_to_static_plans_and_planned_every_replay(fake_f
         batch = random_batch(rng, table, max_batch=MAX_BATCH, max_context=MAX_CTX)
         bs = min(s for s in SIZES if s >= batch.bs)
         plans = planner.replay(batch, bs)
+        planner.record(bs)
         assert plans is captured[bs]
         d, m = plans["flashinfer_decode"], plans["flashinfer_mla"]
         q = torch.randn(bs, 4, 64, generator=g)

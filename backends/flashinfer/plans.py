@@ -15,6 +15,7 @@ scalars from the settings of all backends merged.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, ClassVar
 
@@ -117,6 +118,18 @@ def _kv_indices() -> Any:
 _PLAN_INPUTS = ("seq_lens_cpu", "qo_indptr", "kv_indptr", "kv_indices")
 
 
+def _binds(*names: str) -> dict[str, Any]:
+    """The host op only binds FlashInfer's buffers to these fields, never reads them.
+
+    Declared where the planner supports ``binds=`` (their ops then stay inside
+    the CUDA graph); without it the planner hoists them out of the graph and
+    runs them in ``replay()``, which is correct, only slower.
+    """
+    if "binds" not in inspect.signature(tensor_field).parameters:
+        return {}
+    return {"binds": ("qo_indptr", "kv_indptr", "kv_indices", *names)}
+
+
 def _check_positive_int(settings: dict[str, Any], name: str, field: str) -> int:
     value = settings[name]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -176,6 +189,7 @@ class FlashInferDecodePlan(Plan, backend="flashinfer_decode"):
         (4,),
         op="flashinfer_plan",
         inputs=(*_PLAN_INPUTS, "kv_last_page_len"),
+        **_binds("kv_last_page_len"),
         params={
             "kind": "decode",
             "page_size": Setting("page_size"),
@@ -264,6 +278,7 @@ class FlashInferMLAPlan(Plan, backend="flashinfer_mla"):
         (4,),
         op="flashinfer_plan",
         inputs=(*_PLAN_INPUTS, "kv_len_arr"),
+        **_binds("kv_len_arr"),
         params={
             "kind": "mla",
             "page_size": Setting("page_size"),
