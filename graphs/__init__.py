@@ -9,12 +9,12 @@ every phase and all padding logic are tested without a GPU.
 from graphs.emulated import EmulatedGraph, EmulatedPool
 from graphs.graph import CudaGraph, Graph, is_capturing, new_graph, new_pool
 from graphs.inputs import InputSpec, StaticInputs
+from graphs.outputs import GraphOutputError
 from graphs.runner import (
     BATCH_TOO_LARGE,
     GRAPHS_DISABLED,
     MODE_NOT_CAPTURED,
     SIZE_DROPPED,
-    GraphOutputError,
     GraphRunner,
     GraphWarning,
 )

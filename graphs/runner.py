@@ -17,15 +17,15 @@ from __future__ import annotations
 import bisect
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from graphs.emulated import flatten_outputs
 from graphs.graph import Graph, GraphKind, new_graph, new_pool, recover_after_failed_capture
 from graphs.inputs import InputSpec, StaticInputs, as_specs
+from graphs.outputs import GraphOutputError, output_kinds, slice_outputs
 from graphs.sizes import capture_sizes
 from graphs.stats import GraphStats
 from planner.batch import ForwardBatch, ForwardMode
@@ -45,10 +45,6 @@ SIZE_DROPPED = "size_dropped"
 
 class GraphWarning(RuntimeWarning):
     """A capture was dropped or a batch ran eagerly (filter on this class)."""
-
-
-class GraphOutputError(ConfigError):
-    """The forward's outputs cannot be captured or sliced; fails every size, so it is raised."""
 
 
 @dataclass
@@ -173,7 +169,7 @@ class GraphRunner:
         if self.warmup_hook is not None:
             self.warmup_hook(self.planner, bs)
         for _ in range(self.warmup_runs):
-            _output_kinds(self.forward(dict(views), plans), bs, rows)
+            output_kinds(self.forward(dict(views), plans), bs, rows)
         planner, forward = self.planner, self.forward
 
         def body() -> Any:
@@ -185,7 +181,7 @@ class GraphRunner:
         before = self._memory()
         outputs = graph.capture(body, pool=self._pool)
         after = self._memory()
-        kinds = _output_kinds(outputs, bs, rows)
+        kinds = output_kinds(outputs, bs, rows)
         if before is not None and after is not None:
             self.stats.pool_allocated_bytes += after[0] - before[0]
             self.stats.pool_reserved_bytes += after[1] - before[1]
@@ -275,7 +271,7 @@ class GraphRunner:
         self.stats.replays[(entry.mode.value, entry.bs)] += 1
         self.stats.real_rows += rows
         self.stats.padded_rows += entry.rows - rows
-        return _slice(entry.outputs, iter(entry.kinds), reqs, rows)
+        return slice_outputs(entry.outputs, iter(entry.kinds), reqs, rows)
 
     def _eager(self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor], reason: str) -> Any:
         self._warn_fallback(
@@ -358,34 +354,3 @@ def _modes(planner: Planner, modes: Iterable[ForwardMode | str] | None) -> tuple
                 actual=mode,
             ) from None
     return tuple(dict.fromkeys(out))
-
-
-def _output_kinds(outputs: Any, reqs: int, rows: int) -> list[str]:
-    """Per output tensor, whether its leading dimension is the rows or the requests."""
-    try:
-        flat = flatten_outputs(outputs)
-    except TypeError as exc:
-        raise GraphOutputError(str(exc), field="forward") from None
-    kinds = []
-    for tensor in flat:
-        if tensor.dim() and tensor.shape[0] == rows:
-            kinds.append("rows")
-        elif tensor.dim() and tensor.shape[0] == reqs:
-            kinds.append("reqs")
-        else:
-            raise GraphOutputError(
-                "every output's leading dimension must be the batch's rows or requests (to slice padding off)",
-                field="forward",
-                expected=f"{rows} rows or {reqs} requests",
-                actual=tuple(tensor.shape),
-            )
-    return kinds
-
-
-def _slice(outputs: Any, kinds: Iterator[str], reqs: int, rows: int) -> Any:
-    """The outputs' real rows (views, same structure)."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs[: rows if next(kinds) == "rows" else reqs]
-    if isinstance(outputs, dict):
-        return {key: _slice(value, kinds, reqs, rows) for key, value in outputs.items()}
-    return type(outputs)(_slice(value, kinds, reqs, rows) for value in outputs)
