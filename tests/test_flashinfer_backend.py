@@ -36,8 +36,16 @@ from backends.flashinfer import (  # noqa: E402
     wrappers,
 )
 from backends.flashinfer import kernels as tri  # noqa: E402
+from backends.flashinfer import ops as fi_ops  # noqa: E402
 from backends.flashinfer import reference as ref  # noqa: E402
-from planner import ForwardMode, Limits, PlanError, Planner, SchemaError  # noqa: E402
+from planner import (  # noqa: E402
+    ForwardMode,
+    Limits,
+    PlanError,
+    Planner,
+    ProviderError,
+    SchemaError,
+)
 from tests.batches import make_pool, random_batch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -256,6 +264,15 @@ def test_host_op_runs_once_per_batch_outside_the_graph():
     batch = random_batch(random.Random(1), TABLES[1], max_batch=4, max_context=MAX_CTX)
     planner.replay(batch, 4)
     assert planner.stats.op_calls["flashinfer_plan"] == 2  # one per backend, never per layer
+
+
+def test_without_flashinfer_the_host_op_is_bookkeeping_and_cannot_be_forced():
+    if fi_ops.flashinfer_usable(DEVICE):
+        pytest.skip("FlashInfer is usable here")
+    chosen = _planner(1).providers_chosen()
+    assert chosen["flashinfer_decode.plan_info"] == chosen["flashinfer_mla.plan_info"] == "torch"
+    with pytest.raises(ProviderError):
+        _planner(1, providers={"flashinfer_plan": "flashinfer"})
 
 
 def test_static_flat_page_list_is_sized_from_limits():
@@ -536,6 +553,7 @@ def fake_flashinfer(monkeypatch):
         BatchDecodeWithPagedKVCacheWrapper=_FakeDecode, BatchMLAPagedAttentionWrapper=_FakeMLA
     )
     monkeypatch.setattr(wrappers, "_module", fake)
+    monkeypatch.setattr(fi_ops, "flashinfer_usable", lambda device: True)
     return fake
 
 

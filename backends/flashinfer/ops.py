@@ -127,14 +127,13 @@ def _plan_bookkeeping(out: torch.Tensor, *inputs: torch.Tensor, **params: Any) -
     _plan(False, out, *inputs, **params)
 
 
-def _flashinfer_usable(device: torch.device) -> bool:
-    # An injected module (tests) counts on any device; the real one needs CUDA.
-    if wrappers._module is not None:
-        return True
+def flashinfer_usable(device: torch.device) -> bool:
+    """FlashInfer's kernels need CUDA and the package; checked without importing it."""
     return torch.device(device).type == "cuda" and wrappers.flashinfer_importable()
 
 
-@flashinfer_plan.provider("flashinfer", graph_safe=False, available=lambda d: _flashinfer_usable(d))
+# Looked up at call time (not bound here), so tests can stand a fake FlashInfer in on the CPU.
+@flashinfer_plan.provider("flashinfer", graph_safe=False, available=lambda d: flashinfer_usable(d))
 def _plan_flashinfer(out: torch.Tensor, *inputs: torch.Tensor, **params: Any) -> None:
     """Plan the slot's FlashInfer wrapper (graph wrapper for static views, else the eager one)."""
     _plan(True, out, *inputs, **params)
