@@ -414,6 +414,8 @@ def test_attention_refuses_rows_that_do_not_match_the_plan():
         flashinfer_decode_attention(plan, torch.zeros(4, 4, 64), (cache, cache))
     with pytest.raises(PlanError, match="implementation"):
         flashinfer_decode_attention(plan, torch.zeros(3, 4, 64), (cache, cache), impl="cuda")
+    with pytest.raises(PlanError, match="another FlashInfer kernel"):
+        flashinfer_mla_attention(plan, torch.zeros(3, 2, 512), torch.zeros(3, 2, 64), cache, cache)
 
 
 # --- the wrapper plumbing, against a fake FlashInfer -----------------------------------

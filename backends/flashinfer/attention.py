@@ -43,7 +43,7 @@ def _need(plan: Any, name: str) -> Any:
     return getattr(plan, name)
 
 
-def _slot(plan: Any, impl: str, device: torch.device) -> PlanSlot | None:
+def _slot(plan: Any, impl: str, device: torch.device, kind: str) -> PlanSlot | None:
     """The planned wrapper to run, or None for the reference; refuses silent fallbacks on GPU."""
     if impl not in IMPLS:
         raise PlanError(
@@ -52,6 +52,13 @@ def _slot(plan: Any, impl: str, device: torch.device) -> PlanSlot | None:
     if impl == "reference":
         return None
     slot = POOL.lookup(_need(plan, "kv_indptr"))
+    if slot is not None and slot.config.kind != kind:
+        raise PlanError(
+            "plan was made for another FlashInfer kernel",
+            field="plan",
+            expected=kind,
+            actual=slot.config.kind,
+        )
     if slot is not None and slot.wrapper is not None:
         return slot
     wanted = impl == "flashinfer" or (
@@ -182,7 +189,7 @@ def flashinfer_decode_attention(
     plan: Any, q: torch.Tensor, kv_cache: Any, *, impl: str = "auto"
 ) -> torch.Tensor:
     """Decode attention for one layer: ``[rows, H, D]``; see the module docstring for ``impl``."""
-    slot = _slot(plan, impl, q.device)
+    slot = _slot(plan, impl, q.device, "decode")
     if slot is None:
         return reference_decode_attention(plan, q, kv_cache)
     _check_rows(plan, q.shape[0])
@@ -199,7 +206,7 @@ def flashinfer_mla_attention(
     impl: str = "auto",
 ) -> torch.Tensor:
     """Absorbed MLA attention for one layer: ``[rows, H, 512]``; see the module docstring."""
-    slot = _slot(plan, impl, q_nope.device)
+    slot = _slot(plan, impl, q_nope.device, "mla")
     if slot is None:
         return reference_mla_attention(plan, q_nope, q_pe, ckv_cache, kpe_cache)
     _check_rows(plan, q_nope.shape[0])
