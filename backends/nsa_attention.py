@@ -89,7 +89,8 @@ def indexer_topk(
     )
     pos = torch.arange(width, device=logits.device)
     lens = kv_lens.to(torch.int64).unsqueeze(1)
-    logits.masked_fill_(pos >= lens, float("-inf"))  # a fresh tensor: no second [rows, W]
+    with torch.no_grad():  # selection is not differentiable; in place even if inputs need grad
+        logits.masked_fill_(pos >= lens, float("-inf"))  # a fresh tensor: no second [rows, W]
     if width < topk:  # topk wider than the row: pad with never-valid positions
         logits = torch.nn.functional.pad(logits, (0, topk - width), value=float("-inf"))
     _, idx = torch.topk(logits, topk, dim=-1, largest=True, sorted=True)

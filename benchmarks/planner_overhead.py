@@ -27,6 +27,9 @@ from benchmarks.common import machine, plot_bars, print_table, sync, time_host, 
 from benchmarks.seed_stack import make_batch, make_table
 
 
+GENERIC_OPS = ("causal_lengths", "uniform_offsets", "cumsum_with_zero", "gather_token_slots", "page_table", "clamp")
+
+
 class HandWrittenNSA:
     """NSA metadata the way engine code does it today: one tensor op or copy per field."""
 
@@ -115,6 +118,11 @@ def measure(args, batch_size: int, device: torch.device) -> dict[str, Any]:
         if in_graph:
             out["plan"] = time_host(lambda i, p=planner: p.plan(batches[i % 8]), **kw)
             sync(device)
+    # The same eager plan with every generic op forced to its torch reference (no Triton launches).
+    forced = {op: "torch" for op in GENERIC_OPS}
+    planner = Planner(["nsa"], limits, options={"nsa": {"topk": 2048}}, providers=forced)
+    out["plan_torch_ops"] = time_host(lambda i, p=planner: p.plan(batches[i % 8]), **kw)
+    sync(device)
     hand = HandWrittenNSA(batch_size, args.context, device, sms, 2048)
     out["hand_replay"] = time_host(lambda i: hand.replay(batches[i % 8], batch_size), **kw)
     sync(device)
@@ -159,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         for run in range(args.runs)
         for bs in args.batches
     ]
-    cols = ["plan", "replay_ops_in_graph", "replay_ops_outside", "hand_replay", "hand_plan"]
+    cols = ["plan", "plan_torch_ops", "replay_ops_in_graph", "replay_ops_outside", "hand_replay", "hand_plan"]
     fi_cols = [f"{b}_{k}" for b in args.flashinfer for k in ("plan", "replay")]
     cols += [c for c in fi_cols if any(c in r for r in results)]
     rows = [

@@ -57,7 +57,8 @@ class ForwardBatch:
     @property
     def bs(self) -> int:
         """Requests in the batch."""
-        return int(self.seq_lens_cpu.shape[0]) if self.seq_lens_cpu.dim() == 1 else -1
+        shape = self.seq_lens_cpu.shape
+        return shape[0] if len(shape) == 1 else -1
 
     @property
     def num_tokens(self) -> int:
@@ -137,11 +138,14 @@ def validate_batch(
     next_n: int,
     kv_slots: int | None,
     device_reads: bool,
+    host_ranges: bool = True,
 ) -> None:
     """Reject a batch that breaks a limit, naming the field, before any kernel runs.
 
     ``device_reads`` also range-checks inputs that live on the device, which
     costs a synchronisation: eager ``plan()`` and debug mode pay it, replay not.
+    ``host_ranges=False`` leaves the value ranges of host inputs to the caller
+    (the planner checks them in one vectorised pass over its staging buffer).
     """
     if not isinstance(batch, ForwardBatch):
         raise BatchError("not a ForwardBatch", field="batch", actual=type(batch).__name__)
@@ -174,19 +178,12 @@ def validate_batch(
             expected=f"<= {max_batch}",
             actual=bs,
         )
-    _check_host_range("seq_lens_cpu", seq, want_n, max_context)
-
     table = _check_tensor(
         "req_to_token", batch.req_to_token, dtypes=(torch.int32,), rank=2, devices=(device,)
     )
-    longest = int(seq.numpy().max())
-    if table.shape[1] < longest:
-        raise BatchError(
-            "token table narrower than the longest request",
-            field="req_to_token",
-            expected=f">= {longest} columns",
-            actual=table.shape[1],
-        )
+    if host_ranges:
+        _check_host_range("seq_lens_cpu", seq, want_n, max_context)
+        check_table_width(table, int(seq.numpy().max()))
     pool = _check_tensor(
         "req_pool_indices",
         batch.req_pool_indices,
@@ -219,6 +216,21 @@ def validate_batch(
         if device_reads and not torch.equal(dev_seq.cpu(), seq):
             raise BatchError("device seq_lens differ from seq_lens_cpu", field="seq_lens")
     for name, tensor, lo, hi in checks:
-        if device_reads and tensor.device.type != "cpu":
+        if tensor.device.type != "cpu":
+            if not device_reads:
+                continue
             tensor = tensor.cpu()
+        elif not host_ranges:
+            continue
         _check_host_range(name, tensor, lo, hi)
+
+
+def check_table_width(table: torch.Tensor, longest: int) -> None:
+    """A token table one column short would make the gather read past a row."""
+    if table.shape[1] < longest:
+        raise BatchError(
+            "token table narrower than the longest request",
+            field="req_to_token",
+            expected=f">= {longest} columns",
+            actual=table.shape[1],
+        )

@@ -9,6 +9,7 @@ Grammar: an int, a name, or ``name+int`` / ``name-int`` (``"reqs+1"``, ``"sms+1"
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 
@@ -19,6 +20,7 @@ DimExpr = int | str
 _EXPR = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:([+-])\s*(\d+))?\s*$")
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_dim(expr: DimExpr) -> tuple[str | None, int]:
     """Split a dimension expression into (name, offset); a literal has no name."""
     if isinstance(expr, bool):

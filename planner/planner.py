@@ -68,18 +68,39 @@ class PlanSet(Mapping[str, Plan]):
 
 @dataclass
 class PlannerStats:
-    """What the planner did: batches per phase, op executions, host time."""
+    """What the planner did: batches per phase, op executions, host time.
+
+    The hot path only counts how often each program ran (one increment per
+    batch); per-op and per-field counts are derived when read.
+    """
 
     batches: Counter = field(default_factory=Counter)
-    op_calls: Counter = field(default_factory=Counter)
-    field_calls: Counter = field(default_factory=Counter)
     host_seconds: Counter = field(default_factory=Counter)
     verified: int = 0
+    program_runs: Counter = field(default_factory=Counter)
+    programs: dict = field(default_factory=dict)
 
-    def record_steps(self, steps: Sequence[Step]) -> None:
-        for step in steps:
-            self.op_calls[step.op_name] += 1
-            self.field_calls[step.key] += 1
+    def record_steps(self, mode: ForwardMode, steps: Sequence[Step]) -> None:
+        self.program_runs[mode] += 1
+        self.programs[mode] = steps
+
+    @property
+    def op_calls(self) -> Counter:
+        """Executions per op name (a field's op counts once per batch, whatever the layers)."""
+        out: Counter = Counter()
+        for mode, runs in self.program_runs.items():
+            for step in self.programs[mode]:
+                out[step.op_name] += runs
+        return out
+
+    @property
+    def field_calls(self) -> Counter:
+        """Executions per ``backend.field``."""
+        out: Counter = Counter()
+        for mode, runs in self.program_runs.items():
+            for step in self.programs[mode]:
+                out[step.key] += runs
+        return out
 
     def reset(self) -> None:
         self.__init__()
@@ -146,10 +167,14 @@ class Planner:
             "num_sms": limits.num_sms,
         }
         self._programs: dict[ForwardMode, Program] = {}
+        self._source_cache: dict[ForwardMode, list] = {}
+        self._eager_layouts: dict[tuple[ForwardMode, int], StagingLayout] = {}
+        self._limit_cache: dict[tuple, dict[str, tuple[int, int]]] = {}
         self._static: dict[ForwardMode, _Static] = {}
         self._captured: dict[tuple[ForwardMode, int], _Capture] = {}
         for mode in ForwardMode:
             self.program(mode)  # surface schema errors at construction
+        self._stages_lengths = any(s == "seq_lens" for _, s, _, _ in self._sources(ForwardMode.DECODE))
         self._check_forced_keys()
 
     # ---- building -------------------------------------------------------------------------
@@ -205,6 +230,10 @@ class Planner:
         return dims
 
     def _sources(self, mode: ForwardMode) -> list[tuple[tuple[str, str], str, bool, int]]:
+        """Source fields of every schema: (key, source, per token, pad); built once per mode."""
+        cached = self._source_cache.get(mode)
+        if cached is not None:
+            return cached
         program = self.program(mode)
         out = []
         for backend, cls in self.schemas.items():
@@ -212,7 +241,32 @@ class Planner:
                 if spec.source is not None:
                     pad = program.pads[(backend, name)]
                     out.append(((backend, name), spec.source, spec.row_dim == "rows", int(pad)))
+        self._source_cache[mode] = out
         return out
+
+    def _eager_layout(self, mode: ForwardMode, reqs: int) -> StagingLayout:
+        key = (mode, reqs)
+        layout = self._eager_layouts.get(key)
+        if layout is None:
+            sources = [(s, t, p) for _, s, t, p in self._sources(mode)]
+            layout = self._eager_layouts[key] = StagingLayout(sources, reqs, self.program(mode).next_n)
+        return layout
+
+    def _range_limits(self, mode: ForwardMode, table: torch.Tensor) -> dict[str, tuple[int, int]]:
+        """Inclusive value limits of each staged input, for the vectorised door check."""
+        key = (mode, table.shape[0], table.shape[1])
+        limits = self._limit_cache.get(key)
+        if limits is None:
+            ctx = self.limits.max_context
+            slots = self.limits.kv_slots
+            limits = self._limit_cache[key] = {
+                "seq_lens": (self.program(mode).next_n, min(ctx, table.shape[1])),
+                "req_pool_indices": (0, table.shape[0] - 1),
+                "out_cache_loc": (0, (slots if slots is not None else 2**31) - 1),
+                "positions": (0, ctx - 1),
+                "_max_context": (0, ctx),
+            }
+        return limits
 
     def _build_plans(
         self,
@@ -271,13 +325,12 @@ class Planner:
                 actual=pad_to,
             )
         reqs = pad_to or batch.bs
+        sources = self._sources(mode)
+        layout = self._eager_layout(mode, reqs)
+        limits = self._range_limits(mode, batch.req_to_token)
+        staged, _ = stage_fresh(layout, batch, reqs, program.next_n, self.device, limits)
         max_len = self.limits.max_context if pad_to is not None else int(batch.seq_lens_cpu.max())
         dims = self.dims(mode, reqs, max_len)
-        sources = self._sources(mode)
-        layout = StagingLayout(
-            [(s, per_tok, pad) for _, s, per_tok, pad in sources], reqs, program.next_n
-        )
-        staged, _ = stage_fresh(layout, batch, reqs, program.next_n, self.device)
         tensors: dict[tuple[str, str], torch.Tensor] = {}
         for key, source, per_token, pad in sources:
             seg = layout.segments[(source, pad)]
@@ -291,7 +344,7 @@ class Planner:
             self._run(step, tensors, batch)
         plans = PlanSet(self._build_plans(mode, tensors, dims), "eager", mode, reqs, batch.bs)
         if count:
-            self.stats.record_steps(program.steps)
+            self.stats.record_steps(mode, program.steps)
             self.stats.batches["eager"] += 1
             self.stats.host_seconds["eager"] += time.perf_counter() - start
         return plans
@@ -370,7 +423,7 @@ class Planner:
         self._validate(dummy, device_reads=True)
         state = self._static_state(mode)
         program = self.program(mode)
-        state.stager.stage(dummy, bs, program.next_n)
+        state.stager.stage(dummy, bs, program.next_n, self._range_limits(mode, req_to_token))
         views = self._views(mode, bs)
         for step in program.steps:
             self._run(step, views, dummy)
@@ -439,14 +492,15 @@ class Planner:
                 actual=(hex(table.data_ptr()), tuple(table.shape)),
             )
         program = self.program(mode)
-        self._static[mode].stager.stage(batch, bs, program.next_n)
+        limits = self._range_limits(mode, table)
+        self._static[mode].stager.stage(batch, bs, program.next_n, limits)
         for step in program.steps:
             if not step.in_graph:
                 self._run(step, capture.views, batch)
         self._check_pointers(capture)
         capture.plans.real_reqs = batch.bs
         capture.plans.phase = "replay"
-        self.stats.record_steps(program.steps)
+        self.stats.record_steps(mode, program.steps)
         self.stats.batches["replay"] += 1
         self.stats.host_seconds["replay"] += time.perf_counter() - start
         return capture.plans
@@ -472,6 +526,7 @@ class Planner:
             next_n=self.limits.next_n,
             kv_slots=self.limits.kv_slots,
             device_reads=device_reads,
+            host_ranges=not self._stages_lengths,
         )
 
     def verify(self, batch: ForwardBatch, plans: PlanSet) -> None:

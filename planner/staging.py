@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from planner.batch import ForwardBatch
+import numpy as np
+
+from planner.batch import ForwardBatch, check_table_width
+from planner.errors import BatchError
+
+_FIELD_OF_SOURCE = {"seq_lens": "seq_lens_cpu"}
+_UNCHECKED = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,54 @@ class StagingLayout:
             self.segments[key] = Segment(source, per_token, pad, offset, capacity)
             offset += capacity
         self.size = offset
+        self._order = tuple(self.segments.values())
+        self._bounds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _bounds_for(
+        self, key: tuple, real: int, next_n: int, limits: dict[str, tuple[int, int]], skip: frozenset
+    ) -> tuple[np.ndarray, np.ndarray]:
+        bounds = self._bounds.get(key)
+        if bounds is None:
+            lo = np.full(self.size, _UNCHECKED[0], dtype=np.int64)
+            hi = np.full(self.size, _UNCHECKED[1], dtype=np.int64)
+            for seg in self.segments.values():
+                if seg.offset in skip or seg.source not in limits:
+                    continue
+                n = real * next_n if seg.per_token else real
+                lo[seg.offset : seg.offset + n], hi[seg.offset : seg.offset + n] = limits[seg.source]
+            bounds = self._bounds[key] = (lo, hi)
+        return bounds
+
+    def check_ranges(
+        self,
+        host: torch.Tensor,
+        batch: ForwardBatch,
+        next_n: int,
+        limits: dict[str, tuple[int, int]],
+        on_device: list,
+    ) -> None:
+        """Every staged host input within its limits, in one vectorised pass.
+
+        ``limits`` maps a source to its inclusive ``(lo, hi)``; ``seq_lens``
+        is bounded by ``max_context``, and by the token table's width, which
+        gets its own error. Inputs already on the device are not read here.
+        """
+        skip = frozenset(seg.offset for seg, _ in on_device)
+        table = batch.req_to_token
+        key = (batch.bs, next_n, table.shape[0], table.shape[1], skip)
+        lo, hi = self._bounds_for(key, batch.bs, next_n, limits, skip)
+        flat = host.numpy()[: self.size]
+        bad = (flat < lo) | (flat > hi)
+        if not bad.any():
+            return
+        index = int(np.flatnonzero(bad)[0])
+        seg = next(s for s in self.segments.values() if s.offset <= index < s.offset + s.capacity)
+        value = int(flat[index])
+        low, high = limits[seg.source]
+        if seg.source == "seq_lens" and low <= value <= limits["_max_context"][1]:
+            check_table_width(table, value)
+        field = _FIELD_OF_SOURCE.get(seg.source, seg.source)
+        raise BatchError("value out of range", field=field, expected=f"[{low}, {high}]", actual=value)
 
     def fill_host(self, host: torch.Tensor, batch: ForwardBatch, reqs: int, next_n: int) -> list:
         """Write each source, then its pad, into ``host``; return device-resident sources.
@@ -56,15 +110,15 @@ class StagingLayout:
         on_device = []
         real = batch.bs
         flat = host.numpy()  # numpy slicing costs a fraction of a torch op per segment
-        for seg in self.segments.values():
-            n_real = real * next_n if seg.per_token else real
-            start, end = seg.offset, seg.offset + (reqs * next_n if seg.per_token else reqs)
+        for seg in self._order:
+            width = next_n if seg.per_token else 1
+            start, mid, end = seg.offset, seg.offset + real * width, seg.offset + reqs * width
             value = batch.source(seg.source)
-            if value.device.type == "cpu":
-                flat[start : start + n_real] = value.numpy()
-            else:
+            if value.is_cuda:
                 on_device.append((seg, value))
-            flat[start + n_real : end] = seg.pad
+            else:
+                flat[start:mid] = value.numpy()
+            flat[mid:end] = seg.pad
         return on_device
 
 
@@ -83,11 +137,14 @@ class StaticStager:
     def view(self, segment: Segment, n: int) -> torch.Tensor:
         return self.device_buf[segment.offset : segment.offset + n]
 
-    def stage(self, batch: ForwardBatch, reqs: int, next_n: int) -> None:
-        """Fill the host buffer, one host-to-device copy, then device-resident inputs."""
+    def stage(
+        self, batch: ForwardBatch, reqs: int, next_n: int, limits: dict[str, tuple[int, int]]
+    ) -> None:
+        """Fill the host buffer, check it, one host-to-device copy, then device-resident inputs."""
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous batch's copy must not read a half-written buffer
         on_device = self.layout.fill_host(self.host, batch, reqs, next_n)
+        self.layout.check_ranges(self.host, batch, next_n, limits, on_device)
         if self.device.type == "cpu":
             self.device_buf.copy_(self.host)
         else:
@@ -100,11 +157,17 @@ class StaticStager:
 
 
 def stage_fresh(
-    layout: StagingLayout, batch: ForwardBatch, reqs: int, next_n: int, device: torch.device
+    layout: StagingLayout,
+    batch: ForwardBatch,
+    reqs: int,
+    next_n: int,
+    device: torch.device,
+    limits: dict[str, tuple[int, int]],
 ) -> tuple[torch.Tensor, list]:
-    """Eager staging into new tensors: one host buffer, one transfer."""
+    """Eager staging into new tensors: one host buffer, checked, one transfer."""
     host = torch.empty(max(layout.size, 1), dtype=torch.int32)
     on_device = layout.fill_host(host, batch, reqs, next_n)
+    layout.check_ranges(host, batch, next_n, limits, on_device)
     dev = host.to(device) if device.type != "cpu" else host
     for seg, tensor in on_device:
         n_real = batch.bs * next_n if seg.per_token else batch.bs
