@@ -174,7 +174,9 @@ class Planner:
         self._captured: dict[tuple[ForwardMode, int], _Capture] = {}
         for mode in ForwardMode:
             self.program(mode)  # surface schema errors at construction
-        self._stages_lengths = any(s == "seq_lens" for _, s, _, _ in self._sources(ForwardMode.DECODE))
+        self._stages_lengths = any(
+            s == "seq_lens" for _, s, _, _ in self._sources(ForwardMode.DECODE)
+        )
         self._check_forced_keys()
 
     # ---- building -------------------------------------------------------------------------
@@ -249,7 +251,9 @@ class Planner:
         layout = self._eager_layouts.get(key)
         if layout is None:
             sources = [(s, t, p) for _, s, t, p in self._sources(mode)]
-            layout = self._eager_layouts[key] = StagingLayout(sources, reqs, self.program(mode).next_n)
+            layout = self._eager_layouts[key] = StagingLayout(
+                sources, reqs, self.program(mode).next_n
+            )
         return layout
 
     def _range_limits(self, mode: ForwardMode, table: torch.Tensor) -> dict[str, tuple[int, int]]:
@@ -281,8 +285,9 @@ class Planner:
             for name, spec in cls.scalar_specs.items():
                 if spec.value in dims:
                     values[name] = dims[spec.value]
-                elif spec.value in program.settings:
-                    values[name] = program.settings[spec.value]
+                elif spec.value in program.backend_settings[backend]:
+                    # this backend's own value: two backends may define one setting differently
+                    values[name] = program.backend_settings[backend][spec.value]
                 else:
                     raise SchemaError(
                         f"scalar refers to unknown value {spec.value!r}", field=f"{backend}.{name}"
@@ -291,7 +296,13 @@ class Planner:
         return plans
 
     @staticmethod
-    def _run(step: Step, tensors: dict[tuple[str, str], torch.Tensor], batch: ForwardBatch) -> None:
+    def _run(
+        step: Step,
+        tensors: dict[tuple[str, str], torch.Tensor],
+        batch: ForwardBatch,
+        *,
+        static: bool = False,
+    ) -> None:
         args = [
             batch.req_to_token
             if name == "req_to_token"
@@ -300,7 +311,10 @@ class Planner:
             else tensors[(step.backend, name)]
             for name in step.inputs
         ]
-        step.provider.fn(tensors[(step.backend, step.field)], *args, **step.params)
+        # Host ops learn whether their tensors are static views (capture/replay) or fresh
+        # (eager): e.g. FlashInfer binds a CUDA-graph wrapper to the former only.
+        params = step.params if step.provider.graph_safe else {**step.params, "static": static}
+        step.provider.fn(tensors[(step.backend, step.field)], *args, **params)
 
     # ---- eager ----------------------------------------------------------------------------
 
@@ -426,7 +440,7 @@ class Planner:
         state.stager.stage(dummy, bs, program.next_n, self._range_limits(mode, req_to_token))
         views = self._views(mode, bs)
         for step in program.steps:
-            self._run(step, views, dummy)
+            self._run(step, views, dummy, static=True)
         dims = self.dims(mode, bs, self.limits.max_context)
         plans = PlanSet(self._build_plans(mode, views, dims), "capture", mode, bs, bs)
         named = [(f"{b}.{n}", t) for b, p in plans.items() for n, t in p.tensors().items()]
@@ -450,7 +464,7 @@ class Planner:
         capture = self._capture_for(ForwardMode(mode), bs)
         for step in self.program(ForwardMode(mode)).steps:
             if step.in_graph:
-                self._run(step, capture.views, capture.dummy)
+                self._run(step, capture.views, capture.dummy, static=True)
 
     def _capture_for(self, mode: ForwardMode, bs: int) -> _Capture:
         capture = self._captured.get((mode, bs))
@@ -496,7 +510,7 @@ class Planner:
         self._static[mode].stager.stage(batch, bs, program.next_n, limits)
         for step in program.steps:
             if not step.in_graph:
-                self._run(step, capture.views, batch)
+                self._run(step, capture.views, batch, static=True)
         self._check_pointers(capture)
         capture.plans.real_reqs = batch.bs
         capture.plans.phase = "replay"

@@ -8,7 +8,7 @@ that would make static buffers non-contiguous) surface, at start-up.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ class Program:
     settings: Mapping[str, Any]
     steps: tuple[Step, ...]
     pads: Mapping[tuple[str, str], int | float | None]
+    backend_settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def next_n(self) -> int:
@@ -128,6 +129,7 @@ def build_program(
     steps: list[Step] = []
     pads: dict[tuple[str, str], int | float | None] = {}
     settings_seen: dict[str, Any] = {}
+    per_backend: dict[str, dict[str, Any]] = {}
     for backend, plan_cls in schemas.items():
         check_static_shapes(plan_cls)
         settings = settings_for(base_settings, plan_cls, options.get(backend, {}), mode)
@@ -135,6 +137,7 @@ def build_program(
         if checker is not None:
             checker(settings)
         settings_seen.update(settings)
+        per_backend[backend] = settings
         for name, spec in plan_cls.tensor_specs.items():
             pad = resolve_setting(spec.pad, settings, field=f"{backend}.{name}")
             pads[(backend, name)] = None if pad == PAD_DERIVED else pad
@@ -160,7 +163,13 @@ def build_program(
                 )
             )
     steps = _hoist_host_dependencies(steps)
-    return Program(mode=mode, settings=settings_seen, steps=tuple(steps), pads=pads)
+    return Program(
+        mode=mode,
+        settings=settings_seen,
+        steps=tuple(steps),
+        pads=pads,
+        backend_settings=per_backend,
+    )
 
 
 def _hoist_host_dependencies(steps: list[Step]) -> list[Step]:
@@ -174,6 +183,8 @@ def _hoist_host_dependencies(steps: list[Step]) -> list[Step]:
             if step.key not in outside:
                 continue
             for dep in step.inputs:
+                if dep in step.spec.binds:  # bound by address, never read: may stay in the graph
+                    continue
                 dep_key = f"{step.backend}.{dep}"
                 if dep_key in by_key and dep_key not in outside and dep not in BATCH_TABLES:
                     outside.add(dep_key)

@@ -71,6 +71,7 @@ class TensorSpec:
     op: str | None = None
     inputs: tuple[str, ...] = ()
     params: Mapping[str, Any] = field(default_factory=dict)
+    binds: tuple[str, ...] = ()
     doc: str = ""
     name: str = ""
 
@@ -96,6 +97,7 @@ class TensorSpec:
             "op": self.op,
             "inputs": list(self.inputs),
             "params": {k: repr(v) if isinstance(v, Setting) else v for k, v in self.params.items()},
+            "binds": list(self.binds),
         }
 
 
@@ -125,9 +127,19 @@ def tensor_field(
     inputs: tuple[str, ...] = (),
     params: Mapping[str, Any] | None = None,
     pad: int | float | str | Setting | None = None,
+    binds: tuple[str, ...] = (),
     doc: str = "",
 ) -> Any:
-    """Declare a tensor field; use as the default of a ``Tensor`` annotation."""
+    """Declare a tensor field; use as the default of a ``Tensor`` annotation.
+
+    ``binds`` names inputs a host op takes for their address only (it binds
+    them, e.g. as a FlashInfer CUDA-graph wrapper's buffers, and never reads
+    their values): their ops stay inside the graph instead of being hoisted.
+    """
+    if not set(binds) <= set(inputs):
+        raise SchemaError(
+            "binds= must name inputs of the field", expected=list(inputs), actual=list(binds)
+        )
     if (source is None) == (op is None):
         raise SchemaError("a tensor field needs exactly one of source= or op=", actual=(source, op))
     if pad is None:
@@ -145,6 +157,7 @@ def tensor_field(
         op=op,
         inputs=tuple(inputs),
         params=dict(params or {}),
+        binds=tuple(binds),
         doc=doc,
     )
     info = Field(description=doc or None, json_schema_extra={"plan": spec.to_json()})

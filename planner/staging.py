@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
-
 import numpy as np
+import torch
 
 from planner.batch import ForwardBatch, check_table_width
 from planner.errors import BatchError
@@ -55,7 +54,12 @@ class StagingLayout:
         self._bounds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     def _bounds_for(
-        self, key: tuple, real: int, next_n: int, limits: dict[str, tuple[int, int]], skip: frozenset
+        self,
+        key: tuple,
+        real: int,
+        next_n: int,
+        limits: dict[str, tuple[int, int]],
+        skip: frozenset,
     ) -> tuple[np.ndarray, np.ndarray]:
         bounds = self._bounds.get(key)
         if bounds is None:
@@ -65,7 +69,9 @@ class StagingLayout:
                 if seg.offset in skip or seg.source not in limits:
                     continue
                 n = real * next_n if seg.per_token else real
-                lo[seg.offset : seg.offset + n], hi[seg.offset : seg.offset + n] = limits[seg.source]
+                lo[seg.offset : seg.offset + n], hi[seg.offset : seg.offset + n] = limits[
+                    seg.source
+                ]
             bounds = self._bounds[key] = (lo, hi)
         return bounds
 
@@ -98,7 +104,9 @@ class StagingLayout:
         if seg.source == "seq_lens" and low <= value <= limits["_max_context"][1]:
             check_table_width(table, value)
         field = _FIELD_OF_SOURCE.get(seg.source, seg.source)
-        raise BatchError("value out of range", field=field, expected=f"[{low}, {high}]", actual=value)
+        raise BatchError(
+            "value out of range", field=field, expected=f"[{low}, {high}]", actual=value
+        )
 
     def fill_host(self, host: torch.Tensor, batch: ForwardBatch, reqs: int, next_n: int) -> list:
         """Write each source, then its pad, into ``host``; return device-resident sources.
