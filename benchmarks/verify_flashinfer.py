@@ -349,7 +349,13 @@ def _replay_quietly(
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in seen if "synchroniz" in str(w.message).lower()]
+    # torch announces the debug mode itself once per process ("... is a prototype feature"):
+    # that notice is not a synchronising call.
+    syncs = [
+        str(w.message)
+        for w in seen
+        if "synchroniz" in str(w.message).lower() and "prototype feature" not in str(w.message)
+    ]
     return plans, out, syncs, host_us
 
 

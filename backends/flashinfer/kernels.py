@@ -16,13 +16,10 @@ with ``TRITON_INTERPRET=1`` after some other module may have imported this one.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
 from backends.flashinfer import reference as ref
+from backends.kernels.generic_triton import LazyKernel, block_size, triton_available
 
 try:
     import triton
@@ -33,36 +30,7 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
 
 __all__ = ["last_page_len", "paged_kv_indices", "pages_per_request", "triton_usable"]
 
-_MAX_BLOCK = 1024
-
-
-def _interpreting() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def triton_usable(device: torch.device) -> bool:
-    """Compiled Triton needs CUDA; on the CPU only the interpreter (tests) can run these."""
-    if triton is None:
-        return False
-    device = torch.device(device)
-    return device.type == "cuda" or (device.type == "cpu" and _interpreting())
-
-
-class _Lazy:
-    """``triton.jit`` on first launch, once per interpreter mode."""
-
-    def __init__(self, fn: Callable[..., None]) -> None:
-        self._fn = fn
-        self._variants: dict[bool, Any] = {}
-
-    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
-        mode = _interpreting()
-        if mode not in self._variants:
-            self._variants[mode] = triton.jit(self._fn)
-        return self._variants[mode][grid]
+triton_usable = triton_available
 
 
 def _require(device: torch.device) -> None:
@@ -71,10 +39,6 @@ def _require(device: torch.device) -> None:
             f"Triton kernels cannot run on {device}: they need CUDA, or CPU tensors"
             " with TRITON_INTERPRET=1"
         )
-
-
-def _block(n: int) -> int:
-    return min(triton.next_power_of_2(max(n, 1)), _MAX_BLOCK)
 
 
 # --- kernels -----------------------------------------------------------------------
@@ -128,8 +92,8 @@ def _kv_indices_kernel(
     tl.store(out_ptr + flat, tl.zeros([BLOCK], tl.int32), mask=in_row & (flat >= total))
 
 
-_page_split = _Lazy(_page_split_kernel)
-_kv_indices = _Lazy(_kv_indices_kernel)
+_page_split = LazyKernel(_page_split_kernel)
+_kv_indices = LazyKernel(_kv_indices_kernel)
 
 
 # --- launchers ---------------------------------------------------------------------
@@ -141,7 +105,7 @@ def pages_per_request(out: torch.Tensor, seq_lens: torch.Tensor, page_size: int)
     _require(out.device)
     n = out.shape[0]
     if n:
-        block = _block(n)
+        block = block_size(n)
         _page_split[(triton.cdiv(n, block),)](out, seq_lens, n, page_size, LAST=False, BLOCK=block)
 
 
@@ -151,7 +115,7 @@ def last_page_len(out: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> 
     _require(out.device)
     n = out.shape[0]
     if n:
-        block = _block(n)
+        block = block_size(n)
         _page_split[(triton.cdiv(n, block),)](out, seq_lens, n, page_size, LAST=True, BLOCK=block)
 
 
@@ -169,7 +133,7 @@ def paged_kv_indices(
     if reqs == 0 or width == 0:
         out.zero_()
         return
-    block = _block(width)
+    block = block_size(width)
     _kv_indices[(triton.cdiv(width, block), reqs)](
         out,
         req_to_token,

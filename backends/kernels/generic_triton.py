@@ -18,6 +18,7 @@ supported, by Triton itself either.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -71,7 +72,7 @@ def triton_available(device: torch.device) -> bool:
     return False
 
 
-class _LazyKernel:
+class LazyKernel:
     """Decorates on first launch, once per interpreter mode, so a module imported
     before ``TRITON_INTERPRET`` was set still launches under the interpreter."""
 
@@ -83,7 +84,11 @@ class _LazyKernel:
         mode = _interpreting()
         kernel = self._variants.get(mode)
         if kernel is None:
-            kernel = self._variants[mode] = triton.jit(self._fn)
+            # Sizes and strides change every batch: specialising on them (value 1, divisible
+            # by 16) would compile a new variant mid-serving, seconds of stall for an eager plan.
+            params = inspect.signature(self._fn).parameters
+            sizes = [p for p in params if not p.endswith("_ptr") and not p.isupper()]
+            kernel = self._variants[mode] = triton.jit(self._fn, do_not_specialize=sizes)
         return kernel[grid]
 
 
@@ -95,8 +100,12 @@ def _require(device: torch.device) -> None:
         )
 
 
-def _block(n: int, cap: int = _MAX_BLOCK) -> int:
-    return min(triton.next_power_of_2(max(n, 1)), cap)
+def block_size(n: int, cap: int = _MAX_BLOCK) -> int:
+    """Few distinct block sizes (64 up to ``cap``, by powers of 4), so few compiled variants."""
+    block = 64
+    while block < n and block < cap:
+        block *= 4
+    return min(block, cap)
 
 
 # --- kernels -----------------------------------------------------------------------
@@ -209,13 +218,13 @@ def _stdlib_interpretable() -> bool:
 
 
 _SUM = _interp_sum_combine() if triton is not None else None
-_cumsum_with_zero = _LazyKernel(_cumsum_with_zero_kernel)
-_cumsum_with_zero_interp = _LazyKernel(_cumsum_with_zero_interp_kernel)
-_clamp = _LazyKernel(_clamp_kernel)
-_uniform_offsets = _LazyKernel(_uniform_offsets_kernel)
-_gather_token_slots = _LazyKernel(_gather_token_slots_kernel)
-_page_table = _LazyKernel(_page_table_kernel)
-_causal_lengths = _LazyKernel(_causal_lengths_kernel)
+_cumsum_with_zero = LazyKernel(_cumsum_with_zero_kernel)
+_cumsum_with_zero_interp = LazyKernel(_cumsum_with_zero_interp_kernel)
+_clamp = LazyKernel(_clamp_kernel)
+_uniform_offsets = LazyKernel(_uniform_offsets_kernel)
+_gather_token_slots = LazyKernel(_gather_token_slots_kernel)
+_page_table = LazyKernel(_page_table_kernel)
+_causal_lengths = LazyKernel(_causal_lengths_kernel)
 
 
 # --- launchers ---------------------------------------------------------------------
@@ -230,7 +239,7 @@ def cumsum_with_zero(out: torch.Tensor, x: torch.Tensor) -> None:
     kernel = _cumsum_with_zero
     if _interpreting() and not _stdlib_interpretable():
         kernel = _cumsum_with_zero_interp
-    kernel[(1,)](out, x, n, BLOCK=_block(n, _MAX_SCAN_BLOCK))
+    kernel[(1,)](out, x, n, BLOCK=block_size(n, _MAX_SCAN_BLOCK))
 
 
 def clamp_into(out: torch.Tensor, x: torch.Tensor, lo: int | None, hi: int | None) -> None:
@@ -240,7 +249,7 @@ def clamp_into(out: torch.Tensor, x: torch.Tensor, lo: int | None, hi: int | Non
     n = x.shape[0]
     if n == 0:
         return
-    block = _block(n)
+    block = block_size(n)
     _clamp[(triton.cdiv(n, block),)](
         out,
         x,
@@ -260,7 +269,7 @@ def uniform_offsets(out: torch.Tensor, step: int) -> None:
     n = out.shape[0]
     if n == 0:
         return
-    block = _block(n)
+    block = block_size(n)
     _uniform_offsets[(triton.cdiv(n, block),)](out, n, step, BLOCK=block)
 
 
@@ -277,7 +286,7 @@ def gather_token_slots(
     reqs, width = out.shape
     if reqs == 0 or width == 0:
         return
-    block = _block(width)
+    block = block_size(width)
     _gather_token_slots[(triton.cdiv(width, block), reqs)](
         out,
         req_to_token,
@@ -298,7 +307,7 @@ def page_table_from_slots(out: torch.Tensor, token_slots: torch.Tensor, page_siz
     reqs, pages = out.shape
     if reqs == 0 or pages == 0:
         return
-    block = _block(pages)
+    block = block_size(pages)
     _page_table[(triton.cdiv(pages, block), reqs)](
         out,
         token_slots,
@@ -318,5 +327,5 @@ def causal_lengths(out: torch.Tensor, seq_lens: torch.Tensor, next_n: int) -> No
     total = out.shape[0]
     if total == 0:
         return
-    block = _block(total)
+    block = block_size(total)
     _causal_lengths[(triton.cdiv(total, block),)](out, seq_lens, total, NEXT_N=next_n, BLOCK=block)

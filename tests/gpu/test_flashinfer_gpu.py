@@ -12,6 +12,7 @@ cache (decode, tensor-core decode, MLA).
 from __future__ import annotations
 
 import importlib.util
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +29,7 @@ if importlib.util.find_spec("flashinfer") is None:
 _SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_flashinfer.py"
 _spec = importlib.util.spec_from_file_location("verify_flashinfer", _SCRIPT)
 verify = importlib.util.module_from_spec(_spec)
+sys.modules["verify_flashinfer"] = verify  # dataclasses look their module up while it executes
 _spec.loader.exec_module(verify)
 
 
