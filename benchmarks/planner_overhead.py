@@ -26,8 +26,14 @@ import torch
 from benchmarks.common import machine, plot_bars, print_table, sync, time_host, write_json
 from benchmarks.seed_stack import make_batch, make_table
 
-
-GENERIC_OPS = ("causal_lengths", "uniform_offsets", "cumsum_with_zero", "gather_token_slots", "page_table", "clamp")
+GENERIC_OPS = (
+    "causal_lengths",
+    "uniform_offsets",
+    "cumsum_with_zero",
+    "gather_token_slots",
+    "page_table",
+    "clamp",
+)
 
 
 class HandWrittenNSA:
@@ -167,7 +173,14 @@ def main(argv: list[str] | None = None) -> int:
         for run in range(args.runs)
         for bs in args.batches
     ]
-    cols = ["plan", "plan_torch_ops", "replay_ops_in_graph", "replay_ops_outside", "hand_replay", "hand_plan"]
+    cols = [
+        "plan",
+        "plan_torch_ops",
+        "replay_ops_in_graph",
+        "replay_ops_outside",
+        "hand_replay",
+        "hand_plan",
+    ]
     fi_cols = [f"{b}_{k}" for b in args.flashinfer for k in ("plan", "replay")]
     cols += [c for c in fi_cols if any(c in r for r in results)]
     rows = [
