@@ -15,9 +15,10 @@ import torch
 
 from backends.deepgemm import BLOCK_KV, LAYOUTS, paged_mqa_schedule_into
 from backends.deepgemm import _native as native
+from backends.paged import PagedPlan
 from planner.errors import SchemaError
 from planner.ops import metadata_op
-from planner.schema import PAD_DERIVED, Plan, Setting, Tensor, scalar_field, tensor_field
+from planner.schema import PAD_DERIVED, Setting, Tensor, scalar_field, tensor_field
 
 I32 = torch.int32
 
@@ -58,8 +59,14 @@ def _schedule_deep_gemm(
     )
 
 
-class NSAPlan(Plan, backend="nsa"):
-    """What DeepSeek-V3.2's indexer and sparse MLA read in every layer (decode and target-verify)."""
+class NSAPlan(PagedPlan, backend="nsa"):
+    """What DeepSeek-V3.2's indexer and sparse MLA read in every layer (decode and target-verify).
+
+    Everything a paged kernel reads (lengths, causal ``kv_lens`` = deep_gemm's
+    ``context_lens`` viewed ``[reqs, next_n]``, token slots, the 64-token page
+    table = deep_gemm's ``block_table``) comes from :class:`PagedPlan`; this adds
+    the query offsets, the sparse lengths and the schedule.
+    """
 
     defaults: ClassVar[dict[str, Any]] = {
         "topk": 2048,
@@ -67,39 +74,6 @@ class NSAPlan(Plan, backend="nsa"):
         "schedule_layout": "0.1.0",
     }
 
-    seq_lens: Tensor = tensor_field(
-        I32,
-        ("reqs",),
-        source="seq_lens",
-        pad=Setting("next_n"),
-        doc="KV length per request, new tokens included",
-    )
-    req_pool_indices: Tensor = tensor_field(
-        I32,
-        ("reqs",),
-        source="req_pool_indices",
-        pad=0,
-        doc="row of req_to_token; padding uses the null request 0",
-    )
-    out_cache_loc: Tensor = tensor_field(
-        I32,
-        ("rows",),
-        source="out_cache_loc",
-        pad=0,
-        doc="KV slot each new token is written to; 0 is the null slot",
-    )
-    positions: Tensor = tensor_field(
-        I32, ("rows",), source="positions", pad=0, doc="rope position of each query token"
-    )
-    kv_lens: Tensor = tensor_field(
-        I32,
-        ("rows",),
-        op="causal_lengths",
-        inputs=("seq_lens",),
-        params={"next_n": Setting("next_n")},
-        pad=PAD_DERIVED,
-        doc="causal KV length of each query row (deep_gemm's context_lens, viewed [reqs, next_n]); never 0",
-    )
     cu_seqlens_q: Tensor = tensor_field(
         I32,
         ("reqs+1",),
@@ -107,31 +81,6 @@ class NSAPlan(Plan, backend="nsa"):
         params={"step": Setting("next_n")},
         pad=PAD_DERIVED,
         doc="query offsets per request",
-    )
-    cu_seqlens_k: Tensor = tensor_field(
-        I32,
-        ("reqs+1",),
-        op="cumsum_with_zero",
-        inputs=("seq_lens",),
-        pad=PAD_DERIVED,
-        doc="KV offsets per request",
-    )
-    token_slots: Tensor = tensor_field(
-        I32,
-        ("reqs", "max_len"),
-        op="gather_token_slots",
-        inputs=("req_to_token", "req_pool_indices", "seq_lens"),
-        pad=0,
-        doc="physical KV slot of each logical position; top-k indices map through it",
-    )
-    page_table: Tensor = tensor_field(
-        I32,
-        ("reqs", "pages"),
-        op="page_table",
-        inputs=("token_slots",),
-        params={"page_size": Setting("block_kv")},
-        pad=0,
-        doc="64-token page ids the indexer reads (deep_gemm block_table); 0 is the null page",
     )
     topk_lens: Tensor = tensor_field(
         I32,
@@ -156,8 +105,6 @@ class NSAPlan(Plan, backend="nsa"):
         pad=PAD_DERIVED,
         doc="deep_gemm paged MQA schedule: (request, split) each SM starts at; last row the end",
     )
-    max_seq_len: int = scalar_field("max_len", doc="logits width (max_context_len for deep_gemm)")
-    next_n: int = scalar_field("next_n", doc="query tokens per request")
     topk: int = scalar_field("topk", doc="tokens each query row attends to, at most")
 
     @classmethod
