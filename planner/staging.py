@@ -21,6 +21,20 @@ from planner.errors import BatchError
 
 _FIELD_OF_SOURCE = {"seq_lens": "seq_lens_cpu"}
 _UNCHECKED = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
+_INT32 = (np.iinfo(np.int32).min, np.iinfo(np.int32).max)
+
+
+def _fits_int32(source: str, values: np.ndarray, limits: dict[str, tuple[int, int]]) -> None:
+    """int64 inputs are staged as int32: a value past int32 would wrap into a valid-looking one."""
+    low, high = int(values.min()), int(values.max())
+    if low < _INT32[0] or high > _INT32[1]:
+        lo, hi = limits.get(source, _INT32)
+        raise BatchError(
+            "value out of range",
+            field=_FIELD_OF_SOURCE.get(source, source),
+            expected=f"[{lo}, {hi}]",
+            actual=low if low < _INT32[0] else high,
+        )
 
 
 @dataclass(frozen=True)
@@ -108,7 +122,14 @@ class StagingLayout:
             "value out of range", field=field, expected=f"[{low}, {high}]", actual=value
         )
 
-    def fill_host(self, host: np.ndarray, batch: ForwardBatch, reqs: int, next_n: int) -> list:
+    def fill_host(
+        self,
+        host: np.ndarray,
+        batch: ForwardBatch,
+        reqs: int,
+        next_n: int,
+        limits: dict[str, tuple[int, int]],
+    ) -> list:
         """Write each source, then its pad, into ``host``; return device-resident sources.
 
         Device-resident inputs cannot be written from the host; they are
@@ -125,7 +146,10 @@ class StagingLayout:
             if value.is_cuda:
                 on_device.append((seg, value))
             else:
-                flat[start:mid] = value.numpy()
+                values = value.numpy()
+                if values.dtype != np.int32 and values.size:
+                    _fits_int32(seg.source, values, limits)
+                flat[start:mid] = values
             flat[mid:end] = seg.pad
         return on_device
 
@@ -152,7 +176,7 @@ class StaticStager:
         """Fill the host buffer, check it, one host-to-device copy, then device-resident inputs."""
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous batch's copy must not read a half-written buffer
-        on_device = self.layout.fill_host(self.host_view, batch, reqs, next_n)
+        on_device = self.layout.fill_host(self.host_view, batch, reqs, next_n, limits)
         self.layout.check_ranges(self.host_view, batch, next_n, limits, on_device)
         if self.device.type == "cpu":
             self.device_buf.copy_(self.host)
@@ -176,7 +200,7 @@ def stage_fresh(
     """Eager staging into new tensors: one host buffer, checked, one transfer."""
     host = torch.empty(max(layout.size, 1), dtype=torch.int32)
     view = host.numpy()
-    on_device = layout.fill_host(view, batch, reqs, next_n)
+    on_device = layout.fill_host(view, batch, reqs, next_n, limits)
     layout.check_ranges(view, batch, next_n, limits, on_device)
     dev = host.to(device) if device.type != "cpu" else host
     for seg, tensor in on_device:

@@ -1,9 +1,16 @@
-"""Suite-wide settings: one torch thread, and GPU tests skipped cleanly without CUDA."""
+"""Suite-wide settings: Triton interpreter and one torch thread on the CPU; GPU tests skip without CUDA."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# Without a GPU, Triton kernels run under the interpreter. Triton decides at import time
+# (its own library functions are jitted then), so this must precede any triton import.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The CPU suite runs tiny tensors on 2 cores: one thread avoids OpenMP spin-waits
 # that make small matmuls tens of times slower under contention.
