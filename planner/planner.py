@@ -305,12 +305,12 @@ class Planner:
         static: bool = False,
     ) -> None:
         args = [
-            batch.req_to_token
-            if name == "req_to_token"
+            tensors[key]
+            if key[0]
+            else batch.req_to_token
+            if key[1] == "req_to_token"
             else batch.seq_lens_cpu
-            if name == "seq_lens_cpu"
-            else tensors[(step.backend, name)]
-            for name in step.inputs
+            for key in step.input_keys
         ]
         # Host ops learn whether their tensors are static views (capture/replay) or fresh
         # (eager): e.g. FlashInfer binds a CUDA-graph wrapper to the former only.
@@ -354,6 +354,8 @@ class Planner:
         tensors.update(self._eager_outputs(program, dims))
         for step in program.steps:
             self._run(step, tensors, batch)
+        for alias, owner in program.aliases.items():
+            tensors[alias] = tensors[owner]
         plans = PlanSet(self._build_plans(mode, tensors, dims), "eager", mode, reqs, batch.bs)
         if count:
             self.stats.record_steps(mode, program.steps)
@@ -426,6 +428,8 @@ class Planner:
             views[key] = (
                 state.buffers[key][: shape[0]] if step.spec.batch_dim else state.buffers[key]
             )
+        for alias, owner in self.program(mode).aliases.items():
+            views[alias] = views[owner]
         return views
 
     def dummy_batch(self, bs: int, mode: ForwardMode, req_to_token: torch.Tensor) -> ForwardBatch:

@@ -32,6 +32,8 @@ class Step:
     inputs: tuple[str, ...]
     params: Mapping[str, Any]
     in_graph: bool
+    input_keys: tuple[tuple[str, str], ...] = ()
+    """Where each input lives: ``(backend, field)`` after aliasing, ``("", name)`` for batch tables."""
 
     @property
     def key(self) -> str:
@@ -47,6 +49,8 @@ class Program:
     steps: tuple[Step, ...]
     pads: Mapping[tuple[str, str], int | float | None]
     backend_settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    aliases: Mapping[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+    """Op fields that compute exactly what an earlier field computes: they share its tensor."""
 
     @property
     def next_n(self) -> int:
@@ -130,6 +134,9 @@ def build_program(
     pads: dict[tuple[str, str], int | float | None] = {}
     settings_seen: dict[str, Any] = {}
     per_backend: dict[str, dict[str, Any]] = {}
+    identity: dict[tuple[str, str], tuple] = {}  # what a field computes, across backends
+    first: dict[tuple, tuple[str, str]] = {}
+    aliases: dict[tuple[str, str], tuple[str, str]] = {}
     for backend, plan_cls in schemas.items():
         check_static_shapes(plan_cls)
         settings = settings_for(base_settings, plan_cls, options.get(backend, {}), mode)
@@ -141,13 +148,40 @@ def build_program(
         for name, spec in plan_cls.tensor_specs.items():
             pad = resolve_setting(spec.pad, settings, field=f"{backend}.{name}")
             pads[(backend, name)] = None if pad == PAD_DERIVED else pad
+            if spec.source is not None:
+                identity[(backend, name)] = ("source", spec.source, pad, spec.dtype)
+        chosen = {
+            name: get_op(spec.op).select(
+                device, forced.get(f"{backend}.{name}") or forced.get(spec.op)
+            )
+            for name, spec in plan_cls.tensor_specs.items()
+            if spec.op is not None
+        }
+        # Tensors a host op takes (e.g. to bind into a CUDA-graph wrapper) stay this backend's own.
+        host_read = {
+            i
+            for n, p in chosen.items()
+            if not p.graph_safe
+            for i in plan_cls.tensor_specs[n].inputs
+        }
         for name in topological_fields(plan_cls):
             spec = plan_cls.tensor_specs[name]
-            op = get_op(spec.op)
             key = f"{backend}.{name}"
-            forced_name = forced.get(key) or forced.get(spec.op)
-            provider = op.select(device, forced_name)
+            provider = chosen[name]
             params = {k: resolve_setting(v, settings, field=key) for k, v in spec.params.items()}
+            what = (
+                spec.op,
+                provider.name,
+                tuple(identity.get((backend, i), ("table", i)) for i in spec.inputs),
+                tuple(sorted((k, repr(v)) for k, v in params.items())),
+                spec.shape,
+                spec.dtype,
+            )
+            identity[(backend, name)] = what
+            if provider.graph_safe and name not in host_read and what in first:
+                aliases[(backend, name)] = first[what]  # computed once, read by both backends
+                continue
+            first.setdefault(what, (backend, name))
             steps.append(
                 Step(
                     backend=backend,
@@ -160,19 +194,28 @@ def build_program(
                     in_graph=ops_in_graph
                     and provider.graph_safe
                     and not (set(spec.inputs) & HOST_INPUTS),
+                    input_keys=tuple(
+                        ("", i)
+                        if i in BATCH_TABLES | HOST_INPUTS
+                        else aliases.get((backend, i), (backend, i))
+                        for i in spec.inputs
+                    ),
                 )
             )
-    steps = _hoist_host_dependencies(steps)
+    steps = _hoist_host_dependencies(steps, aliases)
     return Program(
         mode=mode,
         settings=settings_seen,
         steps=tuple(steps),
         pads=pads,
         backend_settings=per_backend,
+        aliases=aliases,
     )
 
 
-def _hoist_host_dependencies(steps: list[Step]) -> list[Step]:
+def _hoist_host_dependencies(
+    steps: list[Step], aliases: Mapping[tuple[str, str], tuple[str, str]]
+) -> list[Step]:
     """A host op's inputs must be ready before the graph replays: run them outside too."""
     by_key = {s.key: s for s in steps}
     outside = {s.key for s in steps if not s.in_graph}
@@ -185,7 +228,8 @@ def _hoist_host_dependencies(steps: list[Step]) -> list[Step]:
             for dep in step.inputs:
                 if dep in step.spec.binds:  # bound by address, never read: may stay in the graph
                     continue
-                dep_key = f"{step.backend}.{dep}"
+                owner, name = aliases.get((step.backend, dep), (step.backend, dep))
+                dep_key = f"{owner}.{name}"
                 if dep_key in by_key and dep_key not in outside and dep not in BATCH_TABLES:
                     outside.add(dep_key)
                     changed = True

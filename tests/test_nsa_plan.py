@@ -134,3 +134,20 @@ def test_one_schedule_per_batch_for_a_61_layer_stack():
         for _layer in range(61):
             assert plans["nsa"].schedule.shape == (9, 2)  # every layer reads the same tensor
     assert planner.stats.op_calls["paged_mqa_schedule"] == 3
+
+
+def test_fields_two_backends_share_are_computed_once():
+    """NSA extends the paged plan: in one planner their common fields are one computation."""
+    limits = Limits(max_batch=8, max_context=MAX_CTX, page_size=64, num_sms=8)
+    planner = Planner(["nsa", "paged"], limits, options={"nsa": {"topk": 48}})
+    batch = random_batch(random.Random(4), TABLE, max_batch=8, max_context=MAX_CTX, bs=5)
+    plans = planner.plan(batch)
+    assert plans["paged"].token_slots is plans["nsa"].token_slots
+    assert plans["paged"].page_table is plans["nsa"].page_table
+    assert planner.stats.op_calls["gather_token_slots"] == 1
+    assert planner.stats.op_calls["page_table"] == 1
+    planner.capture(8, req_to_token=TABLE)
+    replayed = planner.replay(batch, 8)
+    planner.record(8)
+    assert replayed["paged"].kv_lens.data_ptr() == replayed["nsa"].kv_lens.data_ptr()
+    planner.verify(batch, replayed)
