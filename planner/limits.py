@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from planner.errors import ConfigError
 
 
 class Limits(BaseModel):
@@ -27,6 +29,18 @@ class Limits(BaseModel):
     kv_slots: int | None = Field(default=None, ge=1, description="KV cache slots, for range checks")
     device: str = Field(default="cpu", description="where plans live: 'cpu', 'cuda', 'cuda:1'")
 
+    def __init__(self, **data: object) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            value = first.get("input")
+            raise ConfigError(
+                f"invalid limits: {first['msg']}",
+                field=".".join(str(p) for p in first["loc"]) or "limits",
+                actual=value if isinstance(value, (int, float, str)) else None,
+            ) from None
+
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
@@ -40,6 +54,12 @@ class Limits(BaseModel):
     def torch_device(self) -> torch.device:
         device = torch.device(self.device)
         if device.type == "cuda" and device.index is None:
+            if not torch.cuda.is_available():
+                raise ConfigError(
+                    "CUDA device asked for, but CUDA is not available here",
+                    field="device",
+                    actual=self.device,
+                )
             device = torch.device("cuda", torch.cuda.current_device())
         return device
 

@@ -26,13 +26,52 @@ import torch
 
 from planner.batch import ForwardBatch, ForwardMode, validate_batch
 from planner.dims import resolve_shape
-from planner.errors import BatchError, PlanWriteError, ReplayError, SchemaError
+from planner.errors import (
+    BatchError,
+    ConfigError,
+    PlanError,
+    PlanWriteError,
+    ProviderError,
+    ReplayError,
+    SchemaError,
+)
 from planner.limits import Limits
+from planner.ops import get_op, warn_once
 from planner.program import Program, Step, build_program
 from planner.registry import get_backend
-from planner.schema import Plan
+from planner.schema import Plan, Setting
 from planner.staging import Segment, StagingLayout, StaticStager, stage_fresh
 from planner.verify import diff_plans, padding_violations, plan_digests
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"", "0", "false", "no", "off"}
+
+
+def debug_from_env() -> bool:
+    """``PLANNER_DEBUG``: a misspelt value must not silently leave the checks off."""
+    value = os.environ.get("PLANNER_DEBUG", "").strip().lower()
+    if value in _TRUE | _FALSE:
+        return value in _TRUE
+    raise ConfigError(
+        "not a boolean",
+        field="PLANNER_DEBUG",
+        expected="1/true/yes/on or 0/false/no/off",
+        actual=value,
+    )
+
+
+def known_options(plan_cls: type[Plan]) -> set[str]:
+    """Settings a backend reads: its defaults and every Setting its fields name."""
+    names = set(getattr(plan_cls, "defaults", {}))
+    for spec in plan_cls.tensor_specs.values():
+        for value in (*spec.params.values(), spec.pad):
+            if isinstance(value, Setting):
+                names.add(value.name)
+    names |= {spec.value for spec in plan_cls.scalar_specs.values()}
+    return names
+
+
+class _ProviderFailed(Exception):
+    """Internal: a provider was retired mid-call; the public call starts over."""
 
 
 class PlanSet(Mapping[str, Plan]):
@@ -155,8 +194,18 @@ class Planner:
                 actual=sorted(unknown),
             )
         self.options = {k: dict(v) for k, v in (options or {}).items()}
+        for backend, given in self.options.items():
+            known = known_options(self.schemas[backend])
+            unknown = sorted(set(given) - known)
+            if unknown:
+                raise SchemaError(
+                    "unknown backend option",
+                    field=f"{backend}.{unknown[0]}",
+                    expected=sorted(known),
+                    actual=unknown,
+                )
         self.forced = dict(providers or {})
-        self.debug = os.environ.get("PLANNER_DEBUG") == "1" if debug is None else debug
+        self.debug = debug_from_env() if debug is None else debug
         self.ops_in_graph = ops_in_graph
         self.stats = PlannerStats()
         self.on_mismatch = None  # set by dumps: called with (batch, replayed, eager) before raising
@@ -168,6 +217,8 @@ class Planner:
             "num_sms": limits.num_sms,
         }
         self._programs: dict[ForwardMode, Program] = {}
+        self._failed_providers: dict[str, set[str]] = {}
+        self._fallbacks: dict[str, str] = {}
         self._source_cache: dict[ForwardMode, list] = {}
         self._eager_layouts: dict[tuple[ForwardMode, int], StagingLayout] = {}
         self._limit_cache: dict[tuple, dict[str, tuple[int, int]]] = {}
@@ -189,7 +240,7 @@ class Planner:
                 self.schemas,
                 self._base,
                 self.options,
-                self.forced,
+                {**self._fallbacks, **self.forced},
                 self.device,
                 mode,
                 self.ops_in_graph,
@@ -317,6 +368,56 @@ class Planner:
         params = step.params if step.provider.graph_safe else {**step.params, "static": static}
         step.provider.fn(tensors[(step.backend, step.field)], *args, **params)
 
+    # ---- run-time provider fallback ---------------------------------------------------------
+
+    def _run_or_fall_back(
+        self, step: Step, tensors, batch: ForwardBatch, *, static: bool = False
+    ) -> None:
+        """Run a step; a provider that fails (a JIT error, a broken install) is replaced.
+
+        The torch reference never is (its failure is a bug to surface), nor a
+        provider the config forced (the user asked for exactly that one).
+        """
+        try:
+            self._run(step, tensors, batch, static=static)
+        except PlanError:
+            raise
+        except Exception as exc:
+            name = step.provider.name
+            if name == "torch":
+                raise
+            if self.forced.get(step.key) == name or self.forced.get(step.op_name) == name:
+                raise ProviderError(
+                    f"forced provider failed: {exc!r}", field=step.key, actual=name
+                ) from exc
+            op = get_op(step.op_name)
+            failed = self._failed_providers.setdefault(step.op_name, set())
+            failed.add(name)
+            usable = [
+                p
+                for p in op.providers.values()
+                if p.name not in failed
+                and p.graph_safe == step.provider.graph_safe
+                and p.is_available(self.device)
+            ]
+            replacement = min(usable, key=lambda p: (p.rank, p.name)).name
+            warn_once(
+                f"{step.op_name}: provider {name!r} failed ({type(exc).__name__}: {exc}); "
+                f"using {replacement!r} from now on"
+            )
+            self._fallbacks[step.op_name] = replacement
+            self._programs.clear()
+            self._source_cache.clear()
+            raise _ProviderFailed from exc
+
+    def _retrying(self, fn, *args, **kwargs):
+        for _ in range(8):  # each retry retires one provider; an op has a handful at most
+            try:
+                return fn(*args, **kwargs)
+            except _ProviderFailed:
+                continue
+        return fn(*args, **kwargs)
+
     # ---- eager ----------------------------------------------------------------------------
 
     def plan(self, batch: ForwardBatch, *, pad_to: int | None = None) -> PlanSet:
@@ -325,7 +426,7 @@ class Planner:
         ``pad_to`` plans the batch padded to that many requests at the static
         shapes a captured plan has: what a replay of that size must equal.
         """
-        return self._plan(batch, pad_to=pad_to, count=True)
+        return self._retrying(self._plan, batch, pad_to=pad_to, count=True)
 
     def _plan(self, batch: ForwardBatch, *, pad_to: int | None, count: bool) -> PlanSet:
         start = time.perf_counter()
@@ -353,7 +454,7 @@ class Planner:
             tensors[key] = staged[seg.offset : seg.offset + n]
         tensors.update(self._eager_outputs(program, dims))
         for step in program.steps:
-            self._run(step, tensors, batch)
+            self._run_or_fall_back(step, tensors, batch)
         for alias, owner in program.aliases.items():
             tensors[alias] = tensors[owner]
         plans = PlanSet(self._build_plans(mode, tensors, dims), "eager", mode, reqs, batch.bs)
@@ -452,6 +553,12 @@ class Planner:
         Every op runs once here (warming up JIT kernels before the graph is
         captured). Call :meth:`record` inside the graph capture, before the layers.
         """
+        return self._retrying(self._capture, bs, mode, req_to_token=req_to_token)
+
+    def _capture(
+        self, bs: int, mode: ForwardMode = ForwardMode.DECODE, *, req_to_token: torch.Tensor
+    ) -> PlanSet:
+        """See :meth:`capture`."""
         mode = ForwardMode(mode)
         if not 1 <= bs <= self.limits.max_batch:
             raise BatchError(
@@ -467,7 +574,7 @@ class Planner:
         state.stager.stage(dummy, bs, program.next_n, self._range_limits(mode, req_to_token))
         views = self._views(mode, bs)
         for step in program.steps:
-            self._run(step, views, dummy, static=True)
+            self._run_or_fall_back(step, views, dummy, static=True)
         dims = self.dims(mode, bs, self.limits.max_context)
         plans = PlanSet(self._build_plans(mode, views, dims), "capture", mode, bs, bs)
         named = [(f"{b}.{n}", t) for b, p in plans.items() for n, t in p.tensors().items()]
@@ -512,6 +619,10 @@ class Planner:
         Ops recorded in the graph run when the caller replays it; host ops
         (and, with ``ops_in_graph=False``, all ops) run here.
         """
+        return self._retrying(self._replay, batch, bs)
+
+    def _replay(self, batch: ForwardBatch, bs: int | None = None) -> PlanSet:
+        """See :meth:`replay`."""
         start = time.perf_counter()
         self._validate(batch, device_reads=self.debug)
         mode = ForwardMode(batch.mode)
@@ -537,7 +648,7 @@ class Planner:
         self._static[mode].stager.stage(batch, bs, program.next_n, limits)
         for step in program.steps:
             if not step.in_graph:
-                self._run(step, capture.views, batch, static=True)
+                self._run_or_fall_back(step, capture.views, batch, static=True)
         self._check_pointers(capture)
         capture.plans.real_reqs = batch.bs
         capture.plans.phase = "replay"

@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from planner.errors import ConfigError
 
@@ -68,13 +69,13 @@ class LoopSection(_Section):
         None, ge=2, description="KV cache pages; None: enough for max_batch"
     )
 
-    @model_validator(mode="after")
-    def _ranges(self) -> LoopSection:
-        for name in ("prompt_len", "max_new_tokens"):
-            lo, hi = getattr(self, name)
-            if not 1 <= lo <= hi:
-                raise ValueError(f"{name} must be [lo, hi] with 1 <= lo <= hi, got {[lo, hi]}")
-        return self
+    @field_validator("prompt_len", "max_new_tokens")
+    @classmethod
+    def _range(cls, value: tuple[int, int]) -> tuple[int, int]:
+        lo, hi = value
+        if not 1 <= lo <= hi:
+            raise ValueError(f"must be [lo, hi] with 1 <= lo <= hi, got {[lo, hi]}")
+        return value
 
 
 class RunConfig(_Section):
@@ -86,15 +87,33 @@ class RunConfig(_Section):
     graphs: GraphsSection = GraphsSection()
     loop: LoopSection = LoopSection()
 
-    @model_validator(mode="after")
-    def _fits(self) -> RunConfig:
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        try:
+            torch.device(value)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"not a torch device: {value!r} (cpu, cuda, cuda:1)") from None
+        return value
+
+    def check_fits(self) -> None:
+        """Cross-section limits, reported on the field to change."""
         longest = self.loop.prompt_len[1] + self.loop.max_new_tokens[1] + self.planner.next_n
         if longest > self.planner.max_context:
-            raise ValueError(
-                f"planner.max_context ({self.planner.max_context}) is below the longest request "
-                f"(prompt {self.loop.prompt_len[1]} + new {self.loop.max_new_tokens[1]} + next_n)"
+            raise ConfigError(
+                "below the longest request (prompt + new tokens + next_n)",
+                field="planner.max_context",
+                expected=f">= {longest}",
+                actual=self.planner.max_context,
             )
-        return self
+        pages = -(-longest // 64)
+        if self.loop.kv_pages is not None and self.loop.kv_pages - 1 < pages:
+            raise ConfigError(
+                "KV cache cannot hold the longest request (page 0 is reserved)",
+                field="loop.kv_pages",
+                expected=f">= {pages + 1}",
+                actual=self.loop.kv_pages,
+            )
 
 
 def _format(exc: ValidationError, origin: str) -> ConfigError:
@@ -133,6 +152,8 @@ def load_run_config(path: str | Path | None, overrides: dict[str, Any] | None = 
             node = node.setdefault(key, {})
         node[leaf] = value
     try:
-        return RunConfig.model_validate(data)
+        config = RunConfig.model_validate(data)
     except ValidationError as exc:
         raise _format(exc, origin) from None
+    config.check_fits()
+    return config

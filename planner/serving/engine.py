@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from backends.nsa import warmup_schedule_buckets
@@ -50,7 +51,23 @@ def model_config(section: ModelSection) -> DSV32Config:
         )
     if not section.overrides:
         return base
-    return DSV32Config.model_validate({**base.model_dump(), **section.overrides})
+    unknown = sorted(set(section.overrides) - set(DSV32Config.model_fields))
+    if unknown:
+        raise ConfigError(
+            "unknown model field",
+            field=f"model.overrides.{unknown[0]}",
+            expected="a DSV32Config field",
+        )
+    try:
+        return DSV32Config.model_validate({**base.model_dump(), **section.overrides})
+    except (ValidationError, ConfigError) as exc:
+        if isinstance(exc, ConfigError):
+            raise ConfigError(str(exc), field=f"model.overrides.{exc.field}") from None
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(
+            first["msg"], field=f"model.overrides.{where}", actual=first.get("input")
+        ) from None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,7 +98,18 @@ class DecodeEngine:
         self.device = resolve_device(config.device)
         self.model_config = model.config if model is not None else model_config(config.model)
         dtype = torch.float32 if config.model.dtype == "float32" else torch.bfloat16
+        if config.planner.max_context > self.model_config.max_position_embeddings:
+            raise ConfigError(
+                "longer than the model's positions",
+                field="planner.max_context",
+                expected=f"<= {self.model_config.max_position_embeddings} (max_position_embeddings)",
+                actual=config.planner.max_context,
+            )
         if model is None:
+            if config.model.weights and not Path(config.model.weights).is_file():
+                raise ConfigError(
+                    "no such weights file", field="model.weights", actual=config.model.weights
+                )
             if config.model.weights:
                 model = DSV32Model.from_file(config.model.weights, device=self.device)
             else:
