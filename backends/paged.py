@@ -9,39 +9,16 @@ from __future__ import annotations
 
 import torch
 
+from backends.inputs import BatchInputsPlan
 from planner.errors import PlanError
-from planner.schema import PAD_DERIVED, Plan, Setting, Tensor, scalar_field, tensor_field
+from planner.schema import PAD_DERIVED, Setting, Tensor, scalar_field, tensor_field
 
 I32 = torch.int32
 
 
-class PagedPlan(Plan, backend="paged"):
+class PagedPlan(BatchInputsPlan, backend="paged"):
     """What a paged decode / verify attention kernel reads in every layer."""
 
-    seq_lens: Tensor = tensor_field(
-        I32,
-        ("reqs",),
-        source="seq_lens",
-        pad=Setting("next_n"),
-        doc="KV length per request, new tokens included",
-    )
-    req_pool_indices: Tensor = tensor_field(
-        I32,
-        ("reqs",),
-        source="req_pool_indices",
-        pad=0,
-        doc="row of req_to_token; padding uses the null request 0",
-    )
-    out_cache_loc: Tensor = tensor_field(
-        I32,
-        ("rows",),
-        source="out_cache_loc",
-        pad=0,
-        doc="KV slot each new token is written to; 0 is the null slot",
-    )
-    positions: Tensor = tensor_field(
-        I32, ("rows",), source="positions", pad=0, doc="position of each query token"
-    )
     kv_lens: Tensor = tensor_field(
         I32,
         ("rows",),

@@ -22,51 +22,16 @@ from typing import Any, ClassVar
 import torch
 
 from backends.flashinfer.ops import dtype_named
+from backends.inputs import BatchInputsPlan
 from planner.errors import SchemaError
-from planner.schema import PAD_DERIVED, Plan, Setting, Tensor, scalar_field, tensor_field
+from planner.schema import PAD_DERIVED, Setting, Tensor, scalar_field, tensor_field
 
 I32 = torch.int32
 
 __all__ = ["FlashInferDecodePlan", "FlashInferMLAPlan"]
 
 
-# Fields both schemas share; functions, so each schema gets its own field objects.
-
-
-def _seq_lens() -> Any:
-    return tensor_field(
-        I32,
-        ("reqs",),
-        source="seq_lens",
-        pad=Setting("next_n"),
-        doc="KV length per request, new tokens included",
-    )
-
-
-def _req_pool_indices() -> Any:
-    return tensor_field(
-        I32,
-        ("reqs",),
-        source="req_pool_indices",
-        pad=0,
-        doc="row of req_to_token; padding uses the null request 0",
-    )
-
-
-def _out_cache_loc() -> Any:
-    return tensor_field(
-        I32,
-        ("rows",),
-        source="out_cache_loc",
-        pad=0,
-        doc="KV slot each new token is written to; 0 is the null slot",
-    )
-
-
-def _positions() -> Any:
-    return tensor_field(
-        I32, ("rows",), source="positions", pad=0, doc="position of each query token"
-    )
+# Op fields both schemas share; functions, so each schema gets its own field objects.
 
 
 def _qo_indptr() -> Any:
@@ -153,7 +118,7 @@ def _check_scale(value: Any, field: str, *, optional: bool) -> None:
         )
 
 
-class FlashInferDecodePlan(Plan, backend="flashinfer_decode"):
+class FlashInferDecodePlan(BatchInputsPlan, backend="flashinfer_decode"):
     """What FlashInfer's paged decode (MHA/GQA) reads per layer, and its wrapper's plan."""
 
     defaults: ClassVar[dict[str, Any]] = {
@@ -167,10 +132,6 @@ class FlashInferDecodePlan(Plan, backend="flashinfer_decode"):
         "workspace_mb": 128,
     }
 
-    seq_lens: Tensor = _seq_lens()
-    req_pool_indices: Tensor = _req_pool_indices()
-    out_cache_loc: Tensor = _out_cache_loc()
-    positions: Tensor = _positions()
     qo_indptr: Tensor = _qo_indptr()
     kv_pages: Tensor = _kv_pages()
     kv_indptr: Tensor = _kv_indptr()
@@ -242,7 +203,7 @@ class FlashInferDecodePlan(Plan, backend="flashinfer_decode"):
         _check_positive_int(settings, "workspace_mb", b)
 
 
-class FlashInferMLAPlan(Plan, backend="flashinfer_mla"):
+class FlashInferMLAPlan(BatchInputsPlan, backend="flashinfer_mla"):
     """What FlashInfer's MLA kernel (DeepSeek: 512 latent + 64 rope) reads, and its wrapper's plan."""
 
     defaults: ClassVar[dict[str, Any]] = {
@@ -256,10 +217,6 @@ class FlashInferMLAPlan(Plan, backend="flashinfer_mla"):
         "mla_backend": "auto",
     }
 
-    seq_lens: Tensor = _seq_lens()
-    req_pool_indices: Tensor = _req_pool_indices()
-    out_cache_loc: Tensor = _out_cache_loc()
-    positions: Tensor = _positions()
     qo_indptr: Tensor = _qo_indptr()
     kv_pages: Tensor = _kv_pages()
     kv_indptr: Tensor = _kv_indptr()
