@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import warnings
 import weakref
 from dataclasses import dataclass
 from types import ModuleType
@@ -49,9 +50,38 @@ _module: ModuleType | None = None
 """The imported (or, in tests, injected) flashinfer module."""
 
 
+_failure: str | None = None
+"""Why flashinfer could not be imported (remembered: a broken install stays broken)."""
+
+
 def flashinfer_importable() -> bool:
-    """Whether ``import flashinfer`` would find a package; does not import it."""
-    return _module is not None or importlib.util.find_spec("flashinfer") is not None
+    """Whether flashinfer imports; tried once, on the first CUDA planner that asks.
+
+    ``find_spec`` alone would choose a broken install (an ``OSError`` from an ABI
+    mismatch, a missing symbol) and fail at the first plan; a real import
+    catches it here, and the planner falls back to the torch bookkeeping. The
+    first failure is said once.
+    """
+    global _failure
+    if _module is not None:
+        return True
+    if _failure is not None:
+        return False
+    try:
+        if importlib.util.find_spec("flashinfer") is None:
+            raise ModuleNotFoundError("flashinfer is not installed")
+        load_flashinfer()
+        return True
+    except Exception as exc:  # ImportError, OSError (ABI), RuntimeError (no CUDA)
+        cause = exc.__cause__ if isinstance(exc, ProviderError) and exc.__cause__ else exc
+        _failure = f"{type(cause).__name__}: {cause}"
+        warnings.warn(
+            f"flashinfer is unavailable ({_failure}); FlashInfer plans use the torch "
+            "bookkeeping and layers the torch reference attention",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
 
 
 def load_flashinfer() -> ModuleType:
@@ -60,7 +90,7 @@ def load_flashinfer() -> ModuleType:
     if _module is None:
         try:
             _module = importlib.import_module("flashinfer")
-        except ImportError as exc:
+        except Exception as exc:  # ImportError, or OSError from an ABI mismatch
             raise ProviderError(
                 "flashinfer is not importable", field="flashinfer", actual=repr(exc)
             ) from exc
