@@ -298,32 +298,22 @@ class DSV32Config(BaseModel):
 
         Runs the real kernels (see ``kernel_issues``) at a fraction of the cost.
         """
+        # The real model's attention, indexer, rope and norm settings; only size shrinks.
         return cls(
-            vocab_size=8192,
-            hidden_size=1024,
-            num_hidden_layers=4,
-            first_k_dense_replace=1,
-            intermediate_size=2048,
-            moe_intermediate_size=256,
-            n_routed_experts=16,
-            n_shared_experts=1,
-            num_experts_per_tok=4,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
-            q_lora_rank=512,
-            kv_lora_rank=512,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-            num_attention_heads=128,
-            index_n_heads=64,
-            index_head_dim=128,
-            index_topk=2048,
-            rope_theta=10000.0,
-            rope_scaling=YarnScaling(),
-            max_position_embeddings=163840,
-            rms_norm_eps=1e-6,
+            **{
+                **cls.full().model_dump(),
+                "vocab_size": 8192,
+                "hidden_size": 1024,
+                "num_hidden_layers": 4,
+                "first_k_dense_replace": 1,
+                "intermediate_size": 2048,
+                "moe_intermediate_size": 256,
+                "n_routed_experts": 16,
+                "num_experts_per_tok": 4,
+                "n_group": 4,
+                "topk_group": 2,
+                "q_lora_rank": 512,
+            }
         )
 
     @classmethod

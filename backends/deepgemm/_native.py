@@ -19,7 +19,11 @@ import re
 import warnings
 from types import ModuleType
 
-__all__ = ["load", "available", "native_schedule_layout", "reset"]
+from planner.errors import PlanError
+
+__all__ = ["load", "available", "native_schedule_layout", "reset", "validate_backend"]
+
+BACKENDS = ("auto", "native", "reference")
 
 _MODULE: ModuleType | None = None
 _FAILED: str | None = None
@@ -51,6 +55,12 @@ def load() -> ModuleType | None:
         )
         return None
     return _MODULE
+
+
+def validate_backend(backend: object) -> None:
+    """The ``backend=`` choice every drop-in API function takes."""
+    if backend not in BACKENDS:
+        raise PlanError("unknown backend", field="backend", expected=BACKENDS, actual=backend)
 
 
 def available() -> bool:

@@ -233,13 +233,7 @@ def fp8_paged_mqa_logits(
     (``-inf`` in the reference): mask them. Inputs are shape-checked on every path; length
     values only on CPU (reading them on CUDA would sync the host once per layer).
     """
-    if backend not in ("auto", "native", "reference"):
-        raise PlanError(
-            "unknown backend",
-            field="backend",
-            expected=("auto", "native", "reference"),
-            actual=backend,
-        )
+    _native.validate_backend(backend)
     if backend != "reference" and q.is_cuda:
         validate_paged_logits_inputs(
             q,

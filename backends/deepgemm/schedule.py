@@ -276,13 +276,7 @@ def get_paged_mqa_logits_metadata(
     _validate_block_kv(block_kv)
     num_sms = _validate_num_sms(num_sms)
     _validate_layout(layout)
-    if backend not in ("auto", "native", "reference"):
-        raise PlanError(
-            "unknown backend",
-            field="backend",
-            expected=("auto", "native", "reference"),
-            actual=backend,
-        )
+    _native.validate_backend(backend)
     if backend != "reference" and context_lens.is_cuda:
         dg = _native.load()
         native_layout = _native.native_schedule_layout() if dg is not None else None
