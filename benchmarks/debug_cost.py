@@ -41,8 +41,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from graphs import GraphWarning  # noqa: E402
-from planner.run_config import load_run_config  # noqa: E402
-from planner.serving.engine import DecodeEngine  # noqa: E402
+from serving.engine import DecodeEngine  # noqa: E402
+from serving.run_config import load_run_config  # noqa: E402
 
 CONFIGS = {
     "tiny": (

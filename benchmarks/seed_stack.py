@@ -106,7 +106,7 @@ def random_index_caches(
 
 def indexer_stack(args, batch: int, ctx: int, device: torch.device):
     """Forward of 61 indexer layers and what it needs, for one (batch, ctx)."""
-    from backends.nsa_attention import indexer_topk
+    from backends.nsa.attention import indexer_topk
 
     table, num_pages = make_table(batch, ctx, device, args.seed)
     caches = random_index_caches(args.layers, num_pages, device, args.seed)

@@ -44,7 +44,6 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from backends import nsa_attention as nsa  # noqa: E402
 from backends.deepgemm import (  # noqa: E402
     PAGE,
     SPLIT_KV,
@@ -57,6 +56,7 @@ from backends.deepgemm import (  # noqa: E402
     reference_paged_mqa_schedule,
     write_index_cache,
 )
+from backends.nsa import attention as nsa  # noqa: E402
 
 LOGITS_TOL = 2.0**-9  # |kernel - reference| <= LOGITS_TOL * magnitude bound
 MAX_LEN_CHOICES = [1, 255, 256, 257, 300, 5000, 65536, 200_000]

@@ -1,7 +1,7 @@
-"""Entry point of ``python -m planner``."""
+"""``python -m planner``: the one place the core points up, to dispatch to the application's tools."""
 
 import sys
 
-from planner.cli import main
+from serving.cli import main
 
 sys.exit(main())

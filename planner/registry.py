@@ -1,19 +1,19 @@
-"""Backends by name: in-tree ones, and third-party ones through entry points.
+"""Backends by name, found through the ``forward_planner.backends`` entry points.
 
-A separate package adds a backend without touching this repository by
-declaring, in its own ``pyproject.toml``::
+Every backend, the in-tree ones included, is a package that declares itself
+in its distribution's ``pyproject.toml``::
 
     [project.entry-points."forward_planner.backends"]
     mybackend = "my_package.plan"
 
-Loading the entry point imports that module, whose ``Plan`` subclass
-registers itself. Broken third-party entry points are reported once and
-skipped: one bad plugin must not take the planner down.
+so the core names none of them. Loading an entry point imports its module,
+whose ``Plan`` subclass registers itself; importing a backend package
+directly registers it just the same. Broken entry points are reported once
+and skipped: one bad plugin must not take the planner down.
 """
 
 from __future__ import annotations
 
-import importlib
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from planner.schema import Plan
 
 ENTRY_POINT_GROUP = "forward_planner.backends"
-IN_TREE = ("backends.generic_ops", "backends.paged", "backends.nsa", "backends.flashinfer")
 
 _BACKENDS: dict[str, type[Plan]] = {}
 _loaded = False
@@ -43,17 +42,11 @@ def register_backend(plan_cls: type[Plan]) -> None:
 
 
 def load_backends() -> None:
-    """Import the in-tree backends and every installed entry point, once."""
+    """Import every installed backend entry point, once."""
     global _loaded
     if _loaded:
         return
     _loaded = True
-    for module in IN_TREE:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:  # a real import error inside the module
-                raise
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
             ep.load()

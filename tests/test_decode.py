@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from planner.run_config import load_run_config
-from planner.serving.engine import DecodeEngine
-from planner.serving.report import summarize
+from serving.engine import DecodeEngine
+from serving.report import summarize
+from serving.run_config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {

@@ -32,12 +32,12 @@ from planner import (
     tensor_field,
 )
 from planner import dumps as dumps_mod
-from planner.dump_cli import add_diff_parser, add_inspect_parser
-from planner.dump_ring import DumpRing, install_mismatch_dumps
 from planner.dumps import INDEX, dump_plans, load_dump
 from planner.ops import get_op
 from planner.registry import get_backend
 from planner.verify import tensor_digest
+from serving.dump_cli import add_diff_parser, add_inspect_parser
+from serving.dump_ring import DumpRing, install_mismatch_dumps
 from tests.batches import make_pool, random_batch
 
 PAGE, MAX_CTX, MAX_BATCH = 16, 200, 12
@@ -257,7 +257,7 @@ def test_stale_field_is_dumped_on_mismatch_and_diff_points_at_rows(
     planner.record(8)
     stale_page_table["skip"] = False
     with (
-        caplog.at_level(logging.WARNING, logger="planner.dump_ring"),
+        caplog.at_level(logging.WARNING, logger="serving.dump_ring"),
         pytest.raises(ReplayError) as info,
     ):
         planner.verify(second, plans)
@@ -303,7 +303,7 @@ def test_replay_without_record_leaves_in_graph_fields_stale(tmp_path):
     plans = planner.replay(batch, 4)  # the graph never replayed: in-graph ops did not run
     with pytest.raises(ReplayError):
         planner.verify(batch, plans)
-    from planner.dump_cli import diff_dumps
+    from serving.dump_cli import diff_dumps
 
     (where,) = dumper.paths
     diffs = diff_dumps(load_dump(where / "replayed"), load_dump(where / "eager"))
@@ -314,7 +314,7 @@ def test_replay_without_record_leaves_in_graph_fields_stale(tmp_path):
 
 def test_python_m_planner_diff_and_inspect(tmp_path, capsys):
     """The commands as wired into ``python -m planner`` (one real subprocess: torch imports slowly)."""
-    from planner.cli import main
+    from serving.cli import main
 
     planner = _planner()
     rng = random.Random(2)
@@ -588,7 +588,7 @@ def test_ring_logs_a_failed_dump_and_goes_on(tmp_path, small_plans, caplog):
     plans, batch = small_plans
     (tmp_path / "file").write_text("not a directory")
     ring = DumpRing(tmp_path / "file" / "dumps", keep_last=2)
-    with caplog.at_level(logging.ERROR, logger="planner.dump_ring"):
+    with caplog.at_level(logging.ERROR, logger="serving.dump_ring"):
         assert ring.maybe_dump(0, plans, batch) is None
     assert ring.failures == 1 and "step 0 failed" in caplog.text
 
@@ -649,7 +649,7 @@ def test_a_failing_mismatch_dump_never_hides_the_replay_error(tmp_path, caplog):
     planner.capture(4, req_to_token=TABLE)
     batch = random_batch(random.Random(9), TABLE, max_batch=4, max_context=MAX_CTX, bs=4)
     plans = planner.replay(batch, 4)  # no record(): stale
-    with caplog.at_level(logging.ERROR, logger="planner.dump_ring"), pytest.raises(ReplayError):
+    with caplog.at_level(logging.ERROR, logger="serving.dump_ring"), pytest.raises(ReplayError):
         planner.verify(batch, plans)
     assert dumper.paths == [] and "could not dump" in caplog.text
 

@@ -35,9 +35,9 @@ from graphs import SIZE_DROPPED, GraphWarning, is_capturing
 from planner import ForwardMode, Limits, Planner, get_op
 from planner.errors import ProviderError
 from planner.ops import MetadataOp, Provider
-from planner.run_config import load_run_config
-from planner.serving.engine import DecodeEngine
 from planner.verify import diff_plans
+from serving.engine import DecodeEngine
+from serving.run_config import load_run_config
 from tests.batches import make_pool, random_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,7 +286,7 @@ def _fail_capture_of(engine: DecodeEngine, size: int) -> None:
 
 
 def _fail_first_warmup(engine: DecodeEngine, monkeypatch) -> None:
-    import planner.serving.engine as engine_mod
+    import serving.engine as engine_mod
 
     def warmup(*args):
         raise RuntimeError("deep_gemm JIT: failed to compile paged_mqa_logits_metadata (simulated)")

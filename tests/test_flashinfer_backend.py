@@ -1,7 +1,7 @@
 """FlashInfer backends on the CPU: metadata ops, the three phases, the host op, the references.
 
 Without CUDA the Triton kernels run under the interpreter, switched on before
-``triton.language`` is first imported (see ``backends.kernels.generic_triton``).
+``triton.language`` is first imported (see ``backends.common.triton_kernels``).
 FlashInfer itself is replaced by a small fake that keeps its documented
 contract (buffers bound at construction in graph mode, ``plan`` reading host
 arrays, ``run`` reading only what it was bound to and planned with), which

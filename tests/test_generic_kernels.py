@@ -28,8 +28,8 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from backends.kernels import generic_torch as ref  # noqa: E402
-from backends.kernels import generic_triton as tri  # noqa: E402
+from backends.common import torch_ref as ref  # noqa: E402
+from backends.common import triton_kernels as tri  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 I32 = torch.int32
@@ -415,7 +415,7 @@ def test_import_order_does_not_matter():
         import os
         import torch
         import triton.language
-        from backends.kernels import generic_torch as ref, generic_triton as tri
+        from backends.common import torch_ref as ref, triton_kernels as tri
         os.environ["TRITON_INTERPRET"] = "1"
         assert tri.triton_available(torch.device("cpu"))
         assert not tri._stdlib_interpretable()

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import backends.nsa_attention as nsa
+import backends.nsa.attention as nsa
 from backends.deepgemm import (
     PAGE,
     new_index_cache,

@@ -46,10 +46,10 @@ from planner import (
     ProviderError,
     SchemaError,
 )
-from planner.dump_ring import DumpRing
 from planner.dumps import INDEX, dump_plans, load_dump
-from planner.run_config import load_run_config
-from planner.serving.engine import DecodeEngine
+from serving.dump_ring import DumpRing
+from serving.engine import DecodeEngine
+from serving.run_config import load_run_config
 from tests.batches import make_pool, random_batch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -37,8 +37,8 @@ import pytest
 import torch
 
 from graphs import GraphWarning
-from planner.run_config import load_run_config
-from planner.serving.engine import DecodeEngine
+from serving.engine import DecodeEngine
+from serving.run_config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "dsv32-tiny.yaml"

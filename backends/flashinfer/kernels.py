@@ -9,7 +9,7 @@ batch. The two per-request tables (pages per request, last page length) are
 one elementwise launch each.
 
 Kernels are handed to ``triton.jit`` on first launch, not at import, for the
-reason ``backends.kernels.generic_triton`` gives: ``triton.jit`` fixes
+reason ``backends.common.triton_kernels`` gives: ``triton.jit`` fixes
 interpreter-or-compiler when it decorates, and tests switch the interpreter on
 with ``TRITON_INTERPRET=1`` after some other module may have imported this one.
 """
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from backends.common.triton_kernels import LazyKernel, block_size, triton_available
 from backends.flashinfer import reference as ref
-from backends.kernels.generic_triton import LazyKernel, block_size, triton_available
 
 try:
     import triton

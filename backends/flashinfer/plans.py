@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from backends.common.inputs import BatchInputsPlan
 from backends.flashinfer.ops import dtype_named
-from backends.inputs import BatchInputsPlan
 from planner.errors import SchemaError
 from planner.schema import PAD_DERIVED, Setting, Tensor, scalar_field, tensor_field
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backends.deepgemm import fp8
+from backends.nsa.attention import indexer_topk
 from models.config import DSV32Config
 from models.layers.hadamard import hadamard_matrix, hadamard_rotate
 from models.layers.norm import LayerNorm
@@ -79,9 +81,6 @@ class Indexer(nn.Module):
         index_cache: torch.Tensor,
     ) -> torch.Tensor:
         """Write this step's keys, then return ``topk_slots int32 [rows, topk]`` (-1 invalid)."""
-        from backends import nsa_attention
-        from backends.deepgemm import fp8
-
         q, k, w = self.project(x, qr, cos, sin)
         # One fp8 scale per head vector (the 128-element block in the real model).
         k_fp8, k_scale = fp8.quantize_fp8_e4m3_per_vector(k, block=self.head_dim)
@@ -90,4 +89,4 @@ class Indexer(nn.Module):
         weights = w * q_scale.squeeze(-1)
         next_n = require(plan, "next_n")
         q_fp8 = q_fp8.view(-1, next_n, self.n_heads, self.head_dim)
-        return nsa_attention.indexer_topk(plan, q_fp8, weights, index_cache)
+        return indexer_topk(plan, q_fp8, weights, index_cache)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backends.nsa.attention import sparse_mla_decode
 from models.config import DSV32Config
 from models.layers.indexer import Indexer
 from models.layers.norm import RMSNorm
@@ -87,13 +88,11 @@ class MLA(nn.Module):
         Writes this step's latent and rope key into ``kv_cache`` at the plan's
         ``out_cache_loc`` before attending, so every row sees its own token.
         """
-        from backends import nsa_attention
-
         qr, q_nope, q_rope = self.project_q(x, cos, sin)
         latent, k_rope = self.project_kv(x, cos, sin)
         loc = require(plan, "out_cache_loc")
         kv_cache[loc] = torch.cat([latent, k_rope], dim=-1).to(kv_cache.dtype)
         topk_slots = self.indexer(x, qr, cos, sin, plan, index_cache)
         q_abs = self.absorb_q(q_nope)
-        o = nsa_attention.sparse_mla_decode(q_abs, q_rope, kv_cache, topk_slots, self.softmax_scale)
+        o = sparse_mla_decode(q_abs, q_rope, kv_cache, topk_slots, self.softmax_scale)
         return self.output(o)

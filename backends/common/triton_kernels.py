@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from backends.kernels import generic_torch as ref
+from backends.common import torch_ref as ref
 
 try:
     import triton

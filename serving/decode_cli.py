@@ -99,9 +99,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_decode(args: argparse.Namespace) -> int:
-    from planner.run_config import load_run_config
-    from planner.serving.engine import DecodeEngine
-    from planner.serving.report import render, summarize
+    from serving.engine import DecodeEngine
+    from serving.report import render, summarize
+    from serving.run_config import load_run_config
 
     path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     config = load_run_config(path, _overrides(args))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from planner.run_config import LoopSection
+from serving.run_config import LoopSection
 
 
 @dataclass

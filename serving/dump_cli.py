@@ -10,7 +10,7 @@ commands script well. Errors are one line on stderr, never a traceback.
 
 Wire them into an argparse program with :func:`add_inspect_parser` and
 :func:`add_diff_parser`; each sets ``func`` to a callable returning the exit
-status. ``python -m planner.dump_cli`` runs them standalone.
+status. ``python -m serving.dump_cli`` runs them standalone.
 """
 
 from __future__ import annotations
@@ -484,7 +484,7 @@ def _result(d: FieldDiff, pointers: bool) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m planner.dump_cli {inspect,diff} ...``, until ``python -m planner`` wires them."""
+    """``python -m serving.dump_cli {inspect,diff} ...``, until ``python -m planner`` wires them."""
     parser = argparse.ArgumentParser(prog="planner", description="Read plan dumps.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_inspect_parser(subparsers)

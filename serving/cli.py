@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_schema)
 
     for module, adders in (
-        ("planner.decode_cli", ("add_decode_parser",)),
-        ("planner.dump_cli", ("add_inspect_parser", "add_diff_parser")),
+        ("serving.decode_cli", ("add_decode_parser",)),
+        ("serving.dump_cli", ("add_inspect_parser", "add_diff_parser")),
     ):
         try:
             mod = __import__(module, fromlist=list(adders))

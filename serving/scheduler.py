@@ -13,7 +13,7 @@ import torch
 
 from models.kv_cache import PagedKVCache, RequestPool
 from planner.batch import ForwardBatch, ForwardMode
-from planner.serving.requests import Request
+from serving.requests import Request
 
 
 class Scheduler:

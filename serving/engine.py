@@ -23,9 +23,9 @@ from planner.batch import ForwardMode
 from planner.errors import ConfigError
 from planner.limits import Limits
 from planner.planner import Planner
-from planner.run_config import ModelSection, RunConfig
-from planner.serving.requests import Request, make_workload
-from planner.serving.scheduler import Scheduler
+from serving.requests import Request, make_workload
+from serving.run_config import ModelSection, RunConfig
+from serving.scheduler import Scheduler
 
 PAGE = 64
 _PRESETS = {
@@ -165,7 +165,7 @@ class DecodeEngine:
 
     def enable_dumps(self, directory: str | Path, *, every: int = 1, keep: int = 8) -> None:
         """Dump the plans of every ``every``-th decode step (last ``keep``), and any debug mismatch."""
-        from planner.dump_ring import DumpRing, install_mismatch_dumps
+        from serving.dump_ring import DumpRing, install_mismatch_dumps
 
         self.dump_ring = DumpRing(directory, every=every, keep_last=keep)
         install_mismatch_dumps(self.planner, Path(directory) / "mismatches")

@@ -7,8 +7,8 @@ and tested bit-equal against the reference under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-from backends.kernels import generic_torch as ref
-from backends.kernels import generic_triton as tri
+from backends.common import torch_ref as ref
+from backends.common import triton_kernels as tri
 from planner.ops import metadata_op
 
 triton_usable = tri.triton_available
