@@ -9,13 +9,14 @@ a CUDA graph (device work only, no host sync) or needs the host.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from planner.errors import ProviderError, SchemaError
+from planner.notices import warn_once
+from planner.registry import load_backends
 
 ProviderFn = Callable[..., None]
 
@@ -42,7 +43,7 @@ class Provider:
         try:
             return bool(self.available(device))
         except Exception as exc:  # a broken optional library must not break planning
-            _warn_once(f"{self.name}: availability check failed ({exc!r}); treating as unavailable")
+            warn_once(f"{self.name}: availability check failed ({exc!r}); treating as unavailable")
             return False
 
 
@@ -128,9 +129,7 @@ def metadata_op(name: str, doc: str) -> MetadataOp:
 
 
 def get_op(name: str) -> MetadataOp:
-    """The registered op ``name``; loads the in-tree backends first."""
-    from planner.registry import load_backends
-
+    """The registered op ``name``; loads the installed backends first."""
     load_backends()
     if name not in _OPS:
         raise SchemaError("unknown metadata op", field=name, expected=sorted(_OPS))
@@ -139,25 +138,9 @@ def get_op(name: str) -> MetadataOp:
 
 def all_ops() -> Mapping[str, MetadataOp]:
     """Every registered op by name."""
-    from planner.registry import load_backends
-
     load_backends()
     return dict(_OPS)
 
 
 def iter_ops() -> Iterator[MetadataOp]:
     yield from all_ops().values()
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def warn_once(message: str) -> None:
-    """Say a fallback happened, once per process, never per step."""
-    _warn_once(message)

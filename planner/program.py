@@ -2,22 +2,31 @@
 
 Built once per (planner, mode); each batch then only walks the list. This
 is where a schema's mistakes (unknown op, cycle, missing setting, a dimension
-that would make static buffers non-contiguous) surface, at start-up.
+that would make static buffers non-contiguous) surface, at start-up. Each
+step runs its op through a :class:`~planner.fallback.ProviderChain`, so a
+provider that fails at run time is replaced right there, for good.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from planner.batch import BATCH_TABLES, HOST_INPUTS, ForwardMode
+from planner.batch import BATCH, BATCH_TABLES, HOST_INPUTS, SOURCES, ForwardMode
 from planner.dims import dim_names, parse_dim
 from planner.errors import SchemaError
-from planner.ops import Provider, get_op
+from planner.fallback import ProviderChain
+from planner.ops import Provider
 from planner.schema import BATCH_DIMS, PAD_DERIVED, Plan, TensorSpec, resolve_setting
+
+Key = tuple[str, str]
+"""Where a tensor lives in a batch's table: ``(backend, field)``, or ``(BATCH, name)``."""
+
+ChainFor = Callable[[str, "str | None"], ProviderChain]
+"""``chain_for(op_name, forced)``: the planner's one chain per op and forced provider."""
 
 
 @dataclass(frozen=True)
@@ -28,16 +37,37 @@ class Step:
     field: str
     spec: TensorSpec
     op_name: str
-    provider: Provider
+    chain: ProviderChain
     inputs: tuple[str, ...]
     params: Mapping[str, Any]
     in_graph: bool
-    input_keys: tuple[tuple[str, str], ...] = ()
-    """Where each input lives: ``(backend, field)`` after aliasing, ``("", name)`` for batch tables."""
+    input_keys: tuple[Key, ...] = ()
+    """Where each input lives: a field after aliasing, or ``(BATCH, name)`` for the batch's own."""
 
     @property
     def key(self) -> str:
         return f"{self.backend}.{self.field}"
+
+    @property
+    def output(self) -> Key:
+        return (self.backend, self.field)
+
+    @property
+    def provider(self) -> Provider:
+        """The provider this step runs with now (it changes only if one fails)."""
+        return self.chain.current
+
+    def run(self, tensors: Mapping[Key, torch.Tensor], *, static: bool) -> None:
+        """Run the op over ``tensors`` into its output.
+
+        Host ops learn whether their tensors are static views (capture and
+        replay) or fresh (eager): FlashInfer binds a CUDA-graph wrapper to the
+        former only.
+        """
+        args = [tensors[key] for key in self.input_keys]
+        graph_safe = self.chain.current.graph_safe
+        params = self.params if graph_safe else {**self.params, "static": static}
+        self.chain.call(self.key, tensors[self.output], args, params)
 
 
 @dataclass(frozen=True)
@@ -106,6 +136,19 @@ def check_static_shapes(plan_cls: type[Plan]) -> None:
                     actual=spec.shape,
                 )
         if spec.source is not None:
+            if spec.source not in SOURCES:
+                raise SchemaError(
+                    "unknown batch source",
+                    field=f"{plan_cls.backend}.{name}",
+                    expected=sorted(SOURCES),
+                    actual=spec.source,
+                )
+            if (spec.row_dim == "rows") != SOURCES[spec.source]:
+                raise SchemaError(
+                    "a per-token source is over 'rows', a per-request one over 'reqs'",
+                    field=f"{plan_cls.backend}.{name}",
+                    actual=spec.shape,
+                )
             if spec.dtype != torch.int32:
                 raise SchemaError(
                     "source fields are staged as int32",
@@ -125,7 +168,7 @@ def build_program(
     base_settings: Mapping[str, Any],
     options: Mapping[str, Mapping[str, Any]],
     forced: Mapping[str, str],
-    device: torch.device,
+    chain_for: ChainFor,
     mode: ForwardMode,
     ops_in_graph: bool,
 ) -> Program:
@@ -150,13 +193,12 @@ def build_program(
             pads[(backend, name)] = None if pad == PAD_DERIVED else pad
             if spec.source is not None:
                 identity[(backend, name)] = ("source", spec.source, pad, spec.dtype)
-        chosen = {
-            name: get_op(spec.op).select(
-                device, forced.get(f"{backend}.{name}") or forced.get(spec.op)
-            )
+        chains = {
+            name: chain_for(spec.op, forced.get(f"{backend}.{name}") or forced.get(spec.op))
             for name, spec in plan_cls.tensor_specs.items()
             if spec.op is not None
         }
+        chosen = {name: chain.current for name, chain in chains.items()}
         # Tensors a host op takes (e.g. to bind into a CUDA-graph wrapper) stay this backend's own.
         host_read = {
             i
@@ -188,14 +230,14 @@ def build_program(
                     field=name,
                     spec=spec,
                     op_name=spec.op,
-                    provider=provider,
+                    chain=chains[name],
                     inputs=spec.inputs,
                     params=params,
                     in_graph=ops_in_graph
                     and provider.graph_safe
                     and not (set(spec.inputs) & HOST_INPUTS),
                     input_keys=tuple(
-                        ("", i)
+                        (BATCH, i)
                         if i in BATCH_TABLES | HOST_INPUTS
                         else aliases.get((backend, i), (backend, i))
                         for i in spec.inputs
@@ -234,8 +276,6 @@ def _hoist_host_dependencies(
                     outside.add(dep_key)
                     changed = True
     return [
-        s
-        if (s.key in outside) != s.in_graph
-        else Step(**{**s.__dict__, "in_graph": s.key not in outside})
+        s if (s.key in outside) != s.in_graph else replace(s, in_graph=s.key not in outside)
         for s in steps
     ]

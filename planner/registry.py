@@ -18,6 +18,7 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
 from planner.errors import SchemaError
+from planner.notices import warn_once
 
 if TYPE_CHECKING:
     from planner.schema import Plan
@@ -29,9 +30,17 @@ _loaded = False
 _load_errors: dict[str, str] = {}
 
 
+RESERVED = frozenset({"batch"})
+"""Names no backend may take: ``batch`` owns the batch's own tensors in the planner's tables."""
+
+
 def register_backend(plan_cls: type[Plan]) -> None:
     """Called by ``Plan.__init_subclass__``; one schema per backend name."""
     name = plan_cls.backend
+    if name in RESERVED:
+        raise SchemaError(
+            "backend name is reserved", field=name, expected=f"not {sorted(RESERVED)}"
+        )
     existing = _BACKENDS.get(name)
     if existing is not None and existing.__qualname__ != plan_cls.__qualname__:
         raise SchemaError(
@@ -52,8 +61,6 @@ def load_backends() -> None:
             ep.load()
         except Exception as exc:
             _load_errors[ep.name] = f"{type(exc).__name__}: {exc}"
-            from planner.ops import warn_once
-
             warn_once(f"backend entry point {ep.name!r} ({ep.value}) failed to load: {exc!r}")
 
 

@@ -16,8 +16,10 @@ from typing import Annotated, Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
+from planner.batch import BATCH_TABLES, HOST_INPUTS
 from planner.dims import DimExpr, dim_names, parse_dim
 from planner.errors import SchemaError
+from planner.registry import register_backend
 
 Tensor = Annotated[torch.Tensor, WithJsonSchema({"type": "object", "title": "Tensor"})]
 """Annotation for tensor fields of a plan (a torch tensor, described in JSON Schema)."""
@@ -223,8 +225,6 @@ class Plan(BaseModel):
         cls.scalar_specs = scalars
         _check_inputs(cls)
         if cls.backend and "backend" in cls.__dict__:
-            from planner.registry import register_backend
-
             register_backend(cls)
 
     @model_validator(mode="after")
@@ -270,8 +270,6 @@ def _named(spec: Any, name: str) -> Any:
 
 def _check_inputs(cls: type[Plan]) -> None:
     """Op inputs must name fields of the same plan or known batch tables."""
-    from planner.batch import BATCH_TABLES, HOST_INPUTS
-
     for name, spec in cls.tensor_specs.items():
         for source in spec.inputs:
             if source not in cls.tensor_specs and source not in BATCH_TABLES | HOST_INPUTS:

@@ -1,11 +1,17 @@
-"""Raw batch inputs, staged into one host buffer and moved with one copy.
+"""Raw batch inputs, staged into one host buffer, range-checked once and moved with one copy.
 
-Per-request inputs (lengths, pool indices, positions, cache locations) are
-small; sending each with its own host-to-device copy costs a launch and a
-driver call apiece. They are written side by side into one (pinned) int32
-buffer, padding rows included, and copied in one transfer. Before the host
-buffer is overwritten for the next batch, the previous copy is awaited: two
-batches never race on one pinned buffer.
+Per-request or per-token inputs (lengths, pool rows, positions, cache
+locations) are small; sending each with its own host-to-device copy costs a
+launch and a driver call apiece. They are written side by side into one int32
+host buffer, padding rows included, checked against their limits in one
+vectorised pass (the only value-range check the planner has), and copied in
+one transfer.
+
+The same :class:`Stager` serves every phase. A static one (capture and
+replay) keeps a pinned host buffer and its device twin for the planner's
+life, and awaits the previous batch's copy before overwriting the host side,
+so two batches never race on one pinned buffer. A fresh one (eager plans)
+makes new buffers per call.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from planner.batch import ForwardBatch, check_table_width
+from planner.batch import SOURCES, ForwardBatch
+from planner.door import check_table_width
 from planner.errors import BatchError
 
 _FIELD_OF_SOURCE = {"seq_lens": "seq_lens_cpu"}
@@ -24,22 +31,36 @@ _UNCHECKED = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
 _INT32 = (np.iinfo(np.int32).min, np.iinfo(np.int32).max)
 
 
-def _fits_int32(source: str, values: np.ndarray, limits: dict[str, tuple[int, int]]) -> None:
-    """int64 inputs are staged as int32: a value past int32 would wrap into a valid-looking one."""
-    low, high = int(values.min()), int(values.max())
-    if low < _INT32[0] or high > _INT32[1]:
-        lo, hi = limits.get(source, _INT32)
-        raise BatchError(
-            "value out of range",
-            field=_FIELD_OF_SOURCE.get(source, source),
-            expected=f"[{lo}, {hi}]",
-            actual=low if low < _INT32[0] else high,
-        )
+@dataclass(frozen=True)
+class Ranges:
+    """Inclusive ``(lo, hi)`` of each staged input; hashable, so bounds are cached per value."""
+
+    seq_lens: tuple[int, int]
+    req_pool_indices: tuple[int, int]
+    out_cache_loc: tuple[int, int]
+    positions: tuple[int, int]
+    max_context: int
+
+    def __getitem__(self, source: str) -> tuple[int, int]:
+        return getattr(self, source)
+
+
+def input_ranges(
+    max_context: int, next_n: int, kv_slots: int | None, table: torch.Tensor
+) -> Ranges:
+    """The legal values of each staged input for a planner's limits and token table."""
+    return Ranges(
+        seq_lens=(next_n, min(max_context, table.shape[1])),
+        req_pool_indices=(0, table.shape[0] - 1),
+        out_cache_loc=(0, (kv_slots if kv_slots is not None else 2**31) - 1),
+        positions=(0, max_context - 1),
+        max_context=max_context,
+    )
 
 
 @dataclass(frozen=True)
 class Segment:
-    """Where one source lives in the staging buffer."""
+    """Where one source, padded with one value, lives in the staging buffer."""
 
     source: str
     per_token: bool
@@ -49,161 +70,158 @@ class Segment:
 
 
 class StagingLayout:
-    """Segments for every distinct (source, pad) the schemas stage, sized for capacity."""
+    """Segments for every distinct (source, pad) the schemas stage, sized for capacity.
 
-    def __init__(
-        self, sources: Iterable[tuple[str, bool, int]], max_reqs: int, next_n: int
-    ) -> None:
+    Every batch input gets a segment even when no schema reads it, so that
+    every input is range-checked in the same pass.
+    """
+
+    def __init__(self, sources: Iterable[tuple[str, int]], max_reqs: int, next_n: int) -> None:
+        wanted = list(sources)
+        named = {source for source, _ in wanted}
+        wanted += [(source, 0) for source in SOURCES if source not in named]
         self.segments: dict[tuple[str, int], Segment] = {}
         offset = 0
-        for source, per_token, pad in sources:
+        for source, pad in wanted:
             key = (source, pad)
             if key in self.segments:
                 continue
+            per_token = SOURCES[source]
             capacity = max_reqs * next_n if per_token else max_reqs
             self.segments[key] = Segment(source, per_token, pad, offset, capacity)
             offset += capacity
         self.size = offset
+        self.next_n = next_n
         self._order = tuple(self.segments.values())
         self._bounds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
-    def _bounds_for(
-        self,
-        key: tuple,
-        real: int,
-        next_n: int,
-        limits: dict[str, tuple[int, int]],
-        skip: frozenset,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _bounds_for(self, real: int, ranges: Ranges, skip: frozenset) -> tuple[np.ndarray, ...]:
+        key = (real, ranges, skip)
         bounds = self._bounds.get(key)
         if bounds is None:
             lo = np.full(self.size, _UNCHECKED[0], dtype=np.int64)
             hi = np.full(self.size, _UNCHECKED[1], dtype=np.int64)
-            for seg in self.segments.values():
-                if seg.offset in skip or seg.source not in limits:
+            for seg in self._order:
+                if seg.offset in skip:
                     continue
-                n = real * next_n if seg.per_token else real
-                lo[seg.offset : seg.offset + n], hi[seg.offset : seg.offset + n] = limits[
+                n = real * self.next_n if seg.per_token else real
+                lo[seg.offset : seg.offset + n], hi[seg.offset : seg.offset + n] = ranges[
                     seg.source
                 ]
             bounds = self._bounds[key] = (lo, hi)
         return bounds
 
-    def check_ranges(
+    def fill(
+        self, host: np.ndarray, batch: ForwardBatch, reqs: int, ranges: Ranges, *, read_device: bool
+    ) -> list[tuple[Segment, torch.Tensor]]:
+        """Write each source, then its pad, into ``host``; return the device-resident ones left.
+
+        A device-resident input cannot be written from the host without a
+        read; with ``read_device`` (eager and debug) it is read, staged and
+        checked like a host one, otherwise it is returned as (segment,
+        tensor) for a device-to-device copy after the transfer.
+        """
+        on_device = []
+        real = batch.bs
+        for seg in self._order:
+            width = self.next_n if seg.per_token else 1
+            start, mid, end = seg.offset, seg.offset + real * width, seg.offset + reqs * width
+            value = batch.source(seg.source)
+            if value.is_cuda and not read_device:
+                on_device.append((seg, value))
+            else:
+                values = value.cpu().numpy()
+                if values.dtype != np.int32 and values.size:
+                    _fits_int32(seg.source, values, ranges)
+                host[start:mid] = values
+            host[mid:end] = seg.pad
+        return on_device
+
+    def check(
         self,
         host: np.ndarray,
         batch: ForwardBatch,
-        next_n: int,
-        limits: dict[str, tuple[int, int]],
-        on_device: list,
+        ranges: Ranges,
+        on_device: list[tuple[Segment, torch.Tensor]],
     ) -> None:
-        """Every staged host input within its limits, in one vectorised pass.
-
-        ``limits`` maps a source to its inclusive ``(lo, hi)``; ``seq_lens``
-        is bounded by ``max_context``, and by the token table's width, which
-        gets its own error. Inputs already on the device are not read here.
-        """
+        """Every staged input within its range, in one vectorised pass over ``host``."""
         skip = frozenset(seg.offset for seg, _ in on_device)
-        table = batch.req_to_token
-        key = (batch.bs, next_n, table.shape[0], table.shape[1], skip)
-        lo, hi = self._bounds_for(key, batch.bs, next_n, limits, skip)
+        lo, hi = self._bounds_for(batch.bs, ranges, skip)
         flat = host[: self.size]
         bad = (flat < lo) | (flat > hi)
         if not bad.any():
             return
         index = int(np.flatnonzero(bad)[0])
-        seg = next(s for s in self.segments.values() if s.offset <= index < s.offset + s.capacity)
+        seg = next(s for s in self._order if s.offset <= index < s.offset + s.capacity)
         value = int(flat[index])
-        low, high = limits[seg.source]
-        if seg.source == "seq_lens" and low <= value <= limits["_max_context"][1]:
-            check_table_width(table, value)
-        field = _FIELD_OF_SOURCE.get(seg.source, seg.source)
+        low, high = ranges[seg.source]
+        if seg.source == "seq_lens" and low <= value <= ranges.max_context:
+            check_table_width(batch.req_to_token, value)
         raise BatchError(
-            "value out of range", field=field, expected=f"[{low}, {high}]", actual=value
+            "value out of range",
+            field=_FIELD_OF_SOURCE.get(seg.source, seg.source),
+            expected=f"[{low}, {high}]",
+            actual=value,
         )
 
-    def fill_host(
-        self,
-        host: np.ndarray,
-        batch: ForwardBatch,
-        reqs: int,
-        next_n: int,
-        limits: dict[str, tuple[int, int]],
-    ) -> list:
-        """Write each source, then its pad, into ``host``; return device-resident sources.
 
-        Device-resident inputs cannot be written from the host; they are
-        returned as (segment, tensor) so the caller copies them on the device
-        after the one host-to-device transfer.
-        """
-        on_device = []
-        real = batch.bs
-        flat = host  # a numpy view: slicing costs a fraction of a torch op per segment
-        for seg in self._order:
-            width = next_n if seg.per_token else 1
-            start, mid, end = seg.offset, seg.offset + real * width, seg.offset + reqs * width
-            value = batch.source(seg.source)
-            if value.is_cuda:
-                on_device.append((seg, value))
-            else:
-                values = value.numpy()
-                if values.dtype != np.int32 and values.size:
-                    _fits_int32(seg.source, values, limits)
-                flat[start:mid] = values
-            flat[mid:end] = seg.pad
-        return on_device
+def _fits_int32(source: str, values: np.ndarray, ranges: Ranges) -> None:
+    """int64 inputs are staged as int32: a value past int32 would wrap into a valid-looking one."""
+    low, high = int(values.min()), int(values.max())
+    if low < _INT32[0] or high > _INT32[1]:
+        lo, hi = ranges[source]
+        raise BatchError(
+            "value out of range",
+            field=_FIELD_OF_SOURCE.get(source, source),
+            expected=f"[{lo}, {hi}]",
+            actual=low if low < _INT32[0] else high,
+        )
 
 
-class StaticStager:
-    """The planner's persistent staging pair: pinned host buffer and its device twin."""
+class Stager:
+    """Stages a batch through one host buffer into one device buffer; see the module docstring."""
 
-    def __init__(self, layout: StagingLayout, device: torch.device) -> None:
+    def __init__(self, layout: StagingLayout, device: torch.device, *, static: bool) -> None:
         self.layout = layout
         self.device = device
-        pinned = device.type == "cuda"
-        self.host = torch.zeros(max(layout.size, 1), dtype=torch.int32, pin_memory=pinned)
-        self.host_view = self.host.numpy()  # made once: .numpy() costs microseconds per call
-        self.device_buf = torch.zeros(max(layout.size, 1), dtype=torch.int32, device=device)
-        self._copy_done = torch.cuda.Event() if pinned else None
+        self.static = static
         self.copies = 0
+        self.device_buf: torch.Tensor | None = None
+        self._copy_done: torch.cuda.Event | None = None
+        if static:
+            pinned = device.type == "cuda"
+            self.host = torch.zeros(max(layout.size, 1), dtype=torch.int32, pin_memory=pinned)
+            self.host_view = self.host.numpy()  # made once: .numpy() costs microseconds a call
+            self.device_buf = torch.zeros(max(layout.size, 1), dtype=torch.int32, device=device)
+            self._copy_done = torch.cuda.Event() if pinned else None
 
     def view(self, segment: Segment, n: int) -> torch.Tensor:
+        """The first ``n`` staged values of ``segment`` (static stagers only)."""
         return self.device_buf[segment.offset : segment.offset + n]
 
     def stage(
-        self, batch: ForwardBatch, reqs: int, next_n: int, limits: dict[str, tuple[int, int]]
-    ) -> None:
-        """Fill the host buffer, check it, one host-to-device copy, then device-resident inputs."""
-        if self._copy_done is not None:
-            self._copy_done.synchronize()  # the previous batch's copy must not read a half-written buffer
-        on_device = self.layout.fill_host(self.host_view, batch, reqs, next_n, limits)
-        self.layout.check_ranges(self.host_view, batch, next_n, limits, on_device)
-        if self.device.type == "cpu":
-            self.device_buf.copy_(self.host)
+        self, batch: ForwardBatch, reqs: int, ranges: Ranges, *, read_device: bool
+    ) -> torch.Tensor:
+        """Fill, check, one host-to-device copy, then device-resident inputs; the device buffer."""
+        if self.static:
+            if self._copy_done is not None:
+                self._copy_done.synchronize()  # the last copy must not read a half-written buffer
+            host, view = self.host, self.host_view
         else:
-            self.device_buf.copy_(self.host, non_blocking=True)
+            host = torch.empty(max(self.layout.size, 1), dtype=torch.int32)
+            view = host.numpy()
+        on_device = self.layout.fill(view, batch, reqs, ranges, read_device=read_device)
+        self.layout.check(view, batch, ranges, on_device)
+        if not self.static:
+            dev = host.to(self.device) if self.device.type != "cpu" else host
+        elif self.device.type == "cpu":
+            dev = self.device_buf.copy_(host)
+        else:
+            dev = self.device_buf.copy_(host, non_blocking=True)
             self._copy_done.record()
         self.copies += 1
+        next_n = self.layout.next_n
         for seg, tensor in on_device:
             n_real = batch.bs * next_n if seg.per_token else batch.bs
-            self.view(seg, n_real).copy_(tensor)
-
-
-def stage_fresh(
-    layout: StagingLayout,
-    batch: ForwardBatch,
-    reqs: int,
-    next_n: int,
-    device: torch.device,
-    limits: dict[str, tuple[int, int]],
-) -> tuple[torch.Tensor, list]:
-    """Eager staging into new tensors: one host buffer, checked, one transfer."""
-    host = torch.empty(max(layout.size, 1), dtype=torch.int32)
-    view = host.numpy()
-    on_device = layout.fill_host(view, batch, reqs, next_n, limits)
-    layout.check_ranges(view, batch, next_n, limits, on_device)
-    dev = host.to(device) if device.type != "cpu" else host
-    for seg, tensor in on_device:
-        n_real = batch.bs * next_n if seg.per_token else batch.bs
-        dev[seg.offset : seg.offset + n_real].copy_(tensor)
-    return dev, on_device
+            dev[seg.offset : seg.offset + n_real].copy_(tensor)
+        return dev

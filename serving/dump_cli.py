@@ -31,7 +31,7 @@ from rich.text import Text
 
 from planner.dumps import DumpedPlan, FieldRecord, LoadedDump, json_value, load_dump
 from planner.errors import PlanError
-from planner.verify import diff_plans
+from planner.compare import diff_plans
 
 MAX_ROWS_LISTED = 64
 """Differing rows named in a diff; the count is always exact."""
@@ -280,7 +280,7 @@ def _differing_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[list[int], int, i
 
 
 def diff_dumps(a: LoadedDump, b: LoadedDump) -> list[FieldDiff]:
-    """Every field of either dump, compared with :func:`planner.verify.diff_plans`."""
+    """Every field of either dump, compared with :func:`planner.compare.diff_plans`."""
     out: list[FieldDiff] = []
     plans_a: dict[str, DumpedPlan] = {}
     plans_b: dict[str, DumpedPlan] = {}

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from planner.dumps import INDEX, dump_plans, fsync_dir, write_synced
 from planner.errors import ConfigError, DumpError
-from planner.verify import diff_plans
+from planner.compare import diff_plans
 
 if TYPE_CHECKING:
     from planner.batch import ForwardBatch

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from planner import BatchError, ForwardBatch, ForwardMode, Limits, PlanError, Planner
+from planner.program import Step
 from tests.batches import make_pool, random_batch
 
 MAX_CTX, PAGE = 128, 16
@@ -99,7 +100,7 @@ def test_bad_batch_is_refused_naming_the_field(case, phase, monkeypatch):
     )
     planner.capture(4, req_to_token=TABLE)
     launched = []
-    monkeypatch.setattr(Planner, "_run", staticmethod(lambda step, *a: launched.append(step.key)))
+    monkeypatch.setattr(Step, "run", lambda step, *a, **k: launched.append(step.key))
     overrides, field = CASES[case]
     if case == "device seq_lens disagree" and phase == "replay":
         pytest.skip(

@@ -31,11 +31,11 @@ from planner import (
     scalar_field,
     tensor_field,
 )
-from planner import dumps as dumps_mod
+from planner.dumps import write as dumps_write
 from planner.dumps import INDEX, dump_plans, load_dump
 from planner.ops import get_op
 from planner.registry import get_backend
-from planner.verify import tensor_digest
+from planner.compare import tensor_digest
 from serving.dump_cli import add_diff_parser, add_inspect_parser
 from serving.dump_ring import DumpRing, install_mismatch_dumps
 from tests.batches import make_pool, random_batch
@@ -204,7 +204,7 @@ def test_dump_refuses_to_replace_a_directory_that_is_not_a_dump(tmp_path):
 
 def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
     plans = _planner().plan(random_batch(random.Random(1), TABLE, max_batch=4, max_context=MAX_CTX))
-    real = dumps_mod.write_synced
+    real = dumps_write.write_synced
     calls = []
 
     def flaky(path, data):
@@ -213,7 +213,7 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         real(path, data)
 
-    monkeypatch.setattr(dumps_mod, "write_synced", flaky)
+    monkeypatch.setattr(dumps_write, "write_synced", flaky)
     with pytest.raises(DumpError, match="No space left on device"):
         dump_plans(plans, tmp_path / "d")
     assert list(tmp_path.iterdir()) == []
@@ -507,7 +507,7 @@ def _rewrite_member(dump: Path, name: str, text: str) -> None:
     data = text.encode()
     (dump / name).write_bytes(data)
     index = json.loads((dump / INDEX).read_text())
-    index["files"][name] = {"bytes": len(data), "blake2b": dumps_mod._blake2b(data)}
+    index["files"][name] = {"bytes": len(data), "blake2b": dumps_write.blake2b(data)}
     (dump / INDEX).write_text(json.dumps(index))
 
 

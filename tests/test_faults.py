@@ -35,7 +35,7 @@ from graphs import SIZE_DROPPED, GraphWarning, is_capturing
 from planner import ForwardMode, Limits, Planner, get_op
 from planner.errors import ProviderError
 from planner.ops import MetadataOp, Provider
-from planner.verify import diff_plans
+from planner.compare import diff_plans
 from serving.engine import DecodeEngine
 from serving.run_config import load_run_config
 from tests.batches import make_pool, random_batch

@@ -30,7 +30,7 @@ import torch
 
 from planner import ForwardBatch, ForwardMode, Limits, Planner, PlanSet
 from planner.dims import parse_dim
-from planner.verify import diff_plans, padding_violations
+from planner.compare import diff_plans, padding_violations
 from tests.batches import make_pool
 
 PAGE, MAX_CTX, MAX_BATCH, NEXT_N = 64, 320, 12, 2

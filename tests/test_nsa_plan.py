@@ -78,9 +78,9 @@ def test_the_schedule_never_sees_a_zero_length(monkeypatch):
         planner.program(ForwardMode.TARGET_VERIFY).steps + planner.program(ForwardMode.DECODE).steps
     ):
         if step.op_name == "paged_mqa_schedule":
-            object.__setattr__(
-                step,
-                "provider",
+            monkeypatch.setattr(
+                step.chain,
+                "current",
                 type(provider)(
                     **{
                         **provider.__dict__,

@@ -47,6 +47,7 @@ from planner import (
     SchemaError,
 )
 from planner.dumps import INDEX, dump_plans, load_dump
+from planner.program import Step
 from serving.dump_ring import DumpRing
 from serving.engine import DecodeEngine
 from serving.run_config import load_run_config
@@ -272,7 +273,7 @@ def _forget_deep_gemm():
 @pytest.mark.parametrize("case", BATCH_CASES, ids=lambda c: c.kind)
 def test_bad_batch_refused_before_any_op(case, monkeypatch):
     launched: list[str] = []
-    monkeypatch.setattr(Planner, "_run", staticmethod(lambda step, *a: launched.append(step.key)))
+    monkeypatch.setattr(Step, "run", lambda step, *a, **k: launched.append(step.key))
     _expect(case)
     assert launched == [], f"an op ran before the input was refused: {launched}"
 
@@ -282,7 +283,7 @@ def test_bad_batch_refused_at_replay_too(monkeypatch):
     planner = Planner(["nsa", "paged"], _limits())
     planner.capture(4, req_to_token=TABLE)
     launched: list[str] = []
-    monkeypatch.setattr(Planner, "_run", staticmethod(lambda step, *a: launched.append(step.key)))
+    monkeypatch.setattr(Step, "run", lambda step, *a, **k: launched.append(step.key))
     for overrides, field in [
         (dict(req_to_token=_meta(16, MAX_CTX)), "req_to_token"),
         (dict(out_cache_loc=torch.tensor([1.0, float("nan"), 2.0])), "out_cache_loc"),
@@ -591,7 +592,7 @@ CONFIG_KINDS = [c.kind for c in config_cases(Path("/nonexistent"))]
 @pytest.mark.parametrize("kind", CONFIG_KINDS)
 def test_bad_config_refused_naming_the_field(kind, tmp_path, monkeypatch):
     launched: list[str] = []
-    monkeypatch.setattr(Planner, "_run", staticmethod(lambda step, *a: launched.append(step.key)))
+    monkeypatch.setattr(Step, "run", lambda step, *a, **k: launched.append(step.key))
     (case,) = [c for c in config_cases(tmp_path) if c.kind == kind]
     _expect(case)
     assert launched == []

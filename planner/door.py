@@ -1,0 +1,129 @@
+"""The door: a batch's structure checked before anything is staged or launched.
+
+Types, ranks, devices, lengths and the mode are checked here, on the host,
+in microseconds. Value ranges are checked once, vectorised, where the inputs
+are staged (``planner.staging``); a check that needs a device read (a
+device-resident input, the device copy of the lengths) runs in eager
+``plan()`` and in debug mode only, never on the replay hot path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from planner.batch import ForwardBatch, ForwardMode
+from planner.errors import BatchError
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_tensor(
+    name: str,
+    tensor: object,
+    *,
+    dtypes: tuple[torch.dtype, ...],
+    rank: int,
+    devices: tuple[torch.device, ...],
+    length: int | None = None,
+) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise BatchError(
+            "not a tensor", field=name, expected="torch.Tensor", actual=type(tensor).__name__
+        )
+    if tensor.dtype not in dtypes:
+        raise BatchError(
+            "wrong dtype", field=name, expected=" or ".join(map(str, dtypes)), actual=tensor.dtype
+        )
+    if tensor.dim() != rank:
+        raise BatchError("wrong rank", field=name, expected=rank, actual=tensor.dim())
+    if tensor.device not in devices:
+        raise BatchError(
+            "wrong device",
+            field=name,
+            expected=" or ".join(map(str, devices)),
+            actual=tensor.device,
+        )
+    if not tensor.is_contiguous():
+        raise BatchError(
+            "not contiguous", field=name, expected="contiguous", actual=tuple(tensor.stride())
+        )
+    if length is not None and tensor.shape[0] != length:
+        raise BatchError("wrong length", field=name, expected=length, actual=tensor.shape[0])
+    return tensor
+
+
+def validate_batch(
+    batch: ForwardBatch,
+    *,
+    device: torch.device,
+    max_batch: int,
+    next_n: int,
+    device_reads: bool,
+) -> None:
+    """Reject a malformed batch, naming the field, before anything is staged.
+
+    Structure only: value ranges are checked where the inputs are staged.
+    ``device_reads`` also compares the engine's device copy of the lengths with
+    the host one, which costs a synchronisation: eager ``plan()`` and debug
+    mode pay it, replay not.
+    """
+    if not isinstance(batch, ForwardBatch):
+        raise BatchError("not a ForwardBatch", field="batch", actual=type(batch).__name__)
+    try:
+        mode = ForwardMode(batch.mode)
+    except ValueError:
+        raise BatchError(
+            "unknown mode", field="mode", expected=[m.value for m in ForwardMode], actual=batch.mode
+        ) from None
+    want_n = 1 if mode is ForwardMode.DECODE else next_n
+    if batch.next_n != want_n:
+        raise BatchError(
+            f"next_n does not match the planner for mode {mode.value}",
+            field="next_n",
+            expected=want_n,
+            actual=batch.next_n,
+        )
+    cpu = torch.device("cpu")
+    both = (cpu, device) if device != cpu else (cpu,)
+    seq = _check_tensor(
+        "seq_lens_cpu", batch.seq_lens_cpu, dtypes=(torch.int32,), rank=1, devices=(cpu,)
+    )
+    bs = seq.shape[0]
+    if bs == 0:
+        raise BatchError("empty batch", field="seq_lens_cpu", expected=">= 1 request", actual=0)
+    if bs > max_batch:
+        raise BatchError(
+            "batch larger than max_batch",
+            field="seq_lens_cpu",
+            expected=f"<= {max_batch}",
+            actual=bs,
+        )
+    _check_tensor(
+        "req_to_token", batch.req_to_token, dtypes=(torch.int32,), rank=2, devices=(device,)
+    )
+    tokens = bs * want_n
+    for name, length in (
+        ("req_pool_indices", bs),
+        ("out_cache_loc", tokens),
+        ("positions", tokens),
+    ):
+        value = getattr(batch, name)
+        if value is not None or name != "positions":
+            _check_tensor(name, value, dtypes=_INDEX_DTYPES, rank=1, devices=both, length=length)
+    if batch.seq_lens is not None:
+        dev_seq = _check_tensor(
+            "seq_lens", batch.seq_lens, dtypes=(torch.int32,), rank=1, devices=(device,), length=bs
+        )
+        if device_reads and not torch.equal(dev_seq.cpu(), seq):
+            raise BatchError("device seq_lens differ from seq_lens_cpu", field="seq_lens")
+
+
+def check_table_width(table: torch.Tensor, longest: int) -> None:
+    """A token table one column short would make the gather read past a row."""
+    if table.shape[1] < longest:
+        raise BatchError(
+            "token table narrower than the longest request",
+            field="req_to_token",
+            expected=f">= {longest} columns",
+            actual=table.shape[1],
+        )

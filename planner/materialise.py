@@ -1,0 +1,212 @@
+"""The one path from a batch to plan tensors, shared by the three phases.
+
+Every phase does the same five things: stage the batch's inputs, lay out
+the op outputs, run steps, alias fields two backends compute identically,
+build the frozen plans. The phases differ only in where the tensors live
+(:class:`FreshStorage`: new tensors per batch; :class:`StaticStorage`:
+views of max-size buffers a CUDA graph reads) and in which steps they run
+(eager and capture: all; replay: the host ops, the rest are in the graph).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from planner.batch import BATCH, ForwardBatch
+from planner.dims import resolve_shape
+from planner.errors import SchemaError
+from planner.program import Key, Program, Step
+from planner.schema import Plan
+from planner.staging import Ranges, Segment, Stager, StagingLayout
+
+Tensors = dict[Key, torch.Tensor]
+
+
+def batch_dims(program: Program, page_size: int, num_sms: int, reqs: int, max_len: int) -> dict:
+    """Values of the symbolic dimensions for ``reqs`` requests of at most ``max_len`` tokens."""
+    dims = {
+        k: v for k, v in program.settings.items() if isinstance(v, int) and not isinstance(v, bool)
+    }
+    pages = -(-max_len // page_size)
+    dims.update(
+        reqs=reqs,
+        rows=reqs * program.next_n,
+        max_len=max_len,
+        pages=pages,
+        req_pages=reqs * pages,
+        sms=num_sms,
+        next_n=program.next_n,
+    )
+    return dims
+
+
+def source_segments(
+    program: Program, schemas: Mapping[str, type[Plan]], layout: StagingLayout
+) -> dict[Key, Segment]:
+    """The staging segment each source field of every schema reads."""
+    out = {}
+    for backend, cls in schemas.items():
+        for name, spec in cls.tensor_specs.items():
+            if spec.source is not None:
+                out[(backend, name)] = layout.segments[(spec.source, program.pads[(backend, name)])]
+    return out
+
+
+def _lay_out(
+    program: Program,
+    segments: Mapping[Key, Segment],
+    staged: torch.Tensor,
+    outputs: Mapping[Key, torch.Tensor],
+    reqs: int,
+) -> Tensors:
+    """Source fields as slices of the staged buffer, op fields as given, aliases as their owner."""
+    rows = reqs * program.next_n
+    tensors = {
+        key: staged[seg.offset : seg.offset + (rows if seg.per_token else reqs)]
+        for key, seg in segments.items()
+    }
+    tensors.update(outputs)
+    for alias, owner in program.aliases.items():
+        tensors[alias] = tensors[owner]
+    return tensors
+
+
+class FreshStorage:
+    """Eager plans: a fresh staging buffer, and op outputs carved from one allocation per dtype."""
+
+    static = False
+
+    def __init__(self, program: Program, segments: Mapping[Key, Segment], stager: Stager) -> None:
+        self.program = program
+        self.segments = segments
+        self.stager = stager
+
+    def tensors(self, staged: torch.Tensor, reqs: int, dims: Mapping[str, int]) -> Tensors:
+        """One ``torch.empty`` per dtype instead of one per field: allocation is a large share
+        of an eager plan's host time. Views start on 256-byte boundaries, the alignment a
+        separate allocation would give kernels."""
+        steps = self.program.steps
+        shapes = [resolve_shape(s.spec.shape, dims, field=s.key) for s in steps]
+        offsets: list[int] = []
+        totals: dict[torch.dtype, int] = {}
+        for step, shape in zip(steps, shapes):
+            align = max(1, 256 // step.spec.dtype.itemsize)
+            start = totals.get(step.spec.dtype, 0)
+            offsets.append(start)
+            totals[step.spec.dtype] = start + -(-math.prod(shape) // align) * align
+        device = staged.device
+        arenas = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in totals.items()}
+        outputs = {
+            step.output: arenas[step.spec.dtype][start : start + math.prod(shape)].view(shape)
+            for step, shape, start in zip(steps, shapes, offsets)
+        }
+        return _lay_out(self.program, self.segments, staged, outputs, reqs)
+
+
+class StaticStorage:
+    """Capture and replay: max-size buffers for one mode, and views of them per captured size.
+
+    The views of a size are made once and handed out again on every replay:
+    the plans a graph was captured with hold exactly these tensors.
+    """
+
+    static = True
+
+    def __init__(
+        self,
+        program: Program,
+        segments: Mapping[Key, Segment],
+        stager: Stager,
+        max_dims: Mapping[str, int],
+    ) -> None:
+        self.program = program
+        self.segments = segments
+        self.stager = stager
+        self.buffers = {
+            step.output: torch.zeros(
+                resolve_shape(step.spec.shape, max_dims, field=step.key),
+                dtype=step.spec.dtype,
+                device=stager.device,
+            )
+            for step in program.steps
+        }
+        self._views: dict[int, Tensors] = {}
+
+    def tensors(self, staged: torch.Tensor, reqs: int, dims: Mapping[str, int]) -> Tensors:
+        views = self._views.get(reqs)
+        if views is None:
+            outputs = {}
+            for step in self.program.steps:
+                buffer = self.buffers[step.output]
+                if step.spec.batch_dim:
+                    rows = resolve_shape(step.spec.shape[:1], dims, field=step.key)[0]
+                    buffer = buffer[:rows]
+                outputs[step.output] = buffer
+            views = self._views[reqs] = _lay_out(self.program, self.segments, staged, outputs, reqs)
+        return views
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.buffers.values(), self.stager.device_buf]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+Storage = FreshStorage | StaticStorage
+
+
+def materialise(
+    storage: Storage,
+    batch: ForwardBatch,
+    reqs: int,
+    dims: Mapping[str, int],
+    ranges: Ranges,
+    steps: Iterable[Step],
+    *,
+    read_device: bool,
+) -> Tensors:
+    """Stage, lay out, run ``steps``: the batch's tensors by ``(backend, field)``."""
+    staged = storage.stager.stage(batch, reqs, ranges, read_device=read_device)
+    tensors = storage.tensors(staged, reqs, dims)
+    bind_batch(tensors, batch)
+    for step in steps:
+        step.run(tensors, static=storage.static)
+    return tensors
+
+
+def bind_batch(tensors: Tensors, batch: ForwardBatch) -> None:
+    """The batch's own tensors that ops read in place (the token table, the host lengths)."""
+    tensors[(BATCH, "req_to_token")] = batch.req_to_token
+    tensors[(BATCH, "seq_lens_cpu")] = batch.seq_lens_cpu
+
+
+def build_plans(
+    schemas: Mapping[str, type[Plan]],
+    program: Program,
+    tensors: Mapping[Key, torch.Tensor],
+    dims: Mapping[str, int],
+) -> dict[str, Plan]:
+    """Frozen plans over ``tensors``; scalars from the dimensions or the backend's settings.
+
+    Built with ``model_construct``: the planner made every tensor itself, to
+    its spec, so validating them again per batch would only cost host time.
+    """
+    plans = {}
+    for backend, cls in schemas.items():
+        values: dict[str, Any] = {name: tensors[(backend, name)] for name in cls.tensor_specs}
+        settings = program.backend_settings[backend]
+        for name, spec in cls.scalar_specs.items():
+            if spec.value in dims:
+                values[name] = dims[spec.value]
+            elif spec.value in settings:
+                # this backend's own value: two backends may define one setting differently
+                values[name] = settings[spec.value]
+            else:
+                raise SchemaError(
+                    f"scalar refers to unknown value {spec.value!r}", field=f"{backend}.{name}"
+                )
+        plans[backend] = cls.model_construct(**values)
+    return plans

@@ -1,0 +1,52 @@
+"""Backend options: which settings a schema reads, and the checks on what a user passes.
+
+A backend's settings come from the planner's limits, then the schema's
+``defaults``, then the user's options. An option no schema reads would be
+silently ignored, so it is refused here, at planner build, with the names
+that would have been read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from planner.errors import SchemaError
+from planner.schema import Plan, Setting
+
+
+def known_options(plan_cls: type[Plan]) -> set[str]:
+    """Settings a backend reads: its defaults and every Setting its fields name."""
+    names = set(getattr(plan_cls, "defaults", {}))
+    for spec in plan_cls.tensor_specs.values():
+        for value in (*spec.params.values(), spec.pad):
+            if isinstance(value, Setting):
+                names.add(value.name)
+    names |= {spec.value for spec in plan_cls.scalar_specs.values()}
+    return names
+
+
+def check_options(
+    schemas: Mapping[str, type[Plan]], options: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Options per planned backend, every key one its schema reads; a copy."""
+    unknown = set(options) - set(schemas)
+    if unknown:
+        raise SchemaError(
+            "options for backends not planned",
+            field="options",
+            expected=sorted(schemas),
+            actual=sorted(unknown),
+        )
+    out = {k: dict(v) for k, v in options.items()}
+    for backend, given in out.items():
+        known = known_options(schemas[backend])
+        unread = sorted(set(given) - known)
+        if unread:
+            raise SchemaError(
+                "unknown backend option",
+                field=f"{backend}.{unread[0]}",
+                expected=sorted(known),
+                actual=unread,
+            )
+    return out

@@ -1,0 +1,84 @@
+"""What a planner hands to layers and reports: the plans of one batch, and its counters."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from planner.batch import ForwardMode
+from planner.errors import SchemaError
+from planner.program import Step
+from planner.schema import Plan
+
+
+class PlanSet(Mapping[str, Plan]):
+    """The frozen plans of one batch, by backend name, with how they were made."""
+
+    __slots__ = ("_plans", "phase", "mode", "reqs", "real_reqs")
+
+    def __init__(
+        self, plans: dict[str, Plan], phase: str, mode: ForwardMode, reqs: int, real_reqs: int
+    ):
+        self._plans = plans
+        self.phase = phase
+        self.mode = mode
+        self.reqs = reqs
+        self.real_reqs = real_reqs
+
+    def __getitem__(self, backend: str) -> Plan:
+        try:
+            return self._plans[backend]
+        except KeyError:
+            raise SchemaError(
+                "no plan for backend", field=backend, expected=sorted(self._plans)
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._plans)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def __repr__(self) -> str:
+        return f"PlanSet({self.phase}, {self.mode.value}, reqs={self.reqs}/{self.real_reqs}, {sorted(self._plans)})"
+
+
+@dataclass
+class PlannerStats:
+    """What the planner did: batches per phase, op executions, host time.
+
+    The hot path only counts how often each program ran (one increment per
+    batch); per-op and per-field counts are derived when read.
+    """
+
+    batches: Counter = field(default_factory=Counter)
+    host_seconds: Counter = field(default_factory=Counter)
+    verified: int = 0
+    program_runs: Counter = field(default_factory=Counter)
+    programs: dict = field(default_factory=dict)
+
+    def record_steps(self, mode: ForwardMode, steps: Sequence[Step]) -> None:
+        self.program_runs[mode] += 1
+        self.programs[mode] = steps
+
+    @property
+    def op_calls(self) -> Counter:
+        """Executions per op name (a field's op counts once per batch, whatever the layers)."""
+        out: Counter = Counter()
+        for mode, runs in self.program_runs.items():
+            for step in self.programs[mode]:
+                out[step.op_name] += runs
+        return out
+
+    @property
+    def field_calls(self) -> Counter:
+        """Executions per ``backend.field``."""
+        out: Counter = Counter()
+        for mode, runs in self.program_runs.items():
+            for step in self.programs[mode]:
+                out[step.key] += runs
+        return out
+
+    def reset(self) -> None:
+        self.__init__()
