@@ -23,8 +23,11 @@ from typing import Any
 
 import torch
 
+from backends.deepgemm import _native, reference_paged_mqa_schedule
+from backends.nsa import NSAPlan  # noqa: F401  (registers the NSA backend)
 from benchmarks.common import machine, plot_bars, print_table, sync, time_host, write_json
 from benchmarks.seed_stack import make_batch, make_table
+from planner import Limits, Planner
 
 GENERIC_OPS = (
     "causal_lengths",
@@ -54,7 +57,6 @@ class HandWrittenNSA:
         self.schedule = torch.zeros(sms + 1, 2, **i32)
 
     def _schedule(self, lens: torch.Tensor) -> torch.Tensor:
-        from backends.deepgemm import _native, reference_paged_mqa_schedule
 
         dg = _native.load() if lens.is_cuda else None
         if dg is not None:
@@ -95,7 +97,6 @@ class HandWrittenNSA:
 
 
 def measure(args, batch_size: int, device: torch.device) -> dict[str, Any]:
-    from planner import Limits, Planner
 
     sms = (
         torch.cuda.get_device_properties(device).multi_processor_count
@@ -166,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    import backends  # noqa: F401
 
     results = [
         dict(run=run, **measure(args, bs, device))

@@ -34,7 +34,21 @@ from typing import Any
 
 import torch
 
+from backends.deepgemm import (
+    _native,
+    new_index_cache,
+    quantize_fp8_e4m3_per_vector,
+    reference_paged_mqa_schedule,
+    write_index_cache,
+)
+from backends.nsa import warmup_schedule_buckets
+from backends.nsa.attention import indexer_topk
 from benchmarks.common import machine, plot_bars, print_table, sync, time_calls, write_json
+from graphs import GraphRunner
+from models.config import DSV32Config
+from models.kv_cache import PagedKVCache
+from models.model import DSV32Model
+from planner import ForwardBatch, Limits, Planner
 
 VARIANTS = ("a_per_layer", "b_seed", "c_planner")
 
@@ -52,7 +66,6 @@ class PerLayerSchedule:
             return getattr(self._plan, name)
         self.computed += 1
         lens = self._plan.kv_lens.view(-1, self._plan.next_n)
-        from backends.deepgemm import _native, reference_paged_mqa_schedule
 
         dg = _native.load() if lens.is_cuda else None
         if dg is not None:
@@ -73,7 +86,6 @@ def make_table(batch: int, ctx: int, device: torch.device, seed: int):
 
 
 def make_batch(table, batch: int, ctx: int, rng: random.Random):
-    from planner import ForwardBatch
 
     lens = [rng.randint(ctx - ctx // 8, ctx) for _ in range(batch)]
     seq = torch.tensor(lens, dtype=torch.int32)
@@ -92,7 +104,6 @@ def random_index_caches(
     layers: int, num_pages: int, device: torch.device, seed: int
 ) -> list[torch.Tensor]:
     """Valid fp8 keys and scales (no NaN bit patterns), one cache per layer."""
-    from backends.deepgemm import new_index_cache, quantize_fp8_e4m3_per_vector, write_index_cache
 
     g = torch.Generator(device=device).manual_seed(seed)
     base = new_index_cache(num_pages, 128, device)
@@ -106,7 +117,6 @@ def random_index_caches(
 
 def indexer_stack(args, batch: int, ctx: int, device: torch.device):
     """Forward of 61 indexer layers and what it needs, for one (batch, ctx)."""
-    from backends.nsa.attention import indexer_topk
 
     table, num_pages = make_table(batch, ctx, device, args.seed)
     caches = random_index_caches(args.layers, num_pages, device, args.seed)
@@ -125,7 +135,6 @@ def indexer_stack(args, batch: int, ctx: int, device: torch.device):
 
 
 def model_stack(args, batch: int, ctx: int, device: torch.device, model):
-    from models.kv_cache import PagedKVCache
 
     table, num_pages = make_table(batch, ctx, device, args.seed)
     cfg = model.config
@@ -151,9 +160,6 @@ def model_stack(args, batch: int, ctx: int, device: torch.device, model):
 def run_variant(
     variant: str, graphs: bool, batch: int, ctx: int, setup, device, args
 ) -> dict[str, Any]:
-    from backends.nsa import warmup_schedule_buckets
-    from graphs import GraphRunner
-    from planner import Limits, Planner
 
     table, num_pages, forward, nsa_options = setup
     sms = (
@@ -237,9 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     model = None
     if args.stack == "model":
-        from models.config import DSV32Config
-        from models.model import DSV32Model
-
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = DSV32Model(
             DSV32Config.preset(args.preset), seed=args.seed, device=device, dtype=dtype

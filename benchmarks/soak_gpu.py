@@ -52,8 +52,8 @@ if str(ROOT) not in sys.path:
 from backends.nsa import warmup_schedule_buckets  # noqa: E402
 from graphs import GraphRunner, GraphWarning  # noqa: E402
 from planner import ForwardBatch, ForwardMode, Limits, Planner, PlanSet  # noqa: E402
-from planner.dims import parse_dim  # noqa: E402
 from planner.compare import diff_plans, padding_violations  # noqa: E402
+from planner.dims import parse_dim  # noqa: E402
 from serving.engine import DecodeEngine  # noqa: E402
 from serving.requests import make_workload  # noqa: E402
 from serving.run_config import load_run_config  # noqa: E402

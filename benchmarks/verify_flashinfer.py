@@ -55,7 +55,7 @@ from backends.flashinfer import (  # noqa: E402
     flashinfer_mla_attention,
     release_wrappers,
 )
-from backends.flashinfer.wrappers import POOL  # noqa: E402
+from backends.flashinfer.wrappers import load_flashinfer  # noqa: E402
 from planner import ForwardBatch, ForwardMode, Limits, Planner  # noqa: E402
 
 ATOL = RTOL = 1e-2  # bf16 inputs and output against an fp32 reference
@@ -260,7 +260,7 @@ def capture_all(setup: Setup, g: torch.Generator) -> dict[int, Captured]:
         err = _max_err(warm, setup.reference(plans, views))
         plan = plans[c.backend]
         pointers = {name: t.data_ptr() for name, t in plan.tensors().items()}
-        slot = POOL.lookup(plan.kv_indptr)
+        slot = plan.wrapper.slot
         if cuda:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -429,7 +429,7 @@ def _one_batch(
         report.fail(f"{where}: verify: {exc}")
     plan = plans[c.backend]
     moved = [n for n, t in plan.tensors().items() if t.data_ptr() != entry.pointers[n]]
-    slot = POOL.lookup(plan.kv_indptr)
+    slot = plan.wrapper.slot
     if (
         plans is not entry.plans
         or moved
@@ -535,7 +535,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _flashinfer_version() -> str | None:
-    from backends.flashinfer.wrappers import load_flashinfer
 
     return getattr(load_flashinfer(), "__version__", None)
 

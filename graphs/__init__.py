@@ -1,6 +1,6 @@
 """CUDA graph capture and replay over planned batches, and an emulation that runs on the CPU.
 
-``GraphRunner`` captures the model step per batch size (``capture_sizes``),
+``GraphRunner`` captures the model step per batch size (``capture_ladder``),
 largest first into one pool, and replays it after the planner refreshed the
 plans in place; ``EmulatedGraph`` stands in for ``torch.cuda.CUDAGraph`` so
 every phase and all padding logic are tested without a GPU.
@@ -18,7 +18,7 @@ from graphs.runner import (
     GraphRunner,
     GraphWarning,
 )
-from graphs.sizes import capture_sizes, default_capture_sizes
+from graphs.sizes import capture_ladder, default_capture_ladder
 from graphs.stats import GraphStats
 
 __all__ = [
@@ -36,8 +36,8 @@ __all__ = [
     "GraphWarning",
     "InputSpec",
     "StaticInputs",
-    "capture_sizes",
-    "default_capture_sizes",
+    "capture_ladder",
+    "default_capture_ladder",
     "is_capturing",
     "new_graph",
     "new_pool",

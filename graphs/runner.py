@@ -26,7 +26,7 @@ import torch
 from graphs.graph import Graph, GraphKind, new_graph, new_pool, recover_after_failed_capture
 from graphs.inputs import InputSpec, StaticInputs, as_specs
 from graphs.outputs import GraphOutputError, output_kinds, slice_outputs
-from graphs.sizes import capture_sizes
+from graphs.sizes import capture_ladder
 from graphs.stats import GraphStats
 from planner.batch import ForwardBatch, ForwardMode
 from planner.errors import BatchError, ConfigError, ReplayError
@@ -48,7 +48,7 @@ class GraphWarning(RuntimeWarning):
 
 
 @dataclass
-class _Captured:
+class CapturedGraph:
     """One graph and everything it reads or writes."""
 
     mode: ForwardMode
@@ -89,14 +89,14 @@ class GraphRunner:
         self.enabled = enabled
         self.kind: GraphKind = _graph_kind(planner.device, use_cuda_graph)
         self.modes = _modes(planner, modes)
-        self.sizes = capture_sizes(planner.limits.max_batch, sizes)
+        self.sizes = capture_ladder(planner.limits.max_batch, sizes)
         self.warmup_hook = warmup
         self.warmup_runs = warmup_runs
         top = self.sizes[-1] if enabled else 0
         rows = max((top * self._next_n(m) for m in self.modes), default=top)
         self.inputs = StaticInputs(as_specs(static_inputs), top, rows, planner.device)
         self.stats = GraphStats(kind=self.kind if enabled else "off")
-        self._graphs: dict[tuple[ForwardMode, int], _Captured] = {}
+        self._graphs: dict[tuple[ForwardMode, int], CapturedGraph] = {}
         self._ladders: dict[ForwardMode, list[int]] = {}
         self._warned: set[str] = set()
         self._captured = False
@@ -161,11 +161,12 @@ class GraphRunner:
         self.stats.capture_seconds = time.perf_counter() - start
         return self.stats
 
-    def _capture_one(self, mode: ForwardMode, bs: int, stream: Any) -> _Captured:
+    def _capture_one(self, mode: ForwardMode, bs: int, stream: Any) -> CapturedGraph:
         rows = bs * self._next_n(mode)
         plans = self.planner.capture(bs, mode, req_to_token=self.req_to_token)
         views = self.inputs.views(bs, rows)
         self.inputs.pad(bs, rows)
+        self.planner.warm_up()  # providers' JIT work, once, before the first capture
         if self.warmup_hook is not None:
             self.warmup_hook(self.planner, bs)
         for _ in range(self.warmup_runs):
@@ -185,7 +186,7 @@ class GraphRunner:
         if before is not None and after is not None:
             self.stats.pool_allocated_bytes += after[0] - before[0]
             self.stats.pool_reserved_bytes += after[1] - before[1]
-        return _Captured(mode, bs, rows, graph, plans, outputs, kinds)
+        return CapturedGraph(mode, bs, rows, graph, plans, outputs, kinds)
 
     def _memory(self) -> tuple[int, int] | None:
         if self.kind != "cuda":
@@ -243,7 +244,7 @@ class GraphRunner:
         return self._replay(batch, inputs, self._graphs[(mode, size)])
 
     def _replay(
-        self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor], entry: _Captured
+        self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor], entry: CapturedGraph
     ) -> Any:
         reqs, rows = batch.bs, batch.bs * self._next_n(entry.mode)
         self.inputs.check(inputs, reqs, rows)

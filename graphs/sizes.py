@@ -19,14 +19,14 @@ FIELD = "capture_sizes"
 """The config field an override comes from; errors name it."""
 
 
-def default_capture_sizes(max_batch: int) -> list[int]:
+def default_capture_ladder(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 64, every 16 beyond, and ``max_batch``; ascending."""
     _check_max_batch(max_batch)
     sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, max_batch + 1, 16)]
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
 
 
-def capture_sizes(max_batch: int, sizes: Sequence[int] | None = None) -> list[int]:
+def capture_ladder(max_batch: int, sizes: Sequence[int] | None = None) -> list[int]:
     """The sizes to capture, ascending: the default ladder, or a validated override.
 
     An override is taken as written (it need not reach ``max_batch``: larger
@@ -35,7 +35,7 @@ def capture_sizes(max_batch: int, sizes: Sequence[int] | None = None) -> list[in
     or de-duplicated list would hide a typo in a config.
     """
     if sizes is None:
-        return default_capture_sizes(max_batch)
+        return default_capture_ladder(max_batch)
     _check_max_batch(max_batch)
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
         raise ConfigError("capture sizes must be a list of integers", field=FIELD, actual=sizes)

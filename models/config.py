@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from backends.deepgemm import BLOCK_KV
 from planner.errors import ConfigError
 
 # Kernel-fixed dimensions (deep_gemm paged MQA logits, FlashMLA-style sparse decode).
@@ -97,7 +98,9 @@ class DSV32Config(BaseModel):
     rope_scaling: YarnScaling | None = None
     max_position_embeddings: int = _positive()
     rms_norm_eps: float = Field(gt=0, lt=1)
-    page_size: Literal[64] = 64
+    page_size: int = Field(
+        BLOCK_KV, description="KV tokens per page: fixed by deep_gemm's paged kernels"
+    )
     moe_stand_in_dim: int | None = Field(default=None, ge=1)
 
     @field_validator("index_head_dim")
@@ -107,6 +110,13 @@ class DSV32Config(BaseModel):
             raise ValueError(
                 f"index_head_dim must be a power of 2 (Sylvester Hadamard rotation), got {v}"
             )
+        return v
+
+    @field_validator("page_size")
+    @classmethod
+    def _kernel_page(cls, v: int) -> int:
+        if v != BLOCK_KV:
+            raise ValueError(f"page_size must be {BLOCK_KV} (deep_gemm's KV block), got {v}")
         return v
 
     @field_validator("qk_rope_head_dim")

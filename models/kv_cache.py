@@ -26,7 +26,7 @@ class KVCacheError(PlanError):
     """The KV cache or request pool cannot satisfy a request (exhausted, bad id)."""
 
 
-def pages_for(tokens: int, page_size: int = 64) -> int:
+def pages_for(tokens: int, page_size: int) -> int:
     """Pages needed to hold ``tokens`` tokens."""
     return -(-tokens // page_size)
 
@@ -179,7 +179,7 @@ class RequestPool:
         pool_size: int,
         max_context: int,
         *,
-        page_size: int = 64,
+        page_size: int,
         device: torch.device | str = "cpu",
     ) -> None:
         if pool_size < 2:

@@ -3,7 +3,8 @@
 ``forward(input_ids, plans, cache)`` runs one decode step of every row of a
 (padded) batch. It reads the NSA plan for positions and cache slots and
 passes the plan on to the attention backends; it computes no batch metadata
-of its own. The forward has no host syncs, no data-dependent shapes and no
+of its own. ``PLANS`` says which plan schemas it reads: the engine checks the
+planner plans them once, when it is built, so layers read typed fields. The forward has no host syncs, no data-dependent shapes and no
 branching on tensor values, so the graph runner can capture it whole.
 
 Weights are random (deterministic per seed and device type), scaled so the
@@ -13,23 +14,24 @@ them bit-exactly through safetensors with the config in the metadata.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import ClassVar
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from backends.nsa import NSAPlan
 from models.config import DSV32Config
 from models.kv_cache import PagedKVCache
 from models.layers.ffn import MLP, MoE
 from models.layers.mla import MLA
 from models.layers.norm import RMSNorm
-from models.layers.plan_access import nsa_plan, require
 from models.layers.rope import rope_cos_sin, yarn_attention_factor, yarn_inv_freq
 from planner.errors import ConfigError, PlanError
+from planner.planset import PlanSet
+from planner.schema import Plan
 
 FORMAT = "forward-planner/dsv32"
 _OUTPUT_PROJECTIONS = ("wo", "w2")  # write into the residual stream: scaled down by depth
@@ -55,7 +57,7 @@ class Block(nn.Module):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        plan: object,
+        plan: NSAPlan,
         kv_cache: torch.Tensor,
         index_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -65,6 +67,9 @@ class Block(nn.Module):
 
 class DSV32Model(nn.Module):
     """Embedding, ``num_hidden_layers`` blocks, final norm and LM head."""
+
+    PLANS: ClassVar[dict[str, type[Plan]]] = {"nsa": NSAPlan}
+    """The plans the layers read, by backend: the planner must plan these (or subclasses)."""
 
     def __init__(
         self,
@@ -154,11 +159,11 @@ class DSV32Model(nn.Module):
         """A KV cache matching this model's config, device and dtype."""
         return PagedKVCache(self.config, num_pages, device=self.device, dtype=self.dtype)
 
-    def _check(self, input_ids: torch.Tensor, plan: Any, cache: PagedKVCache) -> None:
+    def _check(self, input_ids: torch.Tensor, plan: NSAPlan, cache: PagedKVCache) -> None:
         """Static (shape/attribute) agreement of ids, plan and cache; no tensor reads."""
         rows = input_ids.shape[0]
-        reqs = require(plan, "seq_lens").shape[0]
-        next_n = require(plan, "next_n")
+        reqs = plan.seq_lens.shape[0]
+        next_n = plan.next_n
         if input_ids.dim() != 1 or reqs * next_n != rows:
             raise PlanError(
                 "input_ids must hold reqs * next_n rows, request-major",
@@ -167,12 +172,12 @@ class DSV32Model(nn.Module):
                 actual=tuple(input_ids.shape),
             )
         for name in ("positions", "out_cache_loc"):
-            shape = tuple(require(plan, name).shape)
+            shape = tuple(getattr(plan, name).shape)
             if shape != (rows,):
                 raise PlanError(
                     "one entry per query row", field=name, expected=(rows,), actual=shape
                 )
-        topk = require(plan, "topk")
+        topk = plan.topk
         if topk != self.config.index_topk:
             raise PlanError(
                 "plan top-k differs from the model's index_topk",
@@ -188,13 +193,11 @@ class DSV32Model(nn.Module):
                 actual=len(cache.mla),
             )
 
-    def forward(
-        self, input_ids: torch.Tensor, plans: Mapping[str, Any], cache: PagedKVCache
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, plans: PlanSet, cache: PagedKVCache) -> torch.Tensor:
         """Logits ``[rows, vocab]`` fp32 for one decode step; writes this step's KV."""
-        plan = nsa_plan(plans)
+        plan: NSAPlan = plans["nsa"]
         self._check(input_ids, plan, cache)
-        cos, sin = rope_cos_sin(require(plan, "positions"), self.inv_freq, self.rope_factor)
+        cos, sin = rope_cos_sin(plan.positions, self.inv_freq, self.rope_factor)
         h = self.embed(input_ids)
         for i, block in enumerate(self.layers):
             h = block(h, cos, sin, plan, cache.mla[i], cache.index[i])

@@ -32,17 +32,17 @@ class ProviderChain:
 
     def call(
         self, key: str, out: torch.Tensor, args: Sequence[Any], params: Mapping[str, Any]
-    ) -> None:
-        """Run the current provider; on failure retire it and run the next best, same inputs.
+    ) -> Any:
+        """Run the current provider and return what it returns (a host op's handle, or None).
 
-        Providers write every element of ``out``, so a retry over a half-written
-        output is exact.
+        On failure the provider is retired and the next best runs on the same
+        inputs; providers write every element of ``out``, so a retry over a
+        half-written output is exact.
         """
         while True:
             provider = self.current
             try:
-                provider.fn(out, *args, **params)
-                return
+                return provider.fn(out, *args, **params)
             except PlanError:
                 raise
             except Exception as exc:

@@ -24,6 +24,8 @@ from planner.schema import Plan
 from planner.staging import Ranges, Segment, Stager, StagingLayout
 
 Tensors = dict[Key, torch.Tensor]
+Handles = dict[Key, Any]
+"""What host ops returned, by the ``(backend, field)`` they produced: plans carry it."""
 
 
 def batch_dims(program: Program, page_size: int, num_sms: int, reqs: int, max_len: int) -> dict:
@@ -167,14 +169,17 @@ def materialise(
     steps: Iterable[Step],
     *,
     read_device: bool,
-) -> Tensors:
-    """Stage, lay out, run ``steps``: the batch's tensors by ``(backend, field)``."""
+) -> tuple[Tensors, Handles]:
+    """Stage, lay out, run ``steps``: the batch's tensors, and the handles host ops returned."""
     staged = storage.stager.stage(batch, reqs, ranges, read_device=read_device)
     tensors = storage.tensors(staged, reqs, dims)
     bind_batch(tensors, batch)
+    handles = {}
     for step in steps:
-        step.run(tensors, static=storage.static)
-    return tensors
+        handle = step.run(tensors, static=storage.static)
+        if handle is not None:
+            handles[step.output] = handle
+    return tensors, handles
 
 
 def bind_batch(tensors: Tensors, batch: ForwardBatch) -> None:
@@ -187,6 +192,7 @@ def build_plans(
     schemas: Mapping[str, type[Plan]],
     program: Program,
     tensors: Mapping[Key, torch.Tensor],
+    handles: Mapping[Key, Any],
     dims: Mapping[str, int],
 ) -> dict[str, Plan]:
     """Frozen plans over ``tensors``; scalars from the dimensions or the backend's settings.
@@ -197,6 +203,8 @@ def build_plans(
     plans = {}
     for backend, cls in schemas.items():
         values: dict[str, Any] = {name: tensors[(backend, name)] for name in cls.tensor_specs}
+        for name, spec in cls.handle_specs.items():
+            values[name] = handles.get((backend, spec.of))
         settings = program.backend_settings[backend]
         for name, spec in cls.scalar_specs.items():
             if spec.value in dims:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,7 +19,14 @@ from planner.errors import ProviderError, SchemaError
 from planner.notices import warn_once
 from planner.registry import load_backends
 
-ProviderFn = Callable[..., None]
+if TYPE_CHECKING:
+    from planner.limits import Limits
+
+ProviderFn = Callable[..., Any]
+"""``fn(out, *inputs, **params)``: writes ``out``; a host op may return a handle for the plan."""
+
+WarmupFn = Callable[["Limits", Mapping[str, Any], torch.device], None]
+"""``warmup(limits, params, device)``: compile what the provider JITs, before graphs are captured."""
 
 DEFAULT_RANKS = {"deep_gemm": 0, "flashinfer": 0, "triton": 10, "torch": 100}
 """Preference on CUDA (lower first). On the CPU only ``torch`` is chosen unless forced."""
@@ -37,6 +45,8 @@ class Provider:
     graph_safe: bool
     available: Callable[[torch.device], bool]
     rank: int
+    warmup: WarmupFn | None = None
+    """Run by ``Planner.warm_up`` once per planner with each step's params (e.g. JIT buckets)."""
 
     def is_available(self, device: torch.device) -> bool:
         """Importable and usable on ``device``; an import failure counts as unavailable."""
@@ -62,6 +72,7 @@ class MetadataOp:
         graph_safe: bool = True,
         available: Callable[[torch.device], bool] | None = None,
         rank: int | None = None,
+        warmup: WarmupFn | None = None,
     ) -> Callable[[ProviderFn], ProviderFn]:
         """Decorator registering ``fn(out, *inputs, **params)`` as provider ``name``."""
 
@@ -74,6 +85,7 @@ class MetadataOp:
                 graph_safe=graph_safe,
                 available=available or _always,
                 rank=DEFAULT_RANKS.get(name, 50) if rank is None else rank,
+                warmup=warmup,
             )
             return fn
 

@@ -31,6 +31,7 @@ from planner.fallback import ProviderChain
 from planner.limits import Limits
 from planner.materialise import (
     FreshStorage,
+    Handles,
     StaticStorage,
     Tensors,
     batch_dims,
@@ -54,6 +55,7 @@ class CapturedPlans:
 
     plans: PlanSet
     tensors: Tensors
+    handles: Handles
     pointers: list[tuple[str, int]]
     plan_tensors: list[torch.Tensor]
     table_ptr: int
@@ -107,6 +109,7 @@ class Planner:
         self._static: dict[ForwardMode, StaticStorage] = {}
         self._ranges: dict[tuple, Ranges] = {}
         self._captured: dict[tuple[ForwardMode, int], CapturedPlans] = {}
+        self._warmed = False
         self._check_forced_keys()
 
     # ---- building -------------------------------------------------------------------------
@@ -144,6 +147,49 @@ class Planner:
                 expected=sorted(known),
                 actual=sorted(unknown),
             )
+
+    def check_serves(self, needs: Mapping[str, type[Plan]], *, who: str = "the model") -> None:
+        """Refuse a consumer whose layers read plans this planner does not make.
+
+        Called once when an engine is built, so layers can read typed fields
+        with no per-step guard: ``needs`` maps a backend to the plan class
+        (or a base of it) the consumer's layers are typed with.
+        """
+        for backend, cls in needs.items():
+            planned = self.schemas.get(backend)
+            if planned is None:
+                raise SchemaError(
+                    f"{who} reads a plan this planner does not make",
+                    field=backend,
+                    expected=sorted(self.schemas),
+                )
+            if not issubclass(planned, cls):
+                raise SchemaError(
+                    f"{who} reads {cls.__name__}, but the planner makes {planned.__name__}",
+                    field=backend,
+                    expected=cls.__name__,
+                    actual=planned.__name__,
+                )
+
+    def warm_up(self) -> None:
+        """Run every chosen provider's warm-up hook once, before any graph is captured.
+
+        A JIT compile (deep_gemm compiles its schedule per 32-row bucket, 1-2 s
+        each) inside a capture or mid-serving would stall or break it. Marked
+        done before the hooks run: a failing warm-up is reported once (the
+        caller drops what it was capturing), not retried for every size.
+        """
+        if self._warmed:
+            return
+        self._warmed = True
+        seen = set()
+        for program in self._programs.values():
+            for step in program.steps:
+                provider = step.provider
+                key = (step.op_name, provider.name, repr(sorted(step.params.items())))
+                if provider.warmup is not None and key not in seen:
+                    seen.add(key)
+                    provider.warmup(self.limits, step.params, self.device)
 
     def providers_chosen(self, mode: ForwardMode = ForwardMode.DECODE) -> dict[str, str]:
         """``backend.field`` -> provider name, for reports."""
@@ -241,9 +287,15 @@ class Planner:
         dims = self.dims(mode, reqs, max_len)
         ranges = self._input_ranges(mode, batch.req_to_token)
         storage = self._fresh_storage(mode, reqs)
-        tensors = materialise(storage, batch, reqs, dims, ranges, program.steps, read_device=True)
+        tensors, handles = materialise(
+            storage, batch, reqs, dims, ranges, program.steps, read_device=True
+        )
         plans = PlanSet(
-            build_plans(self.schemas, program, tensors, dims), "eager", mode, reqs, batch.bs
+            build_plans(self.schemas, program, tensors, handles, dims),
+            "eager",
+            mode,
+            reqs,
+            batch.bs,
         )
         if count:
             self.stats.record_steps(mode, program.steps)
@@ -287,12 +339,17 @@ class Planner:
         dims = self.dims(mode, bs, self.limits.max_context)
         ranges = self._input_ranges(mode, req_to_token)
         storage = self._static_storage(mode)
-        tensors = materialise(storage, dummy, bs, dims, ranges, program.steps, read_device=True)
-        plans = PlanSet(build_plans(self.schemas, program, tensors, dims), "capture", mode, bs, bs)
+        tensors, handles = materialise(
+            storage, dummy, bs, dims, ranges, program.steps, read_device=True
+        )
+        plans = PlanSet(
+            build_plans(self.schemas, program, tensors, handles, dims), "capture", mode, bs, bs
+        )
         named = [(f"{b}.{n}", t) for b, p in plans.items() for n, t in p.tensors().items()]
         self._captured[(mode, bs)] = CapturedPlans(
             plans,
             tensors,
+            handles,
             [(key, t.data_ptr()) for key, t in named],
             [t for _, t in named],
             req_to_token.data_ptr(),
@@ -356,7 +413,7 @@ class Planner:
         program = self.program(mode)
         dims = self.dims(mode, bs, self.limits.max_context)
         host_steps = [step for step in program.steps if not step.in_graph]
-        materialise(
+        _, handles = materialise(
             self._static[mode],
             batch,
             bs,
@@ -365,7 +422,7 @@ class Planner:
             host_steps,
             read_device=self.debug,
         )
-        self._check_pointers(captured)
+        self._check_pointers(captured, handles)
         captured.plans.real_reqs = batch.bs
         captured.plans.phase = "replay"
         self.stats.record_steps(mode, program.steps)
@@ -374,7 +431,13 @@ class Planner:
         return captured.plans
 
     @staticmethod
-    def _check_pointers(captured: CapturedPlans) -> None:
+    def _check_pointers(captured: CapturedPlans, handles: Handles) -> None:
+        """The plans a graph reads must still be where capture put them, handles included."""
+        for key, handle in handles.items():
+            if handle is not captured.handles.get(key):
+                raise ReplayError(
+                    "host op returned another handle than at capture", field=".".join(key)
+                )
         for tensor, (key, ptr) in zip(captured.plan_tensors, captured.pointers):
             if tensor.data_ptr() != ptr:
                 raise ReplayError(

@@ -57,8 +57,8 @@ class Step:
         """The provider this step runs with now (it changes only if one fails)."""
         return self.chain.current
 
-    def run(self, tensors: Mapping[Key, torch.Tensor], *, static: bool) -> None:
-        """Run the op over ``tensors`` into its output.
+    def run(self, tensors: Mapping[Key, torch.Tensor], *, static: bool) -> Any:
+        """Run the op over ``tensors`` into its output; a host op's handle, or None.
 
         Host ops learn whether their tensors are static views (capture and
         replay) or fresh (eager): FlashInfer binds a CUDA-graph wrapper to the
@@ -67,7 +67,7 @@ class Step:
         args = [tensors[key] for key in self.input_keys]
         graph_safe = self.chain.current.graph_safe
         params = self.params if graph_safe else {**self.params, "static": static}
-        self.chain.call(self.key, tensors[self.output], args, params)
+        return self.chain.call(self.key, tensors[self.output], args, params)
 
 
 @dataclass(frozen=True)

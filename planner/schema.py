@@ -120,6 +120,23 @@ class ScalarSpec:
         return {"value": self.value}
 
 
+@dataclass(frozen=True)
+class HandleSpec:
+    """A host object a host op returns along with its tensor field (e.g. the wrapper it planned).
+
+    Not a tensor and not a number: it is neither compared nor dumped, only
+    carried, so the layer that reads the plan finds the very object the
+    planner prepared for this plan, with no lookup of its own.
+    """
+
+    of: str
+    doc: str = ""
+    name: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"handle_of": self.of}
+
+
 def tensor_field(
     dtype: torch.dtype,
     shape: tuple[DimExpr, ...],
@@ -175,6 +192,18 @@ def scalar_field(value: str, *, doc: str = "") -> Any:
     return info
 
 
+def handle_field(of: str, *, doc: str = "") -> Any:
+    """Declare the object the host op producing tensor field ``of`` returns for this plan."""
+    spec = HandleSpec(of=of, doc=doc)
+    info = Field(description=doc or None, json_schema_extra={"plan": spec.to_json()})
+    info.metadata.append(spec)
+    return info
+
+
+Handle = Annotated[Any, WithJsonSchema({"type": "object", "title": "Handle"})]
+"""Annotation for handle fields of a plan (a host object, opaque in JSON Schema)."""
+
+
 class Plan(BaseModel):
     """Base class of every backend's plan: frozen, typed, read-only to layers.
 
@@ -190,6 +219,7 @@ class Plan(BaseModel):
     version: ClassVar[int] = 1
     tensor_specs: ClassVar[dict[str, TensorSpec]] = {}
     scalar_specs: ClassVar[dict[str, ScalarSpec]] = {}
+    handle_specs: ClassVar[dict[str, HandleSpec]] = {}
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -215,14 +245,18 @@ class Plan(BaseModel):
         super().__pydantic_init_subclass__(**kwargs)
         tensors: dict[str, TensorSpec] = {}
         scalars: dict[str, ScalarSpec] = {}
+        handles: dict[str, HandleSpec] = {}
         for name, info in cls.model_fields.items():
             for meta in info.metadata:
                 if isinstance(meta, TensorSpec):
                     tensors[name] = _named(meta, name)
                 elif isinstance(meta, ScalarSpec):
                     scalars[name] = _named(meta, name)
+                elif isinstance(meta, HandleSpec):
+                    handles[name] = _named(meta, name)
         cls.tensor_specs = tensors
         cls.scalar_specs = scalars
+        cls.handle_specs = handles
         _check_inputs(cls)
         if cls.backend and "backend" in cls.__dict__:
             register_backend(cls)
@@ -269,7 +303,16 @@ def _named(spec: Any, name: str) -> Any:
 
 
 def _check_inputs(cls: type[Plan]) -> None:
-    """Op inputs must name fields of the same plan or known batch tables."""
+    """Op inputs must name fields of the same plan or known batch tables; handles, op fields."""
+    for name, handle in cls.handle_specs.items():
+        spec = cls.tensor_specs.get(handle.of)
+        if spec is None or spec.op is None:
+            raise SchemaError(
+                "a handle belongs to an op field of the same plan",
+                field=name,
+                expected=sorted(n for n, s in cls.tensor_specs.items() if s.op),
+                actual=handle.of,
+            )
     for name, spec in cls.tensor_specs.items():
         for source in spec.inputs:
             if source not in cls.tensor_specs and source not in BATCH_TABLES | HOST_INPUTS:

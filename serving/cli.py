@@ -1,64 +1,116 @@
-"""``python -m planner``: list backends, export schemas, run decode, inspect and diff dumps."""
+"""``python -m planner``: every command's arguments, and the dispatch to the module that runs it.
+
+Building the parser imports nothing heavy (no torch), so ``--help`` and a
+mistyped flag answer at once; a command's module is imported only when that
+command runs.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
+import os
 import sys
 from collections.abc import Sequence
-
-import torch
-from rich.console import Console
-from rich.table import Table
+from pathlib import Path
+from typing import Any
 
 from planner.errors import PlanError
 
-
-def _cmd_backends(args: argparse.Namespace) -> int:
-    from planner.ops import get_op
-    from planner.registry import all_backends, load_errors
-
-    device = torch.device(args.device)
-    rows = []
-    for name, cls in all_backends().items():
-        for field, spec in cls.tensor_specs.items():
-            if spec.op is None:
-                continue
-            op = get_op(spec.op)
-            available = op.available_on(device)
-            chosen = op.select(device).name
-            rows.append(
-                (
-                    name,
-                    field,
-                    spec.op,
-                    ", ".join(sorted(op.providers)),
-                    ", ".join(available),
-                    chosen,
-                )
-            )
-    if args.json:
-        keys = ("backend", "field", "op", "providers", "available", "chosen")
-        print(json.dumps([dict(zip(keys, r)) for r in rows], indent=2))
-        return 0
-    console = Console()
-    table = Table(title=f"Registered backends (providers on {device})")
-    for column in ("backend", "field", "op", "providers", "available here", "chosen"):
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-    for name, reason in load_errors().items():
-        console.print(f"[yellow]entry point {name!r} failed to load: {reason}[/]")
-    return 0
+DEFAULT_DECODE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "dsv32-tiny.yaml"
 
 
-def _cmd_schema(args: argparse.Namespace) -> int:
-    from planner.registry import get_backend
+def _add_decode(sub: Any) -> None:
+    p = sub.add_parser(
+        "decode",
+        help="run DeepSeek-V3.2 decode through the planner loop (CPU tiny model by default)",
+        description="Serve a synthetic workload with continuous batching: every decode step goes "
+        "through the planner and the graph runner; a summary is printed at the end.",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"YAML run config (default: {DEFAULT_DECODE_CONFIG.name})",
+    )
+    p.add_argument("--device", help="override the config's device (cpu, cuda)")
+    p.add_argument("--requests", type=int, help="override loop.requests")
+    p.add_argument("--max-steps", type=int, help="stop after this many loop steps")
+    p.add_argument(
+        "--next-n",
+        type=int,
+        choices=(1, 2),
+        help="2: speculative target-verify with a trivial draft",
+    )
+    p.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
+    p.add_argument(
+        "--debug", action="store_true", help="verify every replayed plan against eager (slow)"
+    )
+    p.add_argument(
+        "--provider",
+        action="append",
+        default=[],
+        metavar="OP=NAME",
+        help="force a provider for an op",
+    )
+    p.add_argument("--load-weights", type=Path, help="safetensors weights saved by --save-weights")
+    p.add_argument(
+        "--save-weights", type=Path, help="save the model's weights (safetensors) before running"
+    )
+    p.add_argument(
+        "--dump-dir",
+        type=Path,
+        default=os.environ.get("PLANNER_DUMP_DIR"),
+        help="write plan dumps here (PLANNER_DUMP_DIR)",
+    )
+    p.add_argument(
+        "--dump-every",
+        type=int,
+        default=int(os.environ.get("PLANNER_DUMP_EVERY", "1")),
+        help="dump every Nth decode step",
+    )
+    p.add_argument(
+        "--dump-keep",
+        type=int,
+        default=int(os.environ.get("PLANNER_DUMP_KEEP", "8")),
+        help="keep the last N step dumps",
+    )
+    p.add_argument("--json", type=Path, help="also write the summary (and tokens) as JSON here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run="serving.commands.decode:run")
 
-    cls = get_backend(args.name)
-    print(json.dumps(cls.model_json_schema(), indent=2))
-    return 0
+
+def _add_dump_readers(sub: Any) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="show a plan dump: per field shape, dtype, pointer, checksum, summary",
+        description="Show a plan dump written by planner.dumps (or a DumpRing / mismatch hook).",
+    )
+    p.add_argument("dump", metavar="DIR", help="dump directory (holds dump.json)")
+    p.add_argument("--field", metavar="NAME", help="only this field: NAME or BACKEND.NAME")
+    p.add_argument("--full", action="store_true", help="print the full contents of the fields")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run="serving.commands.inspect:run")
+
+    p = sub.add_parser(
+        "diff",
+        help="compare two plan dumps field by field",
+        description=(
+            "Compare two plan dumps field by field: shape, dtype, data pointer, differing "
+            "elements with their indices and values, rows, scalars. With one argument, a "
+            "mismatch directory: compares its replayed/ and eager/ dumps. "
+            "Exit status 0 when equal, 1 when they differ, 2 on error."
+        ),
+    )
+    p.add_argument("a", metavar="A", help="first dump (or a mismatch-N directory)")
+    p.add_argument("b", metavar="B", nargs="?", help="second dump")
+    p.add_argument(
+        "--pointers",
+        action="store_true",
+        help="count differing data pointers as a difference (two replays of one capture)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run="serving.commands.diff:run")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,32 +125,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="cpu", help="device to check providers for (default: cpu)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_cmd_backends)
+    p.set_defaults(run="serving.commands.backends:run_backends")
 
     p = sub.add_parser("schema", help="JSON Schema of a backend's plan")
     p.add_argument("name", help="backend name, as listed by 'backends'")
-    p.set_defaults(func=_cmd_schema)
+    p.set_defaults(run="serving.commands.backends:run_schema")
 
-    for module, adders in (
-        ("serving.decode_cli", ("add_decode_parser",)),
-        ("serving.dump_cli", ("add_inspect_parser", "add_diff_parser")),
-    ):
-        try:
-            mod = __import__(module, fromlist=list(adders))
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue
-        for adder in adders:
-            getattr(mod, adder)(sub)
+    _add_decode(sub)
+    _add_dump_readers(sub)
     return parser
 
 
+def dispatch(args: argparse.Namespace) -> int:
+    """Import the module of ``args.run`` (``"module:function"``) and run the command."""
+    module, _, function = args.run.partition(":")
+    return int(getattr(importlib.import_module(module), function)(args) or 0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        return dispatch(args)
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

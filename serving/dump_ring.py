@@ -20,9 +20,9 @@ from collections.abc import Callable, Container, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from planner.compare import diff_plans
 from planner.dumps import INDEX, dump_plans, fsync_dir, write_synced
 from planner.errors import ConfigError, DumpError
-from planner.compare import diff_plans
 
 if TYPE_CHECKING:
     from planner.batch import ForwardBatch

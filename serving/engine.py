@@ -11,70 +11,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from pydantic import ValidationError
 from tqdm import tqdm
 
-from backends.nsa import warmup_schedule_buckets
+from backends.nsa import NSAPlan
 from graphs import GraphRunner
-from models.config import DSV32Config
 from models.kv_cache import PagedKVCache, RequestPool
 from models.model import DSV32Model
 from planner.batch import ForwardMode
-from planner.errors import ConfigError
 from planner.limits import Limits
 from planner.planner import Planner
+from planner.planset import PlanSet
+from serving.dump_ring import DumpRing, MismatchDumper
+from serving.model_setup import build_model, model_config, resolve_device
 from serving.requests import Request, make_workload
-from serving.run_config import ModelSection, RunConfig
+from serving.run_config import RunConfig
 from serving.scheduler import Scheduler
 
-PAGE = 64
-_PRESETS = {
-    "tiny": DSV32Config.tiny,
-    "small": DSV32Config.small,
-    "shapes": DSV32Config.shapes,
-    "full": DSV32Config.full,
-}
 
+@dataclass(frozen=True)
+class DumpSettings:
+    """Where a run dumps plans: every ``every``-th decode step (the last ``keep``), and mismatches."""
 
-def model_config(section: ModelSection) -> DSV32Config:
-    """The model config a run asks for: a preset or a config.json, then overrides."""
-    if section.preset in _PRESETS:
-        base = _PRESETS[section.preset]()
-    elif Path(section.preset).is_file():
-        base = DSV32Config.from_hf_config_json(section.preset)
-    else:
-        raise ConfigError(
-            "unknown model preset and no such config.json",
-            field="model.preset",
-            expected=sorted(_PRESETS),
-            actual=section.preset,
-        )
-    if not section.overrides:
-        return base
-    unknown = sorted(set(section.overrides) - set(DSV32Config.model_fields))
-    if unknown:
-        raise ConfigError(
-            "unknown model field",
-            field=f"model.overrides.{unknown[0]}",
-            expected="a DSV32Config field",
-        )
-    try:
-        return DSV32Config.model_validate({**base.model_dump(), **section.overrides})
-    except (ValidationError, ConfigError) as exc:
-        if isinstance(exc, ConfigError):
-            raise ConfigError(str(exc), field=f"model.overrides.{exc.field}") from None
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(
-            first["msg"], field=f"model.overrides.{where}", actual=first.get("input")
-        ) from None
-
-
-def resolve_device(name: str) -> torch.device:
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("CUDA requested but not available here", field="device", actual=name)
-    return device
+    directory: Path
+    every: int = 1
+    keep: int = 8
 
 
 @dataclass
@@ -93,34 +53,24 @@ class RunResult:
 class DecodeEngine:
     """Builds everything from a :class:`RunConfig` and runs the request loop."""
 
-    def __init__(self, config: RunConfig, *, model: DSV32Model | None = None) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        model: DSV32Model | None = None,
+        dumps: DumpSettings | None = None,
+    ) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.model_config = model.config if model is not None else model_config(config.model)
-        dtype = torch.float32 if config.model.dtype == "float32" else torch.bfloat16
-        if config.planner.max_context > self.model_config.max_position_embeddings:
-            raise ConfigError(
-                "longer than the model's positions",
-                field="planner.max_context",
-                expected=f"<= {self.model_config.max_position_embeddings} (max_position_embeddings)",
-                actual=config.planner.max_context,
-            )
         if model is None:
-            if config.model.weights and not Path(config.model.weights).is_file():
-                raise ConfigError(
-                    "no such weights file", field="model.weights", actual=config.model.weights
-                )
-            if config.model.weights:
-                model = DSV32Model.from_file(config.model.weights, device=self.device)
-            else:
-                model = DSV32Model(
-                    self.model_config, seed=config.model.seed, device=self.device, dtype=dtype
-                )
+            model = build_model(config, model_config(config.model), self.device)
         self.model = model
+        self.model_config = model.config
+        page = self.model_config.page_size
         p = config.planner
-        pages = config.loop.kv_pages or p.max_batch * -(-p.max_context // PAGE) + 1
+        pages = config.loop.kv_pages or p.max_batch * -(-p.max_context // page) + 1
         self.cache: PagedKVCache = model.new_cache(pages)
-        self.pool = RequestPool(p.max_batch + 1, p.max_context, page_size=PAGE, device=self.device)
+        self.pool = RequestPool(p.max_batch + 1, p.max_context, page_size=page, device=self.device)
         num_sms = p.num_sms
         if num_sms is None:
             num_sms = (
@@ -131,14 +81,14 @@ class DecodeEngine:
         self.limits = Limits(
             max_batch=p.max_batch,
             max_context=p.max_context,
-            page_size=PAGE,
+            page_size=page,
             next_n=p.next_n,
             num_sms=num_sms,
             kv_slots=self.cache.num_slots,
             device=str(self.device),
         )
         self.planner = Planner(
-            ["nsa"],
+            [NSAPlan],
             self.limits,
             options={
                 "nsa": {"topk": self.model_config.index_topk, "schedule_layout": p.schedule_layout}
@@ -146,6 +96,13 @@ class DecodeEngine:
             providers=p.providers,
             debug=p.debug or None,
             ops_in_graph=p.ops_in_graph,
+            on_mismatch=None if dumps is None else MismatchDumper(dumps.directory / "mismatches"),
+        )
+        self.planner.check_serves(type(model).PLANS)
+        self.dump_ring = (
+            None
+            if dumps is None
+            else DumpRing(dumps.directory, every=dumps.every, keep_last=dumps.keep)
         )
         enabled = config.graphs.enabled
         self.runner = GraphRunner(
@@ -155,33 +112,13 @@ class DecodeEngine:
             static_inputs={"input_ids": torch.int64},
             sizes=config.graphs.sizes,
             enabled=enabled if isinstance(enabled, bool) else True,
-            warmup=self._warmup,
         )
-        self.scheduler = Scheduler(self.cache, self.pool, p.max_batch, PAGE)
+        self.scheduler = Scheduler(self.cache, self.pool, p.max_batch, page)
         self.decode_mode = ForwardMode.TARGET_VERIFY if p.next_n > 1 else ForwardMode.DECODE
-        self._warmed = False
-        self.dump_ring = None
         self.decode_steps = 0
 
-    def enable_dumps(self, directory: str | Path, *, every: int = 1, keep: int = 8) -> None:
-        """Dump the plans of every ``every``-th decode step (last ``keep``), and any debug mismatch."""
-        from serving.dump_ring import DumpRing, install_mismatch_dumps
-
-        self.dump_ring = DumpRing(directory, every=every, keep_last=keep)
-        install_mismatch_dumps(self.planner, Path(directory) / "mismatches")
-
-    def _forward(self, inputs: dict[str, torch.Tensor], plans) -> torch.Tensor:
+    def _forward(self, inputs: dict[str, torch.Tensor], plans: PlanSet) -> torch.Tensor:
         return self.model(inputs["input_ids"], plans, self.cache)
-
-    def _warmup(self, planner: Planner, bs: int) -> None:
-        if not self._warmed:
-            self._warmed = True
-            warmup_schedule_buckets(
-                planner.limits.max_batch,
-                planner.limits.next_n,
-                planner.limits.num_sms,
-                planner.device,
-            )
 
     # ---- the loop -------------------------------------------------------------------------
 

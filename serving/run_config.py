@@ -13,6 +13,7 @@ import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from backends.deepgemm import BLOCK_KV
 from planner.errors import ConfigError
 
 
@@ -106,7 +107,7 @@ class RunConfig(_Section):
                 expected=f">= {longest}",
                 actual=self.planner.max_context,
             )
-        pages = -(-longest // 64)
+        pages = -(-longest // BLOCK_KV)
         if self.loop.kv_pages is not None and self.loop.kv_pages - 1 < pages:
             raise ConfigError(
                 "KV cache cannot hold the longest request (page 0 is reserved)",

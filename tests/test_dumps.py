@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -31,12 +30,12 @@ from planner import (
     scalar_field,
     tensor_field,
 )
-from planner.dumps import write as dumps_write
+from planner.compare import tensor_digest
 from planner.dumps import INDEX, dump_plans, load_dump
+from planner.dumps import write as dumps_write
 from planner.ops import get_op
 from planner.registry import get_backend
-from planner.compare import tensor_digest
-from serving.dump_cli import add_diff_parser, add_inspect_parser
+from serving.cli import build_parser, dispatch
 from serving.dump_ring import DumpRing, install_mismatch_dumps
 from tests.batches import make_pool, random_batch
 
@@ -70,17 +69,8 @@ def _assert_same_bits(plans: PlanSet, loaded) -> None:
         assert loaded.scalars(backend) == plan.scalars()
 
 
-def _cli(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="planner")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_inspect_parser(sub)
-    add_diff_parser(sub)
-    return parser.parse_args(argv)
-
-
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    args = _cli(*argv)
-    code = args.func(args)
+    code = dispatch(build_parser().parse_args(argv))
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -303,7 +293,7 @@ def test_replay_without_record_leaves_in_graph_fields_stale(tmp_path):
     plans = planner.replay(batch, 4)  # the graph never replayed: in-graph ops did not run
     with pytest.raises(ReplayError):
         planner.verify(batch, plans)
-    from serving.dump_cli import diff_dumps
+    from serving.commands.diff import diff_dumps
 
     (where,) = dumper.paths
     diffs = diff_dumps(load_dump(where / "replayed"), load_dump(where / "eager"))

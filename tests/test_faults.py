@@ -24,6 +24,7 @@ import random
 import sys
 import types
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,9 +34,9 @@ import backends.deepgemm._native as native
 from backends.flashinfer import wrappers
 from graphs import SIZE_DROPPED, GraphWarning, is_capturing
 from planner import ForwardMode, Limits, Planner, get_op
+from planner.compare import diff_plans
 from planner.errors import ProviderError
 from planner.ops import MetadataOp, Provider
-from planner.compare import diff_plans
 from serving.engine import DecodeEngine
 from serving.run_config import load_run_config
 from tests.batches import make_pool, random_batch
@@ -286,12 +287,14 @@ def _fail_capture_of(engine: DecodeEngine, size: int) -> None:
 
 
 def _fail_first_warmup(engine: DecodeEngine, monkeypatch) -> None:
-    import serving.engine as engine_mod
+    """The schedule provider's warm-up hook fails, as a deep_gemm JIT compile would."""
 
     def warmup(*args):
         raise RuntimeError("deep_gemm JIT: failed to compile paged_mqa_logits_metadata (simulated)")
 
-    monkeypatch.setattr(engine_mod, "warmup_schedule_buckets", warmup)
+    for step in engine.planner.program(ForwardMode.DECODE).steps:
+        if step.op_name == "paged_mqa_schedule":
+            monkeypatch.setattr(step.chain, "current", replace(step.provider, warmup=warmup))
 
 
 def test_capture_failure_drops_one_size_and_serves_identical_tokens(eager_tokens):

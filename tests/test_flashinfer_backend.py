@@ -164,7 +164,7 @@ def _check_host_args(plans, real: int) -> None:
     """What the host op recorded for FlashInfer equals the device plan fields, padding included."""
     for backend in plans:
         plan = plans[backend]
-        slot = wrappers.POOL.lookup(plan.kv_indptr)
+        slot = plan.wrapper.slot
         assert slot is not None, backend
         args = slot.args
         assert torch.equal(args.kv_indptr, plan.kv_indptr.cpu())
@@ -570,7 +570,7 @@ def test_wrappers_per_size_bound_to_static_plans_and_planned_every_replay(fake_f
     graph_wrappers = [w for w in _FakeWrapper.made if w.graph]
     assert len(graph_wrappers) == 2 * len(SIZES)  # one per (size, backend), made at capture
     for plans in captured.values():
-        slot = wrappers.POOL.lookup(plans["flashinfer_decode"].kv_indptr)
+        slot = plans["flashinfer_decode"].wrapper.slot
         assert slot.wrapper.buffers["indptr"] is plans["flashinfer_decode"].kv_indptr
         assert slot.wrapper.buffers["indices"] is plans["flashinfer_decode"].kv_indices
     rng = random.Random(4)

@@ -20,7 +20,7 @@ from graphs import (
     GraphOutputError,
     GraphRunner,
     GraphWarning,
-    capture_sizes,
+    capture_ladder,
     is_capturing,
 )
 from graphs.emulated import POISON_INT
@@ -96,12 +96,12 @@ def _check_equal(out: dict, want: dict, rows: int) -> None:
     ],
 )
 def test_default_capture_sizes(max_batch, expected):
-    assert capture_sizes(max_batch) == expected
+    assert capture_ladder(max_batch) == expected
 
 
 @given(st.integers(1, 4096))
 def test_default_sizes_are_a_bounded_ladder(max_batch):
-    sizes = capture_sizes(max_batch)
+    sizes = capture_ladder(max_batch)
     assert sizes[0] == 1 and sizes[-1] == max_batch
     assert sizes == sorted(set(sizes))
     gaps = [b - a for a, b in zip(sizes, sizes[1:], strict=False)]
@@ -111,14 +111,14 @@ def test_default_sizes_are_a_bounded_ladder(max_batch):
 @pytest.mark.parametrize("bad", [[0], [1, 13], [4, 2], [2, 2], [], [1, "4"], [True], "1,2"])
 def test_capture_size_override_is_validated(bad):
     with pytest.raises(ConfigError) as err:
-        capture_sizes(MAX_BATCH, bad)
+        capture_ladder(MAX_BATCH, bad)
     assert err.value.field == "capture_sizes"
 
 
 def test_capture_size_override_taken_as_written():
-    assert capture_sizes(MAX_BATCH, [1, 3, 5]) == [1, 3, 5]
+    assert capture_ladder(MAX_BATCH, [1, 3, 5]) == [1, 3, 5]
     with pytest.raises(ConfigError) as err:
-        capture_sizes(0)
+        capture_ladder(0)
     assert err.value.field == "max_batch"
 
 

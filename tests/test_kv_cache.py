@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backends.deepgemm import PAGE
 from models.config import DSV32Config
 from models.kv_cache import KVCacheError, PagedKVCache, RequestPool, pages_for
 from planner.errors import PlanError
@@ -93,14 +94,14 @@ def test_index_cache_layout_matches_deep_gemm_helpers(cfg: DSV32Config) -> None:
 
 
 def test_pages_for() -> None:
-    assert [pages_for(n) for n in (0, 1, 64, 65, 128)] == [0, 1, 1, 2, 2]
+    assert [pages_for(n, 64) for n in (0, 1, 64, 65, 128)] == [0, 1, 1, 2, 2]
 
 
 # ------------------------------------------------------------------ RequestPool
 
 
 def test_request_pool_null_row_and_alloc() -> None:
-    pool = RequestPool(4, 200)
+    pool = RequestPool(4, 200, page_size=PAGE)
     assert pool.req_to_token.dtype == torch.int32 and pool.req_to_token.shape == (4, 200)
     ids = [pool.alloc() for _ in range(3)]
     assert ids == [1, 2, 3]
@@ -114,7 +115,7 @@ def test_request_pool_null_row_and_alloc() -> None:
 
 
 def test_assign_writes_slots_page_by_page() -> None:
-    pool = RequestPool(3, 200)
+    pool = RequestPool(3, 200, page_size=PAGE)
     idx = pool.alloc()
     pool.assign(idx, [7, 3], 70)
     row = pool.req_to_token[idx]
@@ -127,7 +128,7 @@ def test_assign_writes_slots_page_by_page() -> None:
 
 
 def test_assign_errors() -> None:
-    pool = RequestPool(3, 100)
+    pool = RequestPool(3, 100, page_size=PAGE)
     idx = pool.alloc()
     with pytest.raises(KVCacheError, match="need 2 pages"):
         pool.assign(idx, [5], 65)
@@ -140,7 +141,7 @@ def test_assign_errors() -> None:
 
 
 def test_free_zeroes_the_row() -> None:
-    pool = RequestPool(3, 100)
+    pool = RequestPool(3, 100, page_size=PAGE)
     idx = pool.alloc()
     pool.assign(idx, [4], 10)
     pool.free(idx)

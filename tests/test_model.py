@@ -17,6 +17,8 @@ import torch
 from pydantic import ValidationError
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from backends.deepgemm import PAGE  # noqa: E402
+from backends.paged import PagedPlan
 from models.config import DSV32Config, YarnScaling
 from models.kv_cache import PagedKVCache, RequestPool
 from models.layers.ffn import MLP, Gate, MoE
@@ -31,9 +33,9 @@ from models.layers.rope import (
     yarn_inv_freq,
 )
 from models.model import DSV32Model
-from planner.errors import ConfigError, PlanError
+from planner import Limits, Planner
+from planner.errors import ConfigError, PlanError, SchemaError
 
-PAGE = 64
 ROOT = str(Path(__file__).resolve().parents[1])
 
 
@@ -82,7 +84,7 @@ class Session:
     def __init__(self, model: DSV32Model, pages: int = 32, max_context: int = 512) -> None:
         self.model = model
         self.cache = model.new_cache(pages)
-        self.pool = RequestPool(8, max_context)
+        self.pool = RequestPool(8, max_context, page_size=PAGE)
         self.pages: dict[int, list[int]] = {}
 
     def add(self) -> int:
@@ -464,7 +466,7 @@ def test_mla_absorbed_decode_equals_expanded_attention() -> None:
         mla.kv_norm.weight.uniform_(0.5, 1.5)
     inv = yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, 163840)
     cache = PagedKVCache(cfg, 6, dtype=torch.float32)
-    pool = RequestPool(4, 256)
+    pool = RequestPool(4, 256, page_size=PAGE)
     lengths = {pool.alloc(): 70, pool.alloc(): 5}  # 70 crosses a page boundary
     pages = {r: p for r, p in zip(lengths, ([4, 2], [5]), strict=True)}  # out of order on purpose
     xs = {r: torch.randn(n, cfg.hidden_size) for r, n in lengths.items()}
@@ -497,7 +499,7 @@ def test_indexer_fp8_path_matches_float_reference() -> None:
         idx.k_norm.bias.normal_(0, 0.1)
     inv = yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, 163840)
     cache = PagedKVCache(cfg, 6, dtype=torch.float32)
-    pool = RequestPool(4, 256)
+    pool = RequestPool(4, 256, page_size=PAGE)
     lengths = {pool.alloc(): 100, pool.alloc(): 9}
     for r, p in zip(lengths, ([3, 1], [2]), strict=True):
         pool.assign(r, p, lengths[r])
@@ -636,13 +638,10 @@ def test_plan_errors_name_the_field(model: DSV32Model) -> None:
     s.pool.assign(r, s.cache.alloc(1), 1)
     plan = make_plan(s.pool, [r], [1], model.config.index_topk)
     ids = torch.tensor([1])
-    with pytest.raises(PlanError) as e:
-        model(ids, {}, s.cache)
-    assert e.value.field == "nsa"
-    for name in ("out_cache_loc", "positions", "seq_lens", "next_n"):
-        broken = types.SimpleNamespace(**{k: v for k, v in vars(plan).items() if k != name})
+    for name in ("out_cache_loc", "positions"):
+        short = types.SimpleNamespace(**{**vars(plan), name: getattr(plan, name)[:0]})
         with pytest.raises(PlanError) as e:
-            model(ids, {"nsa": broken}, s.cache)
+            model(ids, {"nsa": short}, s.cache)
         assert e.value.field == name
     with pytest.raises(PlanError) as e:
         model(ids, {"nsa": types.SimpleNamespace(**{**vars(plan), "topk": 8})}, s.cache)
@@ -650,6 +649,22 @@ def test_plan_errors_name_the_field(model: DSV32Model) -> None:
     with pytest.raises(PlanError) as e:
         model(torch.tensor([1, 2]), {"nsa": plan}, s.cache)
     assert e.value.field == "input_ids"
+
+
+def test_the_engine_refuses_a_planner_that_does_not_make_the_models_plans() -> None:
+    """Layers read typed NSA plans with no per-step guard: the planner is checked once."""
+    limits = Limits(max_batch=2, max_context=128)
+    with pytest.raises(SchemaError) as e:
+        Planner(["paged"], limits).check_serves(DSV32Model.PLANS)
+    assert e.value.field == "nsa"
+    Planner(["nsa"], limits).check_serves(DSV32Model.PLANS)  # the NSA plan itself
+
+    class OtherPlan(PagedPlan, backend="other_nsa_like"):
+        pass
+
+    planner = Planner([OtherPlan], limits)
+    with pytest.raises(SchemaError, match="reads NSAPlan"):
+        planner.check_serves({"other_nsa_like": DSV32Model.PLANS["nsa"]})
 
 
 def test_deep_model_activations_stay_sane() -> None:

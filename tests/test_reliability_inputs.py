@@ -489,7 +489,7 @@ def config_cases(tmp: Path) -> list[Case]:
             ConfigError,
             "capture_sizes",
             "<= 16",
-            "graphs/sizes.py capture_sizes (GraphRunner build)",
+            "graphs/sizes.py capture_ladder (GraphRunner build)",
         ),
         Case(
             "unknown backend",

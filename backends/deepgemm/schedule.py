@@ -37,6 +37,7 @@ import torch
 from planner.errors import PlanError, ProviderError
 
 from . import _native
+from .fp8 import PAGE
 
 __all__ = [
     "SPLIT_KV",
@@ -53,8 +54,8 @@ __all__ = [
 SPLIT_KV = 256
 """Tokens per schedule unit (``constexpr int split_kv = 256`` in the 0.1.0 host code)."""
 
-BLOCK_KV = 64
-"""The only page size deep_gemm 0.1.0 accepts on Hopper."""
+BLOCK_KV = PAGE
+"""The only page size deep_gemm 0.1.0 accepts on Hopper: the index cache's page (``fp8.PAGE``)."""
 
 LAYOUTS = ("0.1.0", "new")
 Layout = Literal["0.1.0", "new"]

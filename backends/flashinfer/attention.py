@@ -1,9 +1,9 @@
 """Layer-side FlashInfer attention over a plan: FlashInfer's ``run`` on GPU, a reference elsewhere.
 
 Layers only read the plan. With FlashInfer, the wrapper the ``flashinfer_plan``
-host op planned for this very plan runs (captured plans: the graph wrapper of
-that size; eager plans: the eager wrapper, if no newer eager plan replaced
-it). Without FlashInfer the torch references below read the same plan fields
+host op planned for this very plan runs: the plan carries its handle
+(captured plans: the graph wrapper of that size; eager plans: the eager
+wrapper, refused if a newer eager plan re-planned it since). Without FlashInfer the torch references below read the same plan fields
 (``kv_indptr``, ``kv_indices``, ``kv_last_page_len`` or ``kv_len_arr``, the
 scalars), so a wrong field fails the CPU tests, not the first GPU run.
 
@@ -21,8 +21,11 @@ from typing import Any
 
 import torch
 
-from backends.flashinfer.wrappers import POOL, PlanSlot, flashinfer_importable
+from backends.flashinfer.plans import FlashInferDecodePlan, FlashInferMLAPlan
+from backends.flashinfer.wrappers import PlanSlot, flashinfer_importable
 from planner.errors import PlanError
+
+FlashInferPlan = FlashInferDecodePlan | FlashInferMLAPlan
 
 __all__ = [
     "flashinfer_decode_attention",
@@ -34,16 +37,7 @@ __all__ = [
 IMPLS = ("auto", "flashinfer", "reference")
 
 
-def _need(plan: Any, name: str) -> Any:
-    """Layers read plans; a missing field is an error, never a per-layer recomputation."""
-    if not hasattr(plan, name):
-        raise PlanError(
-            "plan lacks a field this layer reads", field=name, actual=type(plan).__name__
-        )
-    return getattr(plan, name)
-
-
-def _slot(plan: Any, impl: str, device: torch.device, kind: str) -> PlanSlot | None:
+def _slot(plan: FlashInferPlan, impl: str, device: torch.device, kind: str) -> PlanSlot | None:
     """The planned wrapper to run, or None for the reference; refuses silent fallbacks on GPU."""
     if impl not in IMPLS:
         raise PlanError(
@@ -51,7 +45,8 @@ def _slot(plan: Any, impl: str, device: torch.device, kind: str) -> PlanSlot | N
         )
     if impl == "reference":
         return None
-    slot = POOL.lookup(_need(plan, "kv_indptr"))
+    handle = plan.wrapper
+    slot = handle.slot if handle is not None and handle.current else None
     if slot is not None and slot.config.kind != kind:
         raise PlanError(
             "plan was made for another FlashInfer kernel",
@@ -73,9 +68,9 @@ def _slot(plan: Any, impl: str, device: torch.device, kind: str) -> PlanSlot | N
     return None
 
 
-def _check_rows(plan: Any, rows: int) -> int:
-    reqs = _need(plan, "kv_indptr").shape[0] - 1
-    next_n = int(_need(plan, "next_n"))
+def _check_rows(plan: FlashInferPlan, rows: int) -> int:
+    reqs = plan.kv_indptr.shape[0] - 1
+    next_n = int(plan.next_n)
     if rows != reqs * next_n:
         raise PlanError(
             "query rows do not match the plan", field="q", expected=reqs * next_n, actual=rows
@@ -83,10 +78,10 @@ def _check_rows(plan: Any, rows: int) -> int:
     return next_n
 
 
-def _page_grid(plan: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _page_grid(plan: FlashInferPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's page ids ``[reqs, width]`` (0 past its list) and page counts ``[reqs]``."""
-    indptr = _need(plan, "kv_indptr")
-    flat = _need(plan, "kv_indices")
+    indptr = plan.kv_indptr
+    flat = plan.kv_indices
     reqs = indptr.shape[0] - 1
     width = flat.shape[0] // max(reqs, 1)
     page = torch.arange(width, device=flat.device)
@@ -114,7 +109,9 @@ def _softmax_rows(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.masked_fill(~visible[:, :, None, :], float("-inf")), dim=-1)
 
 
-def reference_decode_attention(plan: Any, q: torch.Tensor, kv_cache: Any) -> torch.Tensor:
+def reference_decode_attention(
+    plan: FlashInferDecodePlan, q: torch.Tensor, kv_cache: Any
+) -> torch.Tensor:
     """Paged attention as FlashInfer's decode computes it, in fp32, from the plan's fields.
 
     ``q [rows, H, D]``; ``kv_cache``: ``(k, v)`` each ``[pages, page_size, Hkv, D]``
@@ -123,7 +120,7 @@ def reference_decode_attention(plan: Any, q: torch.Tensor, kv_cache: Any) -> tor
     """
     next_n = _check_rows(plan, q.shape[0])
     k_cache, v_cache = kv_cache if isinstance(kv_cache, (tuple, list)) else kv_cache.unbind(1)
-    page_size = int(_need(plan, "page_size"))
+    page_size = int(plan.page_size)
     if k_cache.shape[1] != page_size:
         raise PlanError(
             "cache pages differ from the plan's",
@@ -132,13 +129,13 @@ def reference_decode_attention(plan: Any, q: torch.Tensor, kv_cache: Any) -> tor
             actual=k_cache.shape[1],
         )
     pages, count = _page_grid(plan)
-    kv_lens = (count - 1) * page_size + _need(plan, "kv_last_page_len").to(torch.int64)
+    kv_lens = (count - 1) * page_size + plan.kv_last_page_len.to(torch.int64)
     page_of, offset = _tokens(pages, page_size)
     keys = k_cache[page_of, offset].float()  # [reqs, T, Hkv, D]
     values = v_cache[page_of, offset].float()
     reqs, heads, dim = pages.shape[0], q.shape[1], q.shape[2]
     kv_heads = keys.shape[2]
-    scale = _need(plan, "sm_scale")
+    scale = plan.sm_scale
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     # Query head h reads KV head h // group (GQA); grouping avoids copying KV per query head.
     qr = q.float().view(reqs, next_n, kv_heads, heads // kv_heads, dim)
@@ -149,7 +146,7 @@ def reference_decode_attention(plan: Any, q: torch.Tensor, kv_cache: Any) -> tor
 
 
 def reference_mla_attention(
-    plan: Any,
+    plan: FlashInferMLAPlan,
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     ckv_cache: torch.Tensor,
@@ -162,7 +159,7 @@ def reference_mla_attention(
     ``out = softmax(logits) . ckv`` over the first ``kv_len_arr[r]`` tokens (causal for verify).
     """
     next_n = _check_rows(plan, q_nope.shape[0])
-    page_size = int(_need(plan, "page_size"))
+    page_size = int(plan.page_size)
     if ckv_cache.shape[1] != page_size or kpe_cache.shape[1] != page_size:
         raise PlanError(
             "cache pages differ from the plan's",
@@ -180,13 +177,13 @@ def reference_mla_attention(
     qn = q_nope.float().view(reqs, next_n, heads, -1)
     qp = q_pe.float().view(reqs, next_n, heads, -1)
     logits = torch.einsum("rnhd,rtd->rnht", qn, latent) + torch.einsum("rnhd,rtd->rnht", qp, rope)
-    logits = logits * float(_need(plan, "sm_scale"))
-    probs = _softmax_rows(logits, _row_mask(_need(plan, "kv_len_arr"), next_n, latent.shape[1]))
+    logits = logits * float(plan.sm_scale)
+    probs = _softmax_rows(logits, _row_mask(plan.kv_len_arr, next_n, latent.shape[1]))
     return torch.einsum("rnht,rtd->rnhd", probs, latent).reshape(q_nope.shape).to(q_nope.dtype)
 
 
 def flashinfer_decode_attention(
-    plan: Any, q: torch.Tensor, kv_cache: Any, *, impl: str = "auto"
+    plan: FlashInferDecodePlan, q: torch.Tensor, kv_cache: Any, *, impl: str = "auto"
 ) -> torch.Tensor:
     """Decode attention for one layer: ``[rows, H, D]``; see the module docstring for ``impl``."""
     slot = _slot(plan, impl, q.device, "decode")
@@ -197,7 +194,7 @@ def flashinfer_decode_attention(
 
 
 def flashinfer_mla_attention(
-    plan: Any,
+    plan: FlashInferMLAPlan,
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     ckv_cache: torch.Tensor,

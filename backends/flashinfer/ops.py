@@ -9,11 +9,12 @@ Device ops, each with the exact torch reference and a Triton kernel:
 
 ``flashinfer_plan`` is the host op (``graph_safe=False``): it runs in
 ``replay()`` outside the graph, takes the batch's host lengths
-(``seq_lens_cpu``) and the plan tensors FlashInfer's wrapper is bound to, and
+(``seq_lens_cpu``) and the plan tensors FlashInfer's wrapper is bound to,
 writes a 4-entry summary ``[requests, pages, tokens, longest]`` so dumps and
-debug-mode replay checks see what FlashInfer was planned with. Its
-``flashinfer`` provider plans a real wrapper; its ``torch`` provider does only
-the bookkeeping, so the three phases run and are checked on any machine.
+debug-mode replay checks see what FlashInfer was planned with, and returns
+the handle of the wrapper it planned, which the plan carries to the layers.
+Its ``flashinfer`` provider plans a real wrapper; its ``torch`` provider does
+only the bookkeeping, so the three phases run and are checked on any machine.
 """
 
 from __future__ import annotations
@@ -85,18 +86,6 @@ def wrapper_config(kind: str, params: dict[str, Any]) -> wrappers.WrapperConfig:
     )
 
 
-def is_static_view(t: torch.Tensor) -> bool:
-    """Capture and replay hand ops slices of the planner's static buffers; eager, fresh tensors.
-
-    A graph wrapper must be bound to static memory and an eager plan must not
-    create one per batch, so the host op needs to tell the two apart. Until the
-    planner passes the phase (a ``static=`` keyword, which ``_plan`` accepts),
-    the tell is that its static views are slices with a base and eager fields
-    are fresh allocations.
-    """
-    return t._base is not None
-
-
 def _plan(
     use_flashinfer: bool,
     out: torch.Tensor,
@@ -107,13 +96,13 @@ def _plan(
     kv_tail: torch.Tensor,
     *,
     kind: str,
-    static: bool | None = None,
+    static: bool,
     **params: Any,
-) -> None:
+) -> wrappers.WrapperHandle:
     config = wrapper_config(kind, params)
-    wrappers.POOL.plan(
+    return wrappers.POOL.plan(
         config,
-        static=is_static_view(kv_indptr) if static is None else static,
+        static=static,
         use_flashinfer=use_flashinfer,
         seq_lens_cpu=seq_lens_cpu,
         bound=(qo_indptr, kv_indptr, kv_indices, kv_tail),
@@ -122,9 +111,11 @@ def _plan(
 
 
 @flashinfer_plan.provider("torch", graph_safe=False)
-def _plan_bookkeeping(out: torch.Tensor, *inputs: torch.Tensor, **params: Any) -> None:
+def _plan_bookkeeping(
+    out: torch.Tensor, *inputs: torch.Tensor, **params: Any
+) -> wrappers.WrapperHandle:
     """No FlashInfer: record the host plan arguments and the summary; the reference reads the plan."""
-    _plan(False, out, *inputs, **params)
+    return _plan(False, out, *inputs, **params)
 
 
 def flashinfer_usable(device: torch.device) -> bool:
@@ -134,6 +125,8 @@ def flashinfer_usable(device: torch.device) -> bool:
 
 # Looked up at call time (not bound here), so tests can stand a fake FlashInfer in on the CPU.
 @flashinfer_plan.provider("flashinfer", graph_safe=False, available=lambda d: flashinfer_usable(d))
-def _plan_flashinfer(out: torch.Tensor, *inputs: torch.Tensor, **params: Any) -> None:
+def _plan_flashinfer(
+    out: torch.Tensor, *inputs: torch.Tensor, **params: Any
+) -> wrappers.WrapperHandle:
     """Plan the slot's FlashInfer wrapper (graph wrapper for static views, else the eager one)."""
-    _plan(True, out, *inputs, **params)
+    return _plan(True, out, *inputs, **params)

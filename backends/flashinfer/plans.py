@@ -15,7 +15,6 @@ scalars from the settings of all backends merged.
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any, ClassVar
 
@@ -24,7 +23,15 @@ import torch
 from backends.common.inputs import BatchInputsPlan
 from backends.flashinfer.ops import dtype_named
 from planner.errors import SchemaError
-from planner.schema import PAD_DERIVED, Setting, Tensor, scalar_field, tensor_field
+from planner.schema import (
+    PAD_DERIVED,
+    Handle,
+    Setting,
+    Tensor,
+    handle_field,
+    scalar_field,
+    tensor_field,
+)
 
 I32 = torch.int32
 
@@ -83,16 +90,10 @@ def _kv_indices() -> Any:
 _PLAN_INPUTS = ("seq_lens_cpu", "qo_indptr", "kv_indptr", "kv_indices")
 
 
-def _binds(*names: str) -> dict[str, Any]:
-    """The host op only binds FlashInfer's buffers to these fields, never reads them.
-
-    Declared where the planner supports ``binds=`` (their ops then stay inside
-    the CUDA graph); without it the planner hoists them out of the graph and
-    runs them in ``replay()``, which is correct, only slower.
-    """
-    if "binds" not in inspect.signature(tensor_field).parameters:
-        return {}
-    return {"binds": ("qo_indptr", "kv_indptr", "kv_indices", *names)}
+def _binds(*names: str) -> tuple[str, ...]:
+    """The host op only binds FlashInfer's buffers to these fields, never reads them: their ops
+    stay inside the CUDA graph instead of being hoisted into ``replay()``."""
+    return ("qo_indptr", "kv_indptr", "kv_indices", *names)
 
 
 def _check_positive_int(settings: dict[str, Any], name: str, field: str) -> int:
@@ -150,7 +151,7 @@ class FlashInferDecodePlan(BatchInputsPlan, backend="flashinfer_decode"):
         (4,),
         op="flashinfer_plan",
         inputs=(*_PLAN_INPUTS, "kv_last_page_len"),
-        **_binds("kv_last_page_len"),
+        binds=_binds("kv_last_page_len"),
         params={
             "kind": "decode",
             "page_size": Setting("page_size"),
@@ -167,6 +168,7 @@ class FlashInferDecodePlan(BatchInputsPlan, backend="flashinfer_decode"):
         pad=PAD_DERIVED,
         doc="what FlashInfer was planned with: [requests, pages, tokens, longest] (host op)",
     )
+    wrapper: Handle = handle_field("plan_info", doc="the FlashInfer wrapper planned for this plan")
     max_seq_len: int = scalar_field("max_len", doc="longest KV length the kernels must handle")
     next_n: int = scalar_field("next_n", doc="query tokens per request")
     page_size: int = scalar_field("page_size", doc="tokens per KV page")
@@ -235,7 +237,7 @@ class FlashInferMLAPlan(BatchInputsPlan, backend="flashinfer_mla"):
         (4,),
         op="flashinfer_plan",
         inputs=(*_PLAN_INPUTS, "kv_len_arr"),
-        **_binds("kv_len_arr"),
+        binds=_binds("kv_len_arr"),
         params={
             "kind": "mla",
             "page_size": Setting("page_size"),
@@ -252,6 +254,7 @@ class FlashInferMLAPlan(BatchInputsPlan, backend="flashinfer_mla"):
         pad=PAD_DERIVED,
         doc="what FlashInfer was planned with: [requests, pages, tokens, longest] (host op)",
     )
+    wrapper: Handle = handle_field("plan_info", doc="the FlashInfer wrapper planned for this plan")
     max_seq_len: int = scalar_field("max_len", doc="longest KV length the kernels must handle")
     next_n: int = scalar_field("next_n", doc="query tokens per request; > 1 plans causal verify")
     page_size: int = scalar_field("page_size", doc="tokens per KV page (1 or 64)")

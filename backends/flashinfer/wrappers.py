@@ -25,7 +25,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import warnings
-import weakref
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -40,6 +39,7 @@ __all__ = [
     "HostArgs",
     "PlanSlot",
     "WrapperConfig",
+    "WrapperHandle",
     "WrapperPool",
     "flashinfer_importable",
     "load_flashinfer",
@@ -211,8 +211,8 @@ class PlanSlot:
         self.args = HostArgs(reqs, self._pin)
         self._done = torch.cuda.Event() if self._pin else None
         self._pending = False
-        self.planned_for: torch.Tensor | None = None
         self.plans = 0
+        self.handle: WrapperHandle | None = None
 
     @property
     def static(self) -> bool:
@@ -274,19 +274,31 @@ class PlanSlot:
             )
 
 
-class WrapperPool:
-    """Every slot of the process, found again from the plan a layer holds.
+@dataclass(frozen=True)
+class WrapperHandle:
+    """What a plan carries: the slot its wrapper was planned in, and for eager plans, which plan.
 
-    Graph slots are keyed by the static tensors they are bound to (one per
-    captured size and mode); eager slots by configuration. A forward finds its
-    slot through the identity of the plan's ``kv_indptr`` tensor, so an eager
-    plan that a newer eager plan superseded finds nothing instead of running
-    with the newer batch's schedule.
+    A graph slot is re-planned in place before every replay of its graph, so
+    its handle is always current. The eager slot is shared and re-planned by
+    every eager plan; ``generation`` tells a superseded eager plan from the
+    current one, so it is refused instead of running with a newer batch's
+    schedule.
     """
+
+    slot: PlanSlot
+    generation: int | None
+
+    @property
+    def current(self) -> bool:
+        return self.generation is None or self.generation == self.slot.plans
+
+
+class WrapperPool:
+    """Every slot of the process: graph slots keyed by the static tensors they are bound to
+    (one per captured size and mode), eager slots by configuration."""
 
     def __init__(self) -> None:
         self._slots: dict[tuple, PlanSlot] = {}
-        self._by_plan: dict[int, tuple[weakref.ref, PlanSlot]] = {}
         self._workspaces: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def plan(
@@ -298,7 +310,7 @@ class WrapperPool:
         seq_lens_cpu: torch.Tensor,
         bound: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         out: torch.Tensor,
-    ) -> PlanSlot:
+    ) -> WrapperHandle:
         """Plan the slot for these plan tensors (``qo_indptr, kv_indptr, kv_indices, kv_tail``)."""
         kv_indptr, kv_indices = bound[1], bound[2]
         reqs = kv_indptr.shape[0] - 1
@@ -314,20 +326,12 @@ class WrapperPool:
             wrapper = self._new_wrapper(config, static, bound, device) if use_flashinfer else None
             slot = PlanSlot(config, reqs, device, wrapper, bound if static else None)
             self._slots[key] = slot
-        old = slot.planned_for
-        if old is not None and old is not kv_indptr:
-            self._by_plan.pop(id(old), None)
         slot.plan(seq_lens_cpu, reqs, kv_indices, out)
-        slot.planned_for = kv_indptr
-        self._by_plan[id(kv_indptr)] = (weakref.ref(kv_indptr), slot)
-        return slot
-
-    def lookup(self, kv_indptr: torch.Tensor) -> PlanSlot | None:
-        """The slot last planned for the plan owning this ``kv_indptr``, or None."""
-        entry = self._by_plan.get(id(kv_indptr))
-        if entry is None or entry[0]() is not kv_indptr or entry[1].planned_for is not kv_indptr:
-            return None
-        return entry[1]
+        if not static:
+            return WrapperHandle(slot, slot.plans)
+        if slot.handle is None:  # one handle per graph slot: replay hands back the captured one
+            slot.handle = WrapperHandle(slot, None)
+        return slot.handle
 
     def slots(self) -> list[PlanSlot]:
         return list(self._slots.values())
@@ -335,7 +339,6 @@ class WrapperPool:
     def release(self) -> None:
         """Drop every wrapper, workspace and reference to planner buffers (e.g. between tests)."""
         self._slots.clear()
-        self._by_plan.clear()
         self._workspaces.clear()
 
     def workspace(self, device: torch.device, mb: int) -> torch.Tensor:
@@ -387,7 +390,7 @@ class WrapperPool:
 
 
 POOL = WrapperPool()
-"""The process's wrappers; a forward finds its own through the plan it is handed."""
+"""The process's wrappers; plans carry a handle to theirs."""
 
 
 def release_wrappers() -> None:

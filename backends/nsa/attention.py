@@ -1,12 +1,12 @@
 """Layer-side NSA (DeepSeek-V3.2 sparse attention) decode functions that consume a plan.
 
-A model layer calls these with the per-batch plan the planner built once. They only READ
-the plan: every piece of metadata (lengths, page table, slot map, schedule, widths) comes
-from it, nothing is recomputed here, and a plan that lacks an attribute is an error
-(``PlanError`` naming it), never a silent fallback -- a layer that quietly rebuilt
-metadata would hide planner bugs and break CUDA-graph replay.
+A model layer calls these with the per-batch :class:`NSAPlan` the planner built once.
+They only READ the plan: every piece of metadata (lengths, page table, slot map,
+schedule, widths) comes from it and nothing is recomputed here -- a layer that quietly
+rebuilt metadata would hide planner bugs and break CUDA-graph replay. That the plans
+handed to a model are NSA plans is checked once, when the engine is built.
 
-Plan attributes used (int32 tensors unless noted; ``rows = reqs * next_n``, row
+Plan fields used (int32 tensors unless noted; ``rows = reqs * next_n``, row
 ``r = req * next_n + i``):
 
 * ``next_n``, ``topk``, ``max_seq_len`` (python ints; ``max_seq_len`` is the logits width)
@@ -21,27 +21,13 @@ can be captured in CUDA graphs. ``dense_mla_decode`` is a slow float64 test orac
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from backends.deepgemm import fp8_paged_mqa_logits
+from backends.nsa.plan import NSAPlan
 from planner.errors import PlanError
 
-__all__ = ["plan_attr", "indexer_topk", "sparse_mla_decode", "dense_mla_decode"]
-
-
-def plan_attr(plan: Any, name: str) -> Any:
-    """``getattr(plan, name)``, or ``PlanError`` naming the missing attribute."""
-    try:
-        return getattr(plan, name)
-    except AttributeError:
-        raise PlanError(
-            "the plan has no such attribute; the planner must provide it",
-            field=name,
-            expected=f"plan.{name}",
-            actual="missing",
-        ) from None
+__all__ = ["indexer_topk", "sparse_mla_decode", "dense_mla_decode"]
 
 
 def _rows_of(kv_lens: torch.Tensor, next_n: int) -> tuple[int, int]:
@@ -57,7 +43,7 @@ def _rows_of(kv_lens: torch.Tensor, next_n: int) -> tuple[int, int]:
 
 
 def indexer_topk(
-    plan: Any, q_fp8: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor
+    plan: NSAPlan, q_fp8: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor
 ) -> torch.Tensor:
     """The indexer's top-k: physical KV slots each query row attends to, ``int32 [rows, topk]``.
 
@@ -74,13 +60,13 @@ def indexer_topk(
     cover every ``kv_lens`` entry (positions past it can never be chosen; checking would
     need a host sync).
     """
-    next_n = plan_attr(plan, "next_n")
-    topk = plan_attr(plan, "topk")
-    width = plan_attr(plan, "max_seq_len")
-    kv_lens = plan_attr(plan, "kv_lens")
-    page_table = plan_attr(plan, "page_table")
-    schedule = plan_attr(plan, "schedule")
-    token_slots = plan_attr(plan, "token_slots")
+    next_n = plan.next_n
+    topk = plan.topk
+    width = plan.max_seq_len
+    kv_lens = plan.kv_lens
+    page_table = plan.page_table
+    schedule = plan.schedule
+    token_slots = plan.token_slots
     rows, reqs = _rows_of(kv_lens, next_n)
 
     q4 = q_fp8.reshape(reqs, next_n, *q_fp8.shape[-2:])
@@ -166,7 +152,7 @@ def sparse_mla_decode(
 
 
 def dense_mla_decode(
-    plan: Any,
+    plan: NSAPlan,
     q_nope_abs: torch.Tensor,
     q_rope: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -179,9 +165,9 @@ def dense_mla_decode(
     graphs) so it shares no code with :func:`sparse_mla_decode`; with ``topk`` covering
     every length the two must agree.
     """
-    next_n = plan_attr(plan, "next_n")
-    kv_lens = plan_attr(plan, "kv_lens")
-    token_slots = plan_attr(plan, "token_slots")
+    next_n = plan.next_n
+    kv_lens = plan.kv_lens
+    token_slots = plan.token_slots
     latent, _ = _check_mla_inputs(q_nope_abs, q_rope, kv_cache)
     rows, _ = _rows_of(kv_lens, next_n)
     out = torch.zeros(q_nope_abs.shape, dtype=torch.float64, device=q_nope_abs.device)

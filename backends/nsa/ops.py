@@ -8,11 +8,15 @@ captured), from lengths that are never zero.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from backends.deepgemm import BLOCK_KV, paged_mqa_schedule_into
 from backends.deepgemm import _native as native
 from planner.errors import SchemaError
+from planner.limits import Limits
 from planner.ops import metadata_op
 
 I32 = torch.int32
@@ -37,7 +41,11 @@ def _deep_gemm_usable(device: torch.device) -> bool:
     return device.type == "cuda" and native.available()
 
 
-@paged_mqa_schedule.provider("deep_gemm", available=_deep_gemm_usable)
+def _warm_buckets(limits: Limits, params: Mapping[str, Any], device: torch.device) -> None:
+    warmup_schedule_buckets(limits.max_batch, params["next_n"], params["num_sms"], device)
+
+
+@paged_mqa_schedule.provider("deep_gemm", available=_deep_gemm_usable, warmup=_warm_buckets)
 def _schedule_deep_gemm(
     out: torch.Tensor, kv_lens: torch.Tensor, next_n: int, block_kv: int, num_sms: int, layout: str
 ) -> None:

@@ -5,16 +5,6 @@ from __future__ import annotations
 import torch
 
 from backends.paged.plan import PagedPlan
-from planner.errors import PlanError
-
-
-def _need(plan: object, name: str) -> torch.Tensor:
-    """Layers read plans; a missing field is an error, never a per-layer recomputation."""
-    if not hasattr(plan, name):
-        raise PlanError(
-            "plan lacks a field this layer reads", field=name, actual=type(plan).__name__
-        )
-    return getattr(plan, name)
 
 
 def paged_attention(
@@ -29,9 +19,9 @@ def paged_attention(
     Graph-capturable: gathers every position up to the plan's width and masks
     past each row's causal length, so shapes never depend on values.
     """
-    token_slots = _need(plan, "token_slots")
-    kv_lens = _need(plan, "kv_lens")
-    next_n = int(_need(plan, "next_n"))
+    token_slots = plan.token_slots
+    kv_lens = plan.kv_lens
+    next_n = int(plan.next_n)
     rows, heads, dim = q.shape
     slots = token_slots.repeat_interleave(next_n, dim=0) if next_n > 1 else token_slots
     keys = k_cache[slots.long()]  # [rows, L, Hkv, D]

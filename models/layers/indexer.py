@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from backends.deepgemm import fp8
+from backends.nsa import NSAPlan
 from backends.nsa.attention import indexer_topk
 from models.config import DSV32Config
 from models.layers.hadamard import hadamard_matrix, hadamard_rotate
 from models.layers.norm import LayerNorm
-from models.layers.plan_access import require
 from models.layers.rope import apply_rope_half
 
 
@@ -77,16 +77,16 @@ class Indexer(nn.Module):
         qr: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        plan: object,
+        plan: NSAPlan,
         index_cache: torch.Tensor,
     ) -> torch.Tensor:
         """Write this step's keys, then return ``topk_slots int32 [rows, topk]`` (-1 invalid)."""
         q, k, w = self.project(x, qr, cos, sin)
         # One fp8 scale per head vector (the 128-element block in the real model).
         k_fp8, k_scale = fp8.quantize_fp8_e4m3_per_vector(k, block=self.head_dim)
-        fp8.write_index_cache(index_cache, require(plan, "out_cache_loc"), k_fp8, k_scale)
+        fp8.write_index_cache(index_cache, plan.out_cache_loc, k_fp8, k_scale)
         q_fp8, q_scale = fp8.quantize_fp8_e4m3_per_vector(q, block=self.head_dim)
         weights = w * q_scale.squeeze(-1)
-        next_n = require(plan, "next_n")
+        next_n = plan.next_n
         q_fp8 = q_fp8.view(-1, next_n, self.n_heads, self.head_dim)
         return indexer_topk(plan, q_fp8, weights, index_cache)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backends.nsa import NSAPlan
 from backends.nsa.attention import sparse_mla_decode
 from models.config import DSV32Config
 from models.layers.indexer import Indexer
 from models.layers.norm import RMSNorm
-from models.layers.plan_access import require
 from models.layers.rope import apply_rope_interleaved
 
 
@@ -79,7 +79,7 @@ class MLA(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        plan: object,
+        plan: NSAPlan,
         kv_cache: torch.Tensor,
         index_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -90,7 +90,7 @@ class MLA(nn.Module):
         """
         qr, q_nope, q_rope = self.project_q(x, cos, sin)
         latent, k_rope = self.project_kv(x, cos, sin)
-        loc = require(plan, "out_cache_loc")
+        loc = plan.out_cache_loc
         kv_cache[loc] = torch.cat([latent, k_rope], dim=-1).to(kv_cache.dtype)
         topk_slots = self.indexer(x, qr, cos, sin, plan, index_cache)
         q_abs = self.absorb_q(q_nope)

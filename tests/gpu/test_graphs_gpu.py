@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from graphs import GraphRunner, GraphWarning, capture_sizes, is_capturing
+from graphs import GraphRunner, GraphWarning, capture_ladder, is_capturing
 from planner import ForwardMode, Limits, Planner
 from tests.graph_helpers import Scheduler, TinyPagedModel, make_table
 
@@ -129,7 +129,7 @@ def test_default_sizes_up_to_256_capture_without_oom():
     torch.cuda.reset_peak_memory_stats()
     runner, _, twin, ref, sched = _setup(256, 1024, seed=3)
     stats = runner.capture()
-    assert runner.captured_sizes(DECODE) == capture_sizes(256) == runner.captured_sizes(VERIFY)
+    assert runner.captured_sizes(DECODE) == capture_ladder(256) == runner.captured_sizes(VERIFY)
     assert not stats.dropped and stats.pool_reserved_bytes > 0
     for bs, mode in [
         (1, DECODE),

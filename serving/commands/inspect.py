@@ -1,0 +1,130 @@
+"""``python -m planner inspect DIR``: one plan dump as a table (or JSON), field by field."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from planner.dumps import LoadedDump, load_dump
+from planner.errors import PlanError
+from serving.commands.dump_text import (
+    batch_text,
+    dump_title,
+    fail,
+    head_text,
+    make_console,
+    shape_text,
+    summary_text,
+    tensor_values,
+)
+
+
+def _select(dump: LoadedDump, name: str | None) -> list[tuple[str, str]]:
+    """``(backend, field)`` pairs that ``--field`` picks (all when None)."""
+    every = [(b, f) for b, f, _, _ in dump.fields()]
+    if name is None:
+        return every
+    picked = [(b, f) for b, f in every if name in (f, f"{b}.{f}")]
+    if not picked:
+        known = ", ".join(f"{b}.{f}" for b, f in every)
+        raise PlanError(f"no field {name!r} in {dump.path} (fields: {known})")
+    return picked
+
+
+def run(args: argparse.Namespace) -> int:
+    """Render one dump; 0 on success, 2 on a missing/corrupt dump or unknown field."""
+    try:
+        dump = load_dump(args.dump)
+        selected = _select(dump, args.field)
+    except (PlanError, OSError) as exc:
+        return fail("inspect", exc)
+    if args.json:
+        print(json.dumps(_inspect_json(dump, selected, args.full), indent=1, allow_nan=False))
+    else:
+        _inspect_render(dump, selected, args.full, args.field is not None, make_console(sys.stdout))
+    return 0
+
+
+def _inspect_json(dump: LoadedDump, selected: list[tuple[str, str]], full: bool) -> dict[str, Any]:
+    backends: dict[str, Any] = {}
+    for backend, manifest in dump.manifests.items():
+        names = [f for b, f in selected if b == backend]
+        if not names:
+            continue
+        data = manifest.model_dump(mode="json")
+        data["fields"] = {f: data["fields"][f] for f in names}
+        if full:
+            for f in names:
+                data["fields"][f]["values"] = tensor_values(dump.tensors[backend][f])
+        backends[backend] = data
+    return {
+        "path": str(dump.path),
+        "index": dump.index.model_dump(mode="json"),
+        "backends": backends,
+    }
+
+
+def _inspect_render(
+    dump: LoadedDump, selected: list[tuple[str, str]], full: bool, one: bool, console: Console
+) -> None:
+    console.print(Text(f"Plan dump {dump_title(dump)}", style="bold"))
+    first = next(iter(dump.manifests.values()), None)
+    if first is not None:
+        console.print(Text(f"reqs {first.reqs} ({first.real_reqs} real); {batch_text(dump)}"))
+    for backend, manifest in dump.manifests.items():
+        names = [f for b, f in selected if b == backend]
+        if not names:
+            continue
+        schema = manifest.plan_schema
+        table = Table(title=f"{backend}  ({schema.name} v{schema.version})", title_justify="left")
+        for column in ("field", "shape", "dtype", "device", "ptr", "checksum", "summary", "head"):
+            table.add_column(column, no_wrap=column in ("field", "ptr", "checksum"))
+        for name in names:
+            record = manifest.fields[name]
+            table.add_row(
+                *(
+                    Text(cell)
+                    for cell in (
+                        name,
+                        shape_text(record.shape),
+                        record.dtype,
+                        record.device,
+                        hex(record.data_ptr),
+                        record.checksum if one else record.checksum[:12],
+                        summary_text(record),
+                        head_text(record),
+                    )
+                )
+            )
+        console.print(table)
+        if manifest.scalars and not one:
+            scalars = "  ".join(f"{k}={v}" for k, v in manifest.scalars.items())
+            console.print(Text(f"scalars: {scalars}"))
+        if one:
+            for name in names:
+                console.print(
+                    Text(f"{backend}.{name} spec: {json.dumps(manifest.fields[name].spec)}")
+                )
+        if full:
+            for name in names:
+                _print_full(console, f"{backend}.{name}", dump.tensors[backend][name])
+
+
+def _print_full(console: Console, key: str, tensor: torch.Tensor) -> None:
+    """Every value, one line per leading index, so a row can be found by eye."""
+    console.print(
+        Text(f"{key} {shape_text(list(tensor.shape))} {str(tensor.dtype).removeprefix('torch.')}:")
+    )
+    values = tensor_values(tensor)
+    if tensor.dim() <= 1:
+        console.print(Text(f"  {values}"))
+        return
+    for i, row in enumerate(values):
+        console.print(Text(f"  [{i}] {row}"))

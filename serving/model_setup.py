@@ -1,0 +1,77 @@
+"""What a run config builds before the loop starts: the device, the model config, the model.
+
+Kept apart from the engine so the one place that turns a preset name, a
+``config.json`` or a weights file into a model is easy to find and to test,
+and every refusal names the config field to change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+
+from models.config import PRESETS, DSV32Config
+from models.model import DSV32Model
+from planner.errors import ConfigError
+from serving.run_config import ModelSection, RunConfig
+
+
+def model_config(section: ModelSection) -> DSV32Config:
+    """The model config a run asks for: a preset or a config.json, then overrides."""
+    if section.preset in PRESETS:
+        base = DSV32Config.preset(section.preset)
+    elif Path(section.preset).is_file():
+        base = DSV32Config.from_hf_config_json(section.preset)
+    else:
+        raise ConfigError(
+            "unknown model preset and no such config.json",
+            field="model.preset",
+            expected=list(PRESETS),
+            actual=section.preset,
+        )
+    if not section.overrides:
+        return base
+    unknown = sorted(set(section.overrides) - set(DSV32Config.model_fields))
+    if unknown:
+        raise ConfigError(
+            "unknown model field",
+            field=f"model.overrides.{unknown[0]}",
+            expected="a DSV32Config field",
+        )
+    try:
+        return DSV32Config.model_validate({**base.model_dump(), **section.overrides})
+    except (ValidationError, ConfigError) as exc:
+        if isinstance(exc, ConfigError):
+            raise ConfigError(str(exc), field=f"model.overrides.{exc.field}") from None
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(
+            first["msg"], field=f"model.overrides.{where}", actual=first.get("input")
+        ) from None
+
+
+def resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("CUDA requested but not available here", field="device", actual=name)
+    return device
+
+
+def build_model(config: RunConfig, model_cfg: DSV32Config, device: torch.device) -> DSV32Model:
+    """The run's model: loaded from ``model.weights``, else random from ``model.seed``."""
+    if config.planner.max_context > model_cfg.max_position_embeddings:
+        raise ConfigError(
+            "longer than the model's positions",
+            field="planner.max_context",
+            expected=f"<= {model_cfg.max_position_embeddings} (max_position_embeddings)",
+            actual=config.planner.max_context,
+        )
+    weights = config.model.weights
+    if weights and not Path(weights).is_file():
+        raise ConfigError("no such weights file", field="model.weights", actual=weights)
+    if weights:
+        return DSV32Model.from_file(weights, device=device)
+    dtype = torch.float32 if config.model.dtype == "float32" else torch.bfloat16
+    return DSV32Model(model_cfg, seed=config.model.seed, device=device, dtype=dtype)
