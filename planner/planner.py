@@ -18,27 +18,22 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from planner.batch import ForwardBatch, ForwardMode
+from planner.captured import CapturedPlans
 from planner.debug import MismatchHook, check_replay, debug_from_env, guard
 from planner.door import validate_batch
 from planner.errors import BatchError, ReplayError, SchemaError
 from planner.fallback import ProviderChain
 from planner.limits import Limits
 from planner.materialise import (
-    FreshStorage,
-    Handles,
-    StaticStorage,
-    Tensors,
     batch_dims,
     bind_batch,
     build_plans,
     materialise,
-    source_segments,
 )
 from planner.ops import get_op
 from planner.options import check_options
@@ -46,21 +41,7 @@ from planner.planset import PlannerStats, PlanSet
 from planner.program import Program, build_program
 from planner.registry import get_backend
 from planner.schema import Plan
-from planner.staging import Ranges, Stager, StagingLayout, input_ranges
-
-
-@dataclass
-class CapturedPlans:
-    """The plans of one captured (mode, size), what they point at, and the batch they were made from."""
-
-    plans: PlanSet
-    tensors: Tensors
-    handles: Handles
-    pointers: list[tuple[str, int]]
-    plan_tensors: list[torch.Tensor]
-    table_ptr: int
-    table_shape: tuple[int, ...]
-    dummy: ForwardBatch
+from planner.storages import Storages
 
 
 class Planner:
@@ -104,10 +85,7 @@ class Planner:
         }
         self._chains: dict[tuple[str, str | None], ProviderChain] = {}
         self._programs = {mode: self._build_program(mode) for mode in ForwardMode}
-        self._layouts: dict[tuple[ForwardMode, int], StagingLayout] = {}
-        self._fresh: dict[tuple[ForwardMode, int], FreshStorage] = {}
-        self._static: dict[ForwardMode, StaticStorage] = {}
-        self._ranges: dict[tuple, Ranges] = {}
+        self.storages = Storages(self._programs, self.schemas, limits, self.device)
         self._captured: dict[tuple[ForwardMode, int], CapturedPlans] = {}
         self._warmed = False
         self._check_forced_keys()
@@ -201,54 +179,9 @@ class Planner:
             self.program(mode), self.limits.page_size, self.limits.num_sms, reqs, max_len
         )
 
-    def _layout(self, mode: ForwardMode, reqs: int) -> StagingLayout:
-        key = (mode, reqs)
-        layout = self._layouts.get(key)
-        if layout is None:
-            program = self.program(mode)
-            sources = [
-                (spec.source, program.pads[(backend, name)])
-                for backend, cls in self.schemas.items()
-                for name, spec in cls.tensor_specs.items()
-                if spec.source is not None
-            ]
-            layout = self._layouts[key] = StagingLayout(sources, reqs, program.next_n)
-        return layout
-
-    def _input_ranges(self, mode: ForwardMode, table: torch.Tensor) -> Ranges:
-        key = (mode, table.shape[0], table.shape[1])
-        ranges = self._ranges.get(key)
-        if ranges is None:
-            limits = self.limits
-            ranges = self._ranges[key] = input_ranges(
-                limits.max_context, self.program(mode).next_n, limits.kv_slots, table
-            )
-        return ranges
-
-    def _fresh_storage(self, mode: ForwardMode, reqs: int) -> FreshStorage:
-        key = (mode, reqs)
-        storage = self._fresh.get(key)
-        if storage is None:
-            program, layout = self.program(mode), self._layout(mode, reqs)
-            segments = source_segments(program, self.schemas, layout)
-            stager = Stager(layout, self.device, static=False)
-            storage = self._fresh[key] = FreshStorage(program, segments, stager)
-        return storage
-
-    def _static_storage(self, mode: ForwardMode) -> StaticStorage:
-        storage = self._static.get(mode)
-        if storage is None:
-            limits, program = self.limits, self.program(mode)
-            layout = self._layout(mode, limits.max_batch)
-            segments = source_segments(program, self.schemas, layout)
-            stager = Stager(layout, self.device, static=True)
-            max_dims = self.dims(mode, limits.max_batch, limits.max_context)
-            storage = self._static[mode] = StaticStorage(program, segments, stager, max_dims)
-        return storage
-
     def static_bytes(self) -> int:
         """Bytes held in static buffers (plans and staging) for every captured mode."""
-        return sum(storage.nbytes for storage in self._static.values())
+        return self.storages.nbytes()
 
     def _validate(self, batch: ForwardBatch, *, device_reads: bool) -> ForwardMode:
         validate_batch(
@@ -285,8 +218,8 @@ class Planner:
         # Only sizes so far: staging range-checks the lengths before anything is allocated.
         max_len = self.limits.max_context if pad_to is not None else int(batch.seq_lens_cpu.max())
         dims = self.dims(mode, reqs, max_len)
-        ranges = self._input_ranges(mode, batch.req_to_token)
-        storage = self._fresh_storage(mode, reqs)
+        ranges = self.storages.ranges(mode, batch.req_to_token)
+        storage = self.storages.fresh(mode, reqs)
         tensors, handles = materialise(
             storage, batch, reqs, dims, ranges, program.steps, read_device=True
         )
@@ -337,8 +270,8 @@ class Planner:
         self._validate(dummy, device_reads=True)
         program = self.program(mode)
         dims = self.dims(mode, bs, self.limits.max_context)
-        ranges = self._input_ranges(mode, req_to_token)
-        storage = self._static_storage(mode)
+        ranges = self.storages.ranges(mode, req_to_token)
+        storage = self.storages.static(mode)
         tensors, handles = materialise(
             storage, dummy, bs, dims, ranges, program.steps, read_device=True
         )
@@ -414,38 +347,21 @@ class Planner:
         dims = self.dims(mode, bs, self.limits.max_context)
         host_steps = [step for step in program.steps if not step.in_graph]
         _, handles = materialise(
-            self._static[mode],
+            self.storages.static(mode),
             batch,
             bs,
             dims,
-            self._input_ranges(mode, table),
+            self.storages.ranges(mode, table),
             host_steps,
             read_device=self.debug,
         )
-        self._check_pointers(captured, handles)
+        captured.check_unmoved(handles)
         captured.plans.real_reqs = batch.bs
         captured.plans.phase = "replay"
         self.stats.record_steps(mode, program.steps)
         self.stats.batches["replay"] += 1
         self.stats.host_seconds["replay"] += time.perf_counter() - start
         return captured.plans
-
-    @staticmethod
-    def _check_pointers(captured: CapturedPlans, handles: Handles) -> None:
-        """The plans a graph reads must still be where capture put them, handles included."""
-        for key, handle in handles.items():
-            if handle is not captured.handles.get(key):
-                raise ReplayError(
-                    "host op returned another handle than at capture", field=".".join(key)
-                )
-        for tensor, (key, ptr) in zip(captured.plan_tensors, captured.pointers):
-            if tensor.data_ptr() != ptr:
-                raise ReplayError(
-                    "plan tensor moved since capture",
-                    field=key,
-                    expected=hex(ptr),
-                    actual=hex(tensor.data_ptr()),
-                )
 
     # ---- debug ----------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import torch
 from pydantic import ValidationError
 
 from models.config import PRESETS, DSV32Config
+from models.hf_config import from_hf_config_json
 from models.model import DSV32Model
 from planner.errors import ConfigError
 from serving.run_config import ModelSection, RunConfig
@@ -23,7 +24,7 @@ def model_config(section: ModelSection) -> DSV32Config:
     if section.preset in PRESETS:
         base = DSV32Config.preset(section.preset)
     elif Path(section.preset).is_file():
-        base = DSV32Config.from_hf_config_json(section.preset)
+        base = from_hf_config_json(section.preset)
     else:
         raise ConfigError(
             "unknown model preset and no such config.json",

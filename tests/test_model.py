@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from backends.deepgemm import PAGE  # noqa: E402
 from backends.paged import PagedPlan
 from models.config import DSV32Config, YarnScaling
+from models.hf_config import from_hf_config_json
 from models.kv_cache import PagedKVCache, RequestPool
 from models.layers.ffn import MLP, Gate, MoE
 from models.layers.hadamard import hadamard_matrix, hadamard_rotate
@@ -259,7 +260,7 @@ def _write(tmp_path: Path, data: dict) -> Path:
 
 
 def test_from_hf_config_json(tmp_path: Path) -> None:
-    assert DSV32Config.from_hf_config_json(_write(tmp_path, HF_SAMPLE)) == DSV32Config.full()
+    assert from_hf_config_json(_write(tmp_path, HF_SAMPLE)) == DSV32Config.full()
 
 
 @pytest.mark.parametrize(
@@ -275,7 +276,7 @@ def test_from_hf_config_json(tmp_path: Path) -> None:
 def test_from_hf_config_json_errors(tmp_path: Path, change: dict, field: str) -> None:
     data = {k: v for k, v in {**HF_SAMPLE, **change}.items() if v is not None}
     with pytest.raises(ConfigError) as e:
-        DSV32Config.from_hf_config_json(_write(tmp_path, data))
+        from_hf_config_json(_write(tmp_path, data))
     assert e.value.field == field and field in str(e.value)
 
 
@@ -283,7 +284,7 @@ def test_from_hf_config_json_unreadable(tmp_path: Path) -> None:
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read"):
-        DSV32Config.from_hf_config_json(bad)
+        from_hf_config_json(bad)
 
 
 # ------------------------------------------------------------ rope / hadamard / norms

@@ -1,0 +1,48 @@
+"""What a capture leaves behind: the plans a graph reads, and how to tell they did not move.
+
+A CUDA graph reads the addresses it was captured with. Replay hands back
+these very plan objects; before it does, it checks that every plan tensor
+still lives where capture put it and that host ops returned the handles
+they returned at capture (always on: a pointer loop, microseconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from planner.batch import ForwardBatch
+from planner.errors import ReplayError
+from planner.materialise import Handles, Tensors
+from planner.planset import PlanSet
+
+
+@dataclass
+class CapturedPlans:
+    """The plans of one captured (mode, size), what they point at, and the batch they were made from."""
+
+    plans: PlanSet
+    tensors: Tensors
+    handles: Handles
+    pointers: list[tuple[str, int]]
+    plan_tensors: list[torch.Tensor]
+    table_ptr: int
+    table_shape: tuple[int, ...]
+    dummy: ForwardBatch
+
+    def check_unmoved(self, handles: Handles) -> None:
+        """The plans a graph reads must still be where capture put them, handles included."""
+        for key, handle in handles.items():
+            if handle is not self.handles.get(key):
+                raise ReplayError(
+                    "host op returned another handle than at capture", field=".".join(key)
+                )
+        for tensor, (key, ptr) in zip(self.plan_tensors, self.pointers):
+            if tensor.data_ptr() != ptr:
+                raise ReplayError(
+                    "plan tensor moved since capture",
+                    field=key,
+                    expected=hex(ptr),
+                    actual=hex(tensor.data_ptr()),
+                )

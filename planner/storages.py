@@ -1,0 +1,91 @@
+"""The buffers a planner keeps per mode and size, made on first use and reused.
+
+Staging layouts, the fresh storage of eager plans (per request count), the
+static storage of captured plans (per mode), and the value ranges of staged
+inputs (per token table). Kept out of the planner so its phases read as
+what they do, not as cache management.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from planner.batch import ForwardMode
+from planner.limits import Limits
+from planner.materialise import FreshStorage, StaticStorage, batch_dims, source_segments
+from planner.program import Program
+from planner.schema import Plan
+from planner.staging import Ranges, Stager, StagingLayout, input_ranges
+
+
+class Storages:
+    """One planner's staging layouts, storages and input ranges."""
+
+    def __init__(
+        self,
+        programs: Mapping[ForwardMode, Program],
+        schemas: Mapping[str, type[Plan]],
+        limits: Limits,
+        device: torch.device,
+    ) -> None:
+        self.programs = programs
+        self.schemas = schemas
+        self.limits = limits
+        self.device = device
+        self._layouts: dict[tuple[ForwardMode, int], StagingLayout] = {}
+        self._fresh: dict[tuple[ForwardMode, int], FreshStorage] = {}
+        self._static: dict[ForwardMode, StaticStorage] = {}
+        self._ranges: dict[tuple, Ranges] = {}
+
+    def layout(self, mode: ForwardMode, reqs: int) -> StagingLayout:
+        key = (mode, reqs)
+        layout = self._layouts.get(key)
+        if layout is None:
+            program = self.programs[mode]
+            sources = [
+                (spec.source, program.pads[(backend, name)])
+                for backend, cls in self.schemas.items()
+                for name, spec in cls.tensor_specs.items()
+                if spec.source is not None
+            ]
+            layout = self._layouts[key] = StagingLayout(sources, reqs, program.next_n)
+        return layout
+
+    def ranges(self, mode: ForwardMode, table: torch.Tensor) -> Ranges:
+        key = (mode, table.shape[0], table.shape[1])
+        ranges = self._ranges.get(key)
+        if ranges is None:
+            limits = self.limits
+            ranges = self._ranges[key] = input_ranges(
+                limits.max_context, self.programs[mode].next_n, limits.kv_slots, table
+            )
+        return ranges
+
+    def fresh(self, mode: ForwardMode, reqs: int) -> FreshStorage:
+        key = (mode, reqs)
+        storage = self._fresh.get(key)
+        if storage is None:
+            program, layout = self.programs[mode], self.layout(mode, reqs)
+            segments = source_segments(program, self.schemas, layout)
+            stager = Stager(layout, self.device, static=False)
+            storage = self._fresh[key] = FreshStorage(program, segments, stager)
+        return storage
+
+    def static(self, mode: ForwardMode) -> StaticStorage:
+        storage = self._static.get(mode)
+        if storage is None:
+            limits, program = self.limits, self.programs[mode]
+            layout = self.layout(mode, limits.max_batch)
+            segments = source_segments(program, self.schemas, layout)
+            stager = Stager(layout, self.device, static=True)
+            max_dims = batch_dims(
+                program, limits.page_size, limits.num_sms, limits.max_batch, limits.max_context
+            )
+            storage = self._static[mode] = StaticStorage(program, segments, stager, max_dims)
+        return storage
+
+    def nbytes(self) -> int:
+        """Bytes held in static buffers (plans and staging) for every captured mode."""
+        return sum(storage.nbytes for storage in self._static.values())
