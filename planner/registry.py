@@ -15,17 +15,18 @@ and skipped: one bad plugin must not take the planner down.
 from __future__ import annotations
 
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING
+from typing import Any
 
 from planner.errors import SchemaError
 from planner.notices import warn_once
 
-if TYPE_CHECKING:
-    from planner.schema import Plan
+PlanClass = type[Any]
+"""A ``planner.schema.Plan`` subclass. Named loosely on purpose: the schema module registers
+its subclasses here, so this module must not import it back (no cycle in the core)."""
 
 ENTRY_POINT_GROUP = "forward_planner.backends"
 
-_BACKENDS: dict[str, type[Plan]] = {}
+_BACKENDS: dict[str, PlanClass] = {}
 _loaded = False
 _load_errors: dict[str, str] = {}
 
@@ -34,7 +35,7 @@ RESERVED = frozenset({"batch"})
 """Names no backend may take: ``batch`` owns the batch's own tensors in the planner's tables."""
 
 
-def register_backend(plan_cls: type[Plan]) -> None:
+def register_backend(plan_cls: PlanClass) -> None:
     """Called by ``Plan.__init_subclass__``; one schema per backend name."""
     name = plan_cls.backend
     if name in RESERVED:
@@ -64,7 +65,7 @@ def load_backends() -> None:
             warn_once(f"backend entry point {ep.name!r} ({ep.value}) failed to load: {exc!r}")
 
 
-def get_backend(name: str) -> type[Plan]:
+def get_backend(name: str) -> PlanClass:
     """The plan schema registered as ``name``."""
     load_backends()
     if name not in _BACKENDS:
@@ -74,7 +75,7 @@ def get_backend(name: str) -> type[Plan]:
     return _BACKENDS[name]
 
 
-def all_backends() -> dict[str, type[Plan]]:
+def all_backends() -> dict[str, PlanClass]:
     """Every registered backend schema by name."""
     load_backends()
     return dict(sorted(_BACKENDS.items()))
