@@ -9,6 +9,10 @@ kernel's row strides. Dispatch is checked with a tensor that claims to live on C
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -331,3 +335,67 @@ def test_cuda_dispatch_hands_deep_gemm_its_own_argument_order(monkeypatch):
         fp8_mqa_logits(**args, backend="reference"), reference_fp8_mqa_logits(**GOOD)
     )
     assert len(calls) == 2
+
+
+# --------------------------------------------------------------------------- GPU script
+
+
+def test_gpu_verification_script_smoke_mode(tmp_path):
+    """The script the lead runs on the H200, with the reference standing in for the kernel."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    run = subprocess.run(
+        [sys.executable, "benchmarks/verify_mqa_logits.py", "--smoke", "--cases", "6"]
+        + ["--out", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "overall: OK" in run.stdout
+    assert (tmp_path / "verify_mqa_logits.json").exists()
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location(
+        "verify_mqa_logits", REPO / "benchmarks" / "verify_mqa_logits.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_verification_script_catches_broken_kernels():
+    """Each check of the script fails for the kernel bug it exists to catch."""
+    script = _load_script()
+    case = dict(tokens=24, kv_tokens=200, heads=32, kind="causal", seed=8, extra_width=1)
+    cpu = torch.device("cpu")
+
+    def ref(*a):
+        return fp8_mqa_logits(*a, backend="reference")
+
+    def noisy(*a):  # a 1 % error on every value
+        return ref(*a) * 1.01
+
+    def unclean(*a):  # clean_logits ignored: the real scores leak outside the ranges
+        q, kv, w, ks, ke, _, width = a
+        full = (0 * ks, torch.full_like(ke, kv[0].shape[0])) if width == 0 else (ks, ke)
+        return ref(q, kv, w, *full, False, width)
+
+    def misplaced(*a):  # compressed rows start at column ks instead of 0
+        q, kv, w, ks, ke, clean, width = a
+        out = ref(*a)
+        return ref(q, kv, w, ks, ke, clean, 0)[:, :width] if width else out
+
+    good = script.run_case(case, ref, cpu, 1e-3)
+    assert all(good[s]["ok"] for s in ("plain", "clean", "compressed"))
+    bad = script.run_case(case, noisy, cpu, 1e-3)
+    assert not any(bad[s]["ok"] for s in ("plain", "clean", "compressed"))
+    assert 9e-3 < bad["plain"]["rel_err"] < 1.1e-2 and bad["plain"]["err_over_bound"] < 1e-3
+    bad = script.run_case(case, unclean, cpu, 1e-3)
+    assert bad["plain"]["ok"] and not bad["clean"]["ok"]
+    assert not bad["clean"]["outside_all_neg_inf"]
+    bad = script.run_case(case, misplaced, cpu, 1e-3)
+    assert bad["plain"]["ok"] and not bad["compressed"]["ok"]
+    assert script.compressed_clean(case, ref, cpu)["rejected"]
