@@ -21,6 +21,7 @@ from backends.common import torch_ref
 from backends.common.triton_kernels import triton_available
 from backends.deepgemm import reference_fp8_mqa_logits
 from planner.errors import PlanError
+from planner.ops import get_op
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 I32 = torch.int32
@@ -333,6 +334,16 @@ def test_bad_arguments_are_refused_naming_the_field(impl, name, args, field):
 
 
 # --------------------------------------------------------------------------- use
+
+
+def test_ops_are_registered_with_both_providers():
+    from backends.common import ragged_ops  # noqa: F401  (registers the ops)
+
+    for name in OPS:
+        op = get_op(name)
+        assert set(op.providers) == {"torch", "triton"} and op.doc
+        assert op.select(torch.device("cpu")).fn is getattr(ref, name)
+        assert op.providers["triton"].fn is getattr(tri, name)
 
 
 def test_prefill_indexer_over_the_gathered_kv_is_causal_per_request():
