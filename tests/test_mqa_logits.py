@@ -342,7 +342,8 @@ def test_cuda_dispatch_hands_deep_gemm_its_own_argument_order(monkeypatch):
 
 def test_gpu_verification_script_smoke_mode(tmp_path):
     """The script the lead runs on the H200, with the reference standing in for the kernel."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)  # keep the device's /tmp/site (pydantic)
     run = subprocess.run(
         [sys.executable, "benchmarks/verify_mqa_logits.py", "--smoke", "--cases", "6"]
         + ["--out", str(tmp_path)],

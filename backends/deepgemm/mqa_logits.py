@@ -16,9 +16,9 @@ v0.1.0, identical to the headers the wheel ships):
   holding KV ``ks[r] ..`` from column 0) row stride ``align(max_seqlen_k, 256)`` sliced to
   ``[tokens, max_seqlen_k]``;
 * uncompressed, a block of ``128 // H`` rows writes real scores over the union of its
-  rows' ranges (start rounded down to 4), so entries outside a row's own range hold
-  either uninitialised memory or scores the row must not see; ``clean_logits=True``
-  overwrites every column outside ``[ks, ke)`` with ``-inf``;
+  rows' ranges (start rounded down to 4, then whole 256-token blocks), so entries outside
+  a row's own range hold either uninitialised memory or scores the row must not see;
+  ``clean_logits=True`` overwrites every column outside ``[ks, ke)`` with ``-inf``;
 * compressed, only ``t in [ks, ke)`` is written (column ``t - ks``); columns past
   ``ke - ks`` are uninitialised, and ``clean_logits=True`` is REJECTED (host assert), so
   :func:`validate_mqa_logits_inputs` refuses it too. A row wider than ``max_seqlen_k``
@@ -30,9 +30,10 @@ v0.1.0, identical to the headers the wheel ships):
 The reference writes ``-inf`` at every position outside the row's range in BOTH modes and
 whatever ``clean_logits`` says, so code that forgets to mask fails on the CPU. It returns
 the kernel's strided view, so code that assumes a contiguous result fails there too.
-Dot products are exact (the products of two e4m3 values and all their partial sums over
-128 elements are multiples of ``2**-18`` below ``2**43``: exactly representable in
-float64), heads are accumulated in float64 in head order and the result is rounded to
+Dot products are exact: every e4m3 value is an integer multiple of ``2**-9`` below
+``2**18`` such units, so every partial sum of a dot over ``D`` elements is a multiple of
+``2**-18`` below ``D * 2**36`` units, exactly representable in float64 for any ``D`` up to
+``2**16``. Heads are accumulated in float64 in head order and the result is rounded to
 float32 once. So the value does not depend on chunking, layout or device: the compressed
 layout is the uncompressed one shifted, bit for bit, and a GPU comparison measures only
 the kernel's own error.
