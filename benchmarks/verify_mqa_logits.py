@@ -399,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     t0 = time.time()
 
+    def write() -> None:  # after every section, so a crash later keeps what ran
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "verify_mqa_logits.json"), "w") as fh:
+                json.dump(results, fh, indent=1, default=str)
+
     def section(name: str, fn: Callable[[], list[dict]]) -> None:
         t = time.time()
         try:
@@ -407,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = []
             results["errors"].append({"section": name, "traceback": traceback.format_exc()})
         print(f"[{name}] {len(results[name])} results in {time.time() - t:.1f} s", flush=True)
+        write()
 
     todo = cases(args.cases, args.seed, args.max_tokens, args.max_kv)
 
@@ -443,10 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     for e in results["errors"]:
         print(f"ERROR in {e['section']}:\n{e['traceback']}")
     print(f"overall: {'OK' if results['ok'] else 'FAILED'} in {results['wall_s']:.1f} s")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "verify_mqa_logits.json"), "w") as fh:
-            json.dump(results, fh, indent=1, default=str)
+    write()
     return 0 if results["ok"] else 1
 
 
