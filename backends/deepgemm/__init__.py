@@ -28,6 +28,12 @@ from .logits import (
     reference_fp8_paged_mqa_logits,
     validate_paged_logits_inputs,
 )
+from .mqa_logits import (
+    fp8_mqa_logits,
+    mqa_logits_row_stride,
+    reference_fp8_mqa_logits,
+    validate_mqa_logits_inputs,
+)
 from .schedule import (
     BLOCK_KV,
     LAYOUTS,
@@ -48,20 +54,24 @@ __all__ = [
     "SPLIT_KV",
     "deep_gemm_available",
     "dequantize_fp8_per_vector",
+    "fp8_mqa_logits",
     "fp8_paged_mqa_logits",
     "get_paged_mqa_logits_metadata",
     "index_cache_views",
+    "mqa_logits_row_stride",
     "native_schedule_layout",
     "new_index_cache",
     "pack_index_kv_cache",
     "paged_mqa_schedule_into",
     "quantize_fp8_e4m3_per_vector",
     "quantize_query",
+    "reference_fp8_mqa_logits",
     "reference_fp8_paged_mqa_logits",
     "reference_paged_mqa_schedule",
     "schedule_units",
     "unpack_index_kv_cache",
     "validate_context_lens",
+    "validate_mqa_logits_inputs",
     "validate_paged_logits_inputs",
     "write_index_cache",
 ]

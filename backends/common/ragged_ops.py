@@ -1,0 +1,60 @@
+"""The per-token (ragged) metadata ops of extend / prefill batches, with their providers.
+
+Each op's ``torch`` provider is the exact reference (``ragged_ref``: graph-safe, no host
+syncs, no data-dependent shapes); ``triton`` (``ragged_triton``) is one launch per op,
+tested bit-equal against the reference under ``TRITON_INTERPRET=1``. ``qo_indptr`` and
+``kv_indptr`` are the ``cumsum_with_zero`` of ``extend_lens`` and ``seq_lens``; ``b`` below is
+the request owning token ``t`` (``qo_indptr[b] <= t < qo_indptr[b+1]``) and ``position`` is
+``seq_lens[b] - qo_indptr[b+1] + t``. Tokens ``t >= qo_indptr[reqs]`` are padding.
+
+Not imported by ``backends.common``: importing this module registers the ops.
+"""
+
+from __future__ import annotations
+
+from backends.common import ragged_ref as ref
+from backends.common import ragged_triton as tri
+from backends.common.triton_kernels import triton_available
+from planner.ops import metadata_op
+
+triton_usable = triton_available
+
+token_request = metadata_op(
+    "token_request",
+    "out[t] = b, the request owning query token t (qo_indptr[b] <= t < qo_indptr[b+1]); padding pad.",
+)
+token_positions = metadata_op(
+    "token_positions",
+    "out[t] = seq_lens[b] - qo_indptr[b+1] + t: prefix length plus offset in the request; padding 0.",
+)
+token_causal_lengths = metadata_op(
+    "token_causal_lengths",
+    "out[t] = position + 1: the KV length token t attends to causally; padding 1, never 0.",
+)
+token_topk_lengths = metadata_op(
+    "token_topk_lengths",
+    "out[t] = min(position + 1, topk): KV tokens sparse attention reads per token; padding 1.",
+)
+token_kv_ranges = metadata_op(
+    "token_kv_ranges",
+    "out[0, t], out[1, t] = ks, ke = kv_indptr[b], kv_indptr[b] + position + 1: fp8_mqa_logits' "
+    "KV range over the flat gathered KV; padding (0, 1).",
+)
+kv_gather_slots = metadata_op(
+    "kv_gather_slots",
+    "out[kv_indptr[b] + j] = req_to_token[req_pool_indices[b], j] for j < seq_lens[b]: the flat "
+    "gathered KV's slots; 0 (the null slot) from kv_indptr[reqs] on.",
+)
+
+token_request.provider("torch")(ref.token_request)
+token_request.provider("triton", available=triton_usable)(tri.token_request)
+token_positions.provider("torch")(ref.token_positions)
+token_positions.provider("triton", available=triton_usable)(tri.token_positions)
+token_causal_lengths.provider("torch")(ref.token_causal_lengths)
+token_causal_lengths.provider("triton", available=triton_usable)(tri.token_causal_lengths)
+token_topk_lengths.provider("torch")(ref.token_topk_lengths)
+token_topk_lengths.provider("triton", available=triton_usable)(tri.token_topk_lengths)
+token_kv_ranges.provider("torch")(ref.token_kv_ranges)
+token_kv_ranges.provider("triton", available=triton_usable)(tri.token_kv_ranges)
+kv_gather_slots.provider("torch")(ref.kv_gather_slots)
+kv_gather_slots.provider("triton", available=triton_usable)(tri.kv_gather_slots)
