@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from backends.nsa import NSAPlan
+from backends.nsa import NSAExtendPlan, NSAPlan
 from models.config import DSV32Config
 from models.kv_cache import PagedKVCache
 from models.layers.ffn import MLP, MoE
@@ -57,7 +57,7 @@ class Block(nn.Module):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        plan: NSAPlan,
+        plan: NSAPlan | NSAExtendPlan,
         kv_cache: torch.Tensor,
         index_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -68,8 +68,8 @@ class Block(nn.Module):
 class DSV32Model(nn.Module):
     """Embedding, ``num_hidden_layers`` blocks, final norm and LM head."""
 
-    PLANS: ClassVar[dict[str, type[Plan]]] = {"nsa": NSAPlan}
-    """The plans the layers read, by backend: the planner must plan these (or subclasses)."""
+    PLANS: ClassVar[dict[str, tuple[type[Plan], ...]]] = {"nsa": (NSAPlan, NSAExtendPlan)}
+    """The plans the layers read, by backend: whatever the planner makes must be one of these."""
 
     def __init__(
         self,
@@ -159,16 +159,17 @@ class DSV32Model(nn.Module):
         """A KV cache matching this model's config, device and dtype."""
         return PagedKVCache(self.config, num_pages, device=self.device, dtype=self.dtype)
 
-    def _check(self, input_ids: torch.Tensor, plan: NSAPlan, cache: PagedKVCache) -> None:
+    def _check(
+        self, input_ids: torch.Tensor, plan: NSAPlan | NSAExtendPlan, cache: PagedKVCache
+    ) -> None:
         """Static (shape/attribute) agreement of ids, plan and cache; no tensor reads."""
         rows = input_ids.shape[0]
-        reqs = plan.seq_lens.shape[0]
-        next_n = plan.next_n
-        if input_ids.dim() != 1 or reqs * next_n != rows:
+        tokens = plan.kv_lens.shape[0]  # an op output over the plan's query rows
+        if input_ids.dim() != 1 or tokens != rows:
             raise PlanError(
-                "input_ids must hold reqs * next_n rows, request-major",
+                "input_ids must hold one id per query token, request-major",
                 field="input_ids",
-                expected=f"[{reqs} * {next_n}]",
+                expected=f"[{tokens}]",
                 actual=tuple(input_ids.shape),
             )
         for name in ("positions", "out_cache_loc"):
@@ -194,13 +195,20 @@ class DSV32Model(nn.Module):
             )
 
     def forward(self, input_ids: torch.Tensor, plans: PlanSet, cache: PagedKVCache) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` fp32 for one decode step; writes this step's KV."""
-        plan: NSAPlan = plans["nsa"]
+        """Next-token logits fp32 for one step; writes this step's KV.
+
+        ``[rows, vocab]`` for a decode or verify batch (a row per query token),
+        ``[reqs, vocab]`` for an extend batch: only each request's last token
+        predicts anything, so the head runs on the plan's ``logit_rows`` alone.
+        """
+        plan: NSAPlan | NSAExtendPlan = plans["nsa"]
         self._check(input_ids, plan, cache)
         cos, sin = rope_cos_sin(plan.positions, self.inv_freq, self.rope_factor)
         h = self.embed(input_ids)
         for i, block in enumerate(self.layers):
             h = block(h, cos, sin, plan, cache.mla[i], cache.index[i])
+        if isinstance(plan, NSAExtendPlan):
+            h = h[plan.logit_rows.long()]
         return self.head(self.norm(h)).float()
 
     # ------------------------------------------------------------- persistence

@@ -1,4 +1,4 @@
-"""The forward batch a scheduler hands the planner, and the names of its inputs.
+"""The forward batch a scheduler hands the planner, its modes, and the names of its inputs.
 
 A plain frozen dataclass rather than a pydantic model: one is built every
 step on the hot path, and the planner checks it itself at the door
@@ -10,15 +10,43 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
 class ForwardMode(str, enum.Enum):
-    """What the forward computes: one token per request, or ``next_n`` to verify."""
+    """What a batch's forward computes.
+
+    - ``decode``: one new token per request (full CUDA graph);
+    - ``target_verify``: ``next_n`` tokens per request to verify (full graph);
+    - ``idle``: no request at all, for a data-parallel rank with no work; it
+      replays a decode graph whose every row is padding;
+    - ``extend``: new tokens after an optional cached prefix, a different number
+      per request (prefill, chunked prefill); eager;
+    - ``mixed``: extend and decode requests in one batch (a decode request is an
+      extend of one token); eager.
+    """
 
     DECODE = "decode"
     TARGET_VERIFY = "target_verify"
+    IDLE = "idle"
+    EXTEND = "extend"
+    MIXED = "mixed"
 
+    @property
+    def ragged(self) -> bool:
+        """Whether requests add different numbers of tokens (the ``tokens`` dimension is free)."""
+        return self in RAGGED_MODES
+
+    @property
+    def plans_as(self) -> ForwardMode:
+        """The mode whose program plans this one: idle is decode with every row padding."""
+        return ForwardMode.DECODE if self is ForwardMode.IDLE else self
+
+
+RAGGED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.MIXED})
+UNIFORM_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE})
+"""Every request adds the same number of tokens (``next_n``): shapes are static per batch size."""
 
 BATCH = "batch"
 """Owner name of the batch's own tensors in the planner's tables (no backend may take it)."""
@@ -26,10 +54,16 @@ BATCH = "batch"
 BATCH_TABLES = frozenset({"req_to_token"})
 """Device tables the engine owns; ops read them in place and graphs bind their address."""
 
-HOST_INPUTS = frozenset({"seq_lens_cpu"})
+HOST_INPUTS = frozenset({"seq_lens_cpu", "extend_lens_cpu"})
 """Host tensors of the batch a host op (``graph_safe=False``) may read, e.g. FlashInfer's plan."""
 
-SOURCES = {"seq_lens": False, "req_pool_indices": False, "positions": True, "out_cache_loc": True}
+SOURCES = {
+    "seq_lens": False,
+    "extend_lens": False,
+    "req_pool_indices": False,
+    "positions": True,
+    "out_cache_loc": True,
+}
 """Batch inputs a schema can stage with ``source=``, and whether each has a row per token."""
 
 
@@ -38,10 +72,13 @@ class ForwardBatch:
     """One step's batch.
 
     ``seq_lens_cpu`` is the KV length of each request *including* this step's
-    new tokens (``next_n`` of them in target-verify). ``req_pool_indices``,
-    ``positions`` and ``out_cache_loc`` may live on the host (staged with the
-    lengths in one copy) or already on the device. ``seq_lens`` is the optional
-    device copy an engine may already hold.
+    new tokens. ``extend_lens_cpu`` is how many tokens each request adds this
+    step (extend and mixed batches; decode adds 1, target-verify ``next_n``, and
+    it may then be left out). Query tokens are laid out request-major, so
+    ``out_cache_loc`` and ``positions`` have one entry per token.
+    ``req_pool_indices``, ``positions`` and ``out_cache_loc`` may live on the
+    host (staged with the lengths in one copy) or already on the device;
+    ``seq_lens`` and ``extend_lens`` are optional device copies an engine may hold.
     """
 
     seq_lens_cpu: torch.Tensor
@@ -52,6 +89,8 @@ class ForwardBatch:
     seq_lens: torch.Tensor | None = None
     mode: ForwardMode = ForwardMode.DECODE
     next_n: int = 1
+    extend_lens_cpu: torch.Tensor | None = None
+    extend_lens: torch.Tensor | None = None
 
     @property
     def bs(self) -> int:
@@ -61,19 +100,43 @@ class ForwardBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Query tokens in the batch: ``bs * next_n``."""
-        return self.bs * self.next_n
+        """Query tokens in the batch: the sum of the extend lengths (``bs * next_n`` if uniform)."""
+        if self.extend_lens_cpu is None:
+            return self.bs * self.next_n
+        return int(self.extend_lens_cpu.numpy().sum())
+
+    def new_tokens(self) -> torch.Tensor:
+        """Tokens each request adds this step, int32 on the host (given or implied by the mode)."""
+        if self.extend_lens_cpu is not None:
+            return self.extend_lens_cpu
+        return torch.full((max(self.bs, 0),), self.next_n, dtype=torch.int32)
+
+    def host_input(self, name: str) -> torch.Tensor:
+        """A host tensor a host op reads (``HOST_INPUTS``)."""
+        return self.seq_lens_cpu if name == "seq_lens_cpu" else self.new_tokens()
 
     def source(self, name: str) -> torch.Tensor:
-        """The batch input a schema's ``source=`` names (positions derived if absent)."""
+        """The batch input a schema's ``source=`` names (derived where the engine gave none)."""
         if name == "seq_lens":
             return self.seq_lens_cpu
+        if name == "extend_lens":
+            return self.extend_lens if self.extend_lens is not None else self.new_tokens()
         if name == "positions" and self.positions is None:
-            return derive_positions(self.seq_lens_cpu, self.next_n)
+            return derive_positions(self.seq_lens_cpu, self.new_tokens())
         return getattr(self, name)
 
 
-def derive_positions(seq_lens_cpu: torch.Tensor, next_n: int) -> torch.Tensor:
-    """Positions of this step's tokens when the engine gives none: the last ``next_n`` slots."""
-    offsets = torch.arange(next_n - 1, -1, -1, dtype=torch.int32)
-    return (seq_lens_cpu.to(torch.int32)[:, None] - 1 - offsets[None, :]).reshape(-1)
+def derive_positions(seq_lens_cpu: torch.Tensor, new_tokens: torch.Tensor) -> torch.Tensor:
+    """Positions of this step's tokens when the engine gives none: the last ``new`` of each request.
+
+    Request ``b`` with KV length ``L`` adding ``n`` tokens holds positions
+    ``L - n .. L - 1``, request-major.
+    """
+    lens = seq_lens_cpu.numpy().astype(np.int64)
+    new = new_tokens.numpy().astype(np.int64)
+    ends = np.cumsum(new)
+    starts = ends - new
+    token = np.arange(int(ends[-1]) if ends.size else 0, dtype=np.int64)
+    owner = np.repeat(np.arange(lens.shape[0]), new)
+    positions = lens[owner] - new[owner] + (token - starts[owner])
+    return torch.from_numpy(positions.astype(np.int32))

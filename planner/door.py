@@ -57,15 +57,16 @@ def validate_batch(
     *,
     device: torch.device,
     max_batch: int,
+    max_tokens: int,
     next_n: int,
     device_reads: bool,
-) -> None:
-    """Reject a malformed batch, naming the field, before anything is staged.
+) -> ForwardMode:
+    """Reject a malformed batch, naming the field, before anything is staged; its mode.
 
-    Structure only: value ranges are checked where the inputs are staged.
-    ``device_reads`` also compares the engine's device copy of the lengths with
-    the host one, which costs a synchronisation: eager ``plan()`` and debug
-    mode pay it, replay not.
+    Structure only (types, ranks, devices, lengths, counts): value ranges are
+    checked where the inputs are staged. ``device_reads`` also compares the
+    engine's device copies of the lengths with the host ones, which costs a
+    synchronisation: eager ``plan()`` and debug mode pay it, replay not.
     """
     if not isinstance(batch, ForwardBatch):
         raise BatchError("not a ForwardBatch", field="batch", actual=type(batch).__name__)
@@ -75,7 +76,7 @@ def validate_batch(
         raise BatchError(
             "unknown mode", field="mode", expected=[m.value for m in ForwardMode], actual=batch.mode
         ) from None
-    want_n = 1 if mode is ForwardMode.DECODE else next_n
+    want_n = next_n if mode is ForwardMode.TARGET_VERIFY else 1
     if batch.next_n != want_n:
         raise BatchError(
             f"next_n does not match the planner for mode {mode.value}",
@@ -89,8 +90,17 @@ def validate_batch(
         "seq_lens_cpu", batch.seq_lens_cpu, dtypes=(torch.int32,), rank=1, devices=(cpu,)
     )
     bs = seq.shape[0]
-    if bs == 0:
-        raise BatchError("empty batch", field="seq_lens_cpu", expected=">= 1 request", actual=0)
+    if mode is ForwardMode.IDLE and bs:
+        raise BatchError(
+            "an idle batch has no requests", field="seq_lens_cpu", expected=0, actual=bs
+        )
+    if bs == 0 and mode is not ForwardMode.IDLE:
+        raise BatchError(
+            "empty batch (a rank with no work sends mode idle)",
+            field="seq_lens_cpu",
+            expected=">= 1 request",
+            actual=0,
+        )
     if bs > max_batch:
         raise BatchError(
             "batch larger than max_batch",
@@ -98,10 +108,10 @@ def validate_batch(
             expected=f"<= {max_batch}",
             actual=bs,
         )
+    tokens = _check_extend_lens(batch, mode, bs, max_tokens, cpu)
     _check_tensor(
         "req_to_token", batch.req_to_token, dtypes=(torch.int32,), rank=2, devices=(device,)
     )
-    tokens = bs * want_n
     for name, length in (
         ("req_pool_indices", bs),
         ("out_cache_loc", tokens),
@@ -110,12 +120,45 @@ def validate_batch(
         value = getattr(batch, name)
         if value is not None or name != "positions":
             _check_tensor(name, value, dtypes=_INDEX_DTYPES, rank=1, devices=both, length=length)
-    if batch.seq_lens is not None:
-        dev_seq = _check_tensor(
-            "seq_lens", batch.seq_lens, dtypes=(torch.int32,), rank=1, devices=(device,), length=bs
+    for name, host in (("seq_lens", seq), ("extend_lens", batch.extend_lens_cpu)):
+        dev = getattr(batch, name)
+        if dev is None:
+            continue
+        if host is None:
+            raise BatchError(f"device {name} without its host copy", field=f"{name}_cpu")
+        _check_tensor(name, dev, dtypes=(torch.int32,), rank=1, devices=(device,), length=bs)
+        if device_reads and not torch.equal(dev.cpu(), host):
+            raise BatchError(f"device {name} differ from {name}_cpu", field=name)
+    return mode
+
+
+def _check_extend_lens(
+    batch: ForwardBatch, mode: ForwardMode, bs: int, max_tokens: int, cpu: torch.device
+) -> int:
+    """The query tokens of the batch: extend lengths are required for ragged modes only."""
+    lens = batch.extend_lens_cpu
+    if lens is None:
+        if mode.ragged:
+            raise BatchError(
+                f"a {mode.value} batch says how many tokens each request adds",
+                field="extend_lens_cpu",
+                expected="int32 [bs]",
+                actual=None,
+            )
+        tokens = bs * batch.next_n
+    else:
+        _check_tensor(
+            "extend_lens_cpu", lens, dtypes=(torch.int32,), rank=1, devices=(cpu,), length=bs
         )
-        if device_reads and not torch.equal(dev_seq.cpu(), seq):
-            raise BatchError("device seq_lens differ from seq_lens_cpu", field="seq_lens")
+        tokens = int(lens.numpy().sum()) if bs else 0
+    if mode.ragged and tokens > max_tokens:
+        raise BatchError(
+            "more query tokens than max_tokens",
+            field="extend_lens_cpu",
+            expected=f"<= {max_tokens} tokens",
+            actual=tokens,
+        )
+    return tokens
 
 
 def check_table_width(table: torch.Tensor, longest: int) -> None:

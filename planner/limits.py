@@ -12,9 +12,11 @@ class Limits(BaseModel):
     """Deployment bounds. Batches beyond them are rejected at the door.
 
     ``next_n`` is the number of tokens per request in target-verify
-    (speculative decoding); decode always has one. ``num_sms`` sizes the
-    deep_gemm schedule (132 on an H200). ``kv_slots``, when given, lets the
-    planner range-check ``out_cache_loc``.
+    (speculative decoding); decode always has one. ``max_tokens`` bounds the
+    query tokens of an extend or mixed batch (the chunked-prefill budget); by
+    default one whole longest request fits. ``num_sms`` sizes the deep_gemm
+    schedule (132 on an H200). ``kv_slots``, when given, lets the planner
+    range-check ``out_cache_loc``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -23,6 +25,9 @@ class Limits(BaseModel):
     max_context: int = Field(ge=1, le=1 << 24, description="longest KV length of one request")
     page_size: int = Field(default=64, ge=1, le=4096, description="tokens per KV page")
     next_n: int = Field(default=1, ge=1, le=16, description="tokens per request in target-verify")
+    max_tokens: int | None = Field(
+        default=None, ge=1, le=1 << 24, description="query tokens of one extend or mixed batch"
+    )
     num_sms: int = Field(
         default=132, ge=1, le=4096, description="SMs the schedule splits work over"
     )
@@ -62,6 +67,14 @@ class Limits(BaseModel):
                 )
             device = torch.device("cuda", torch.cuda.current_device())
         return device
+
+    @property
+    def extend_tokens(self) -> int:
+        """Most query tokens an extend or mixed batch may hold (uniform batches are bounded
+        by ``max_batch * next_n`` already)."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return max(self.max_batch * self.next_n, self.max_context)
 
     @property
     def max_pages(self) -> int:

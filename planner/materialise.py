@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from planner.batch import BATCH, ForwardBatch
+from planner.batch import BATCH, BATCH_TABLES, HOST_INPUTS, ForwardBatch
 from planner.dims import resolve_shape
 from planner.errors import SchemaError
 from planner.program import Key, Program, Step
@@ -28,15 +28,27 @@ Handles = dict[Key, Any]
 """What host ops returned, by the ``(backend, field)`` they produced: plans carry it."""
 
 
-def batch_dims(program: Program, page_size: int, num_sms: int, reqs: int, max_len: int) -> dict:
-    """Values of the symbolic dimensions for ``reqs`` requests of at most ``max_len`` tokens."""
+def batch_dims(
+    program: Program,
+    page_size: int,
+    num_sms: int,
+    *,
+    reqs: int,
+    max_len: int,
+    tokens: int,
+    kv_tokens: int,
+) -> dict:
+    """Values of the symbolic dimensions for ``reqs`` requests of at most ``max_len`` KV tokens,
+    ``tokens`` query tokens and ``kv_tokens`` KV tokens in all."""
     dims = {
         k: v for k, v in program.settings.items() if isinstance(v, int) and not isinstance(v, bool)
     }
     pages = -(-max_len // page_size)
     dims.update(
         reqs=reqs,
-        rows=reqs * program.next_n,
+        rows=tokens,
+        tokens=tokens,
+        kv_tokens=kv_tokens,
         max_len=max_len,
         pages=pages,
         req_pages=reqs * pages,
@@ -46,12 +58,10 @@ def batch_dims(program: Program, page_size: int, num_sms: int, reqs: int, max_le
     return dims
 
 
-def source_segments(
-    program: Program, schemas: Mapping[str, type[Plan]], layout: StagingLayout
-) -> dict[Key, Segment]:
+def source_segments(program: Program, layout: StagingLayout) -> dict[Key, Segment]:
     """The staging segment each source field of every schema reads."""
     out = {}
-    for backend, cls in schemas.items():
+    for backend, cls in program.schemas.items():
         for name, spec in cls.tensor_specs.items():
             if spec.source is not None:
                 out[(backend, name)] = layout.segments[(spec.source, program.pads[(backend, name)])]
@@ -64,11 +74,11 @@ def _lay_out(
     staged: torch.Tensor,
     outputs: Mapping[Key, torch.Tensor],
     reqs: int,
+    tokens: int,
 ) -> Tensors:
     """Source fields as slices of the staged buffer, op fields as given, aliases as their owner."""
-    rows = reqs * program.next_n
     tensors = {
-        key: staged[seg.offset : seg.offset + (rows if seg.per_token else reqs)]
+        key: staged[seg.offset : seg.offset + (tokens if seg.per_token else reqs)]
         for key, seg in segments.items()
     }
     tensors.update(outputs)
@@ -106,7 +116,7 @@ class FreshStorage:
             step.output: arenas[step.spec.dtype][start : start + math.prod(shape)].view(shape)
             for step, shape, start in zip(steps, shapes, offsets)
         }
-        return _lay_out(self.program, self.segments, staged, outputs, reqs)
+        return _lay_out(self.program, self.segments, staged, outputs, reqs, dims["tokens"])
 
 
 class StaticStorage:
@@ -148,7 +158,8 @@ class StaticStorage:
                     rows = resolve_shape(step.spec.shape[:1], dims, field=step.key)[0]
                     buffer = buffer[:rows]
                 outputs[step.output] = buffer
-            views = self._views[reqs] = _lay_out(self.program, self.segments, staged, outputs, reqs)
+            views = _lay_out(self.program, self.segments, staged, outputs, reqs, dims["tokens"])
+            self._views[reqs] = views
         return views
 
     @property
@@ -171,7 +182,7 @@ def materialise(
     read_device: bool,
 ) -> tuple[Tensors, Handles]:
     """Stage, lay out, run ``steps``: the batch's tensors, and the handles host ops returned."""
-    staged = storage.stager.stage(batch, reqs, ranges, read_device=read_device)
+    staged = storage.stager.stage(batch, reqs, dims["tokens"], ranges, read_device=read_device)
     tensors = storage.tensors(staged, reqs, dims)
     bind_batch(tensors, batch)
     handles = {}
@@ -184,12 +195,13 @@ def materialise(
 
 def bind_batch(tensors: Tensors, batch: ForwardBatch) -> None:
     """The batch's own tensors that ops read in place (the token table, the host lengths)."""
-    tensors[(BATCH, "req_to_token")] = batch.req_to_token
-    tensors[(BATCH, "seq_lens_cpu")] = batch.seq_lens_cpu
+    for name in BATCH_TABLES:
+        tensors[(BATCH, name)] = getattr(batch, name)
+    for name in HOST_INPUTS:
+        tensors[(BATCH, name)] = batch.host_input(name)
 
 
 def build_plans(
-    schemas: Mapping[str, type[Plan]],
     program: Program,
     tensors: Mapping[Key, torch.Tensor],
     handles: Mapping[Key, Any],
@@ -201,7 +213,7 @@ def build_plans(
     its spec, so validating them again per batch would only cost host time.
     """
     plans = {}
-    for backend, cls in schemas.items():
+    for backend, cls in program.schemas.items():
         values: dict[str, Any] = {name: tensors[(backend, name)] for name in cls.tensor_specs}
         for name, spec in cls.handle_specs.items():
             values[name] = handles.get((backend, spec.of))

@@ -27,9 +27,18 @@ def known_options(plan_cls: type[Plan]) -> set[str]:
 
 
 def check_options(
-    schemas: Mapping[str, type[Plan]], options: Mapping[str, Mapping[str, Any]]
+    by_mode: Mapping[Any, Mapping[str, type[Plan]]], options: Mapping[str, Mapping[str, Any]]
 ) -> dict[str, dict[str, Any]]:
-    """Options per planned backend, every key one its schema reads; a copy."""
+    """Options per planned backend, every key one of its schemas reads; a copy.
+
+    ``by_mode`` is each mode's schema per backend: one backend's options serve
+    all its schemas (the same top-k in decode and extend).
+    """
+    schemas: dict[str, list[type[Plan]]] = {}
+    for per_backend in by_mode.values():
+        for backend, cls in per_backend.items():
+            if cls not in schemas.setdefault(backend, []):
+                schemas[backend].append(cls)
     unknown = set(options) - set(schemas)
     if unknown:
         raise SchemaError(
@@ -40,7 +49,7 @@ def check_options(
         )
     out = {k: dict(v) for k, v in options.items()}
     for backend, given in out.items():
-        known = known_options(schemas[backend])
+        known = set().union(*(known_options(cls) for cls in schemas[backend]))
         unread = sorted(set(given) - known)
         if unread:
             raise SchemaError(

@@ -39,9 +39,31 @@ from planner.ops import get_op
 from planner.options import check_options
 from planner.planset import PlannerStats, PlanSet
 from planner.program import Program, build_program
-from planner.registry import get_backend
+from planner.registry import backend_plans
 from planner.schema import Plan
 from planner.storages import Storages
+
+
+def schemas_by_mode(
+    backends: Sequence[str | type[Plan]],
+) -> dict[ForwardMode, dict[str, type[Plan]]]:
+    """Each mode's schema per backend: a name brings all its schemas, a class just itself."""
+    out: dict[ForwardMode, dict[str, type[Plan]]] = {}
+    for item in backends:
+        classes = backend_plans(item) if isinstance(item, str) else [item]
+        for cls in classes:
+            for mode in cls.modes:
+                if mode is ForwardMode.IDLE:
+                    continue  # idle batches run decode's program, every row padding
+                taken = out.setdefault(mode, {}).get(cls.backend)
+                if taken is not None and taken is not cls:
+                    raise SchemaError(
+                        f"two schemas of backend {cls.backend!r} plan mode {mode.value}",
+                        field="backends",
+                        actual=[taken.__name__, cls.__name__],
+                    )
+                out[mode][cls.backend] = cls
+    return out
 
 
 class Planner:
@@ -66,11 +88,12 @@ class Planner:
             raise SchemaError("a planner needs at least one backend", field="backends")
         self.limits = limits
         self.device = limits.torch_device
-        self.schemas: dict[str, type[Plan]] = {}
-        for item in backends:
-            cls = get_backend(item) if isinstance(item, str) else item
-            self.schemas[cls.backend] = cls
-        self.options = check_options(self.schemas, options or {})
+        self.schemas_by_mode = schemas_by_mode(backends)
+        self.schemas = self.schemas_by_mode.get(ForwardMode.DECODE) or next(
+            iter(self.schemas_by_mode.values())
+        )
+        """The uniform-mode plan schema of each backend (what decode and verify layers read)."""
+        self.options = check_options(self.schemas_by_mode, options or {})
         self.forced = dict(providers or {})
         self.debug = debug_from_env() if debug is None else debug
         self.ops_in_graph = ops_in_graph
@@ -84,8 +107,11 @@ class Planner:
             "num_sms": limits.num_sms,
         }
         self._chains: dict[tuple[str, str | None], ProviderChain] = {}
-        self._programs = {mode: self._build_program(mode) for mode in ForwardMode}
-        self.storages = Storages(self._programs, self.schemas, limits, self.device)
+        self._programs = {
+            mode: self._build_program(mode, schemas)
+            for mode, schemas in self.schemas_by_mode.items()
+        }
+        self.storages = Storages(self._programs, limits, self.device)
         self._captured: dict[tuple[ForwardMode, int], CapturedPlans] = {}
         self._warmed = False
         self._check_forced_keys()
@@ -98,9 +124,9 @@ class Planner:
             self._chains[key] = ProviderChain(get_op(op_name), self.device, forced)
         return self._chains[key]
 
-    def _build_program(self, mode: ForwardMode) -> Program:
+    def _build_program(self, mode: ForwardMode, schemas: Mapping[str, type[Plan]]) -> Program:
         return build_program(
-            self.schemas,
+            schemas,
             self._base,
             self.options,
             self.forced,
@@ -110,13 +136,31 @@ class Planner:
         )
 
     def program(self, mode: ForwardMode) -> Program:
-        """The ordered steps for ``mode`` (built once, at construction)."""
-        return self._programs[ForwardMode(mode)]
+        """The ordered steps for ``mode`` (built once, at construction); idle plans as decode."""
+        mode = ForwardMode(mode).plans_as
+        program = self._programs.get(mode)
+        if program is None:
+            raise BatchError(
+                "no backend of this planner plans this mode",
+                field="mode",
+                expected=sorted(m.value for m in self._programs),
+                actual=mode.value,
+            )
+        return program
+
+    @property
+    def modes(self) -> frozenset[ForwardMode]:
+        """The modes this planner plans (idle whenever decode is)."""
+        planned = set(self._programs)
+        if ForwardMode.DECODE in planned:
+            planned.add(ForwardMode.IDLE)
+        return frozenset(planned)
 
     def _check_forced_keys(self) -> None:
         known = set()
-        for step in self.program(ForwardMode.DECODE).steps:
-            known |= {step.key, step.op_name}
+        for program in self._programs.values():
+            for step in program.steps:
+                known |= {step.key, step.op_name}
         unknown = set(self.forced) - known
         if unknown:
             raise SchemaError(
@@ -126,28 +170,41 @@ class Planner:
                 actual=sorted(unknown),
             )
 
-    def check_serves(self, needs: Mapping[str, type[Plan]], *, who: str = "the model") -> None:
+    def check_serves(
+        self, needs: Mapping[str, type[Plan] | tuple[type[Plan], ...]], *, who: str = "the model"
+    ) -> None:
         """Refuse a consumer whose layers read plans this planner does not make.
 
-        Called once when an engine is built, so layers can read typed fields
-        with no per-step guard: ``needs`` maps a backend to the plan class
-        (or a base of it) the consumer's layers are typed with.
+        Called once when an engine is built, so layers read typed fields with no
+        per-step guard. ``needs`` maps a backend to the plan classes (or bases)
+        the consumer's layers are typed with; every schema this planner makes
+        for that backend, in any mode, must be one of them.
         """
-        for backend, cls in needs.items():
-            planned = self.schemas.get(backend)
-            if planned is None:
+        for backend, wanted in needs.items():
+            accepted = wanted if isinstance(wanted, tuple) else (wanted,)
+            planned = {
+                mode: schemas[backend]
+                for mode, schemas in self.schemas_by_mode.items()
+                if backend in schemas
+            }
+            if not planned:
                 raise SchemaError(
                     f"{who} reads a plan this planner does not make",
                     field=backend,
-                    expected=sorted(self.schemas),
+                    expected=sorted(
+                        {b for schemas in self.schemas_by_mode.values() for b in schemas}
+                    ),
                 )
-            if not issubclass(planned, cls):
-                raise SchemaError(
-                    f"{who} reads {cls.__name__}, but the planner makes {planned.__name__}",
-                    field=backend,
-                    expected=cls.__name__,
-                    actual=planned.__name__,
-                )
+            for mode, cls in planned.items():
+                if not issubclass(cls, accepted):
+                    names = " or ".join(c.__name__ for c in accepted)
+                    raise SchemaError(
+                        f"{who} reads {names}, but the planner makes {cls.__name__} "
+                        f"for mode {mode.value}",
+                        field=backend,
+                        expected=names,
+                        actual=cls.__name__,
+                    )
 
     def warm_up(self) -> None:
         """Run every chosen provider's warm-up hook once, before any graph is captured.
@@ -173,10 +230,28 @@ class Planner:
         """``backend.field`` -> provider name, for reports."""
         return {s.key: s.provider.name for s in self.program(mode).steps}
 
-    def dims(self, mode: ForwardMode, reqs: int, max_len: int) -> dict[str, int]:
-        """Values of the symbolic dimensions for a batch of ``reqs`` requests."""
+    def dims(
+        self,
+        mode: ForwardMode,
+        reqs: int,
+        max_len: int,
+        tokens: int | None = None,
+        kv_tokens: int | None = None,
+    ) -> dict[str, int]:
+        """Values of the symbolic dimensions for a batch of ``reqs`` requests.
+
+        ``tokens`` defaults to the uniform ``reqs * next_n`` and ``kv_tokens``
+        to ``reqs * max_len`` (what static buffers hold).
+        """
+        program = self.program(mode)
         return batch_dims(
-            self.program(mode), self.limits.page_size, self.limits.num_sms, reqs, max_len
+            program,
+            self.limits.page_size,
+            self.limits.num_sms,
+            reqs=reqs,
+            max_len=max_len,
+            tokens=reqs * program.next_n if tokens is None else tokens,
+            kv_tokens=reqs * max_len if kv_tokens is None else kv_tokens,
         )
 
     def static_bytes(self) -> int:
@@ -184,14 +259,17 @@ class Planner:
         return self.storages.nbytes()
 
     def _validate(self, batch: ForwardBatch, *, device_reads: bool) -> ForwardMode:
-        validate_batch(
+        mode = validate_batch(
             batch,
             device=self.device,
             max_batch=self.limits.max_batch,
+            max_tokens=self.limits.extend_tokens,
             next_n=self.limits.next_n,
             device_reads=device_reads,
         )
-        return ForwardMode(batch.mode)
+        if mode not in self.modes:
+            self.program(mode)  # raises, naming the modes this planner plans
+        return mode
 
     # ---- eager ----------------------------------------------------------------------------
 
@@ -199,7 +277,9 @@ class Planner:
         """Eager plans in fresh tensors.
 
         ``pad_to`` plans the batch padded to that many requests at the static
-        shapes a captured plan has: what a replay of that size must equal.
+        shapes a captured plan has: what a replay of that size must equal. An
+        idle batch is planned as one padding request, so kernels never see an
+        empty batch (deep_gemm cannot compile one).
         """
         return self._plan(batch, pad_to=pad_to, count=True)
 
@@ -213,23 +293,28 @@ class Planner:
                 expected=f"[{batch.bs}, {self.limits.max_batch}]",
                 actual=pad_to,
             )
-        reqs = pad_to or batch.bs
-        program = self.program(mode)
+        if pad_to is not None and mode.ragged:
+            raise BatchError(
+                "ragged batches are planned eagerly, never padded to a captured size",
+                field="pad_to",
+                actual=pad_to,
+            )
+        reqs = pad_to or max(batch.bs, 1)
+        program, planned = self.program(mode), mode.plans_as
         # Only sizes so far: staging range-checks the lengths before anything is allocated.
-        max_len = self.limits.max_context if pad_to is not None else int(batch.seq_lens_cpu.max())
-        dims = self.dims(mode, reqs, max_len)
-        ranges = self.storages.ranges(mode, batch.req_to_token)
-        storage = self.storages.fresh(mode, reqs)
+        lens = batch.seq_lens_cpu.numpy()
+        if pad_to is not None:
+            dims = self.dims(mode, reqs, self.limits.max_context)
+        else:
+            max_len = int(lens.max()) if lens.size else program.next_n
+            tokens = batch.num_tokens if mode.ragged else reqs * program.next_n
+            dims = self.dims(mode, reqs, max_len, tokens, int(lens.sum()) if lens.size else 1)
+        ranges = self.storages.ranges(planned, batch.req_to_token)
+        storage = self.storages.fresh(planned, reqs)
         tensors, handles = materialise(
             storage, batch, reqs, dims, ranges, program.steps, read_device=True
         )
-        plans = PlanSet(
-            build_plans(self.schemas, program, tensors, handles, dims),
-            "eager",
-            mode,
-            reqs,
-            batch.bs,
-        )
+        plans = PlanSet(build_plans(program, tensors, handles, dims), "eager", mode, reqs, batch.bs)
         if count:
             self.stats.record_steps(mode, program.steps)
             self.stats.batches["eager"] += 1
@@ -259,6 +344,13 @@ class Planner:
         captured). Call :meth:`record` inside the graph capture, before the layers.
         """
         mode = ForwardMode(mode)
+        if mode.ragged or mode is ForwardMode.IDLE:
+            raise BatchError(
+                "only uniform modes are captured (idle batches replay the decode graphs)",
+                field="mode",
+                expected=[ForwardMode.DECODE.value, ForwardMode.TARGET_VERIFY.value],
+                actual=mode.value,
+            )
         if isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= self.limits.max_batch:
             raise BatchError(
                 "capture size out of range",
@@ -275,9 +367,7 @@ class Planner:
         tensors, handles = materialise(
             storage, dummy, bs, dims, ranges, program.steps, read_device=True
         )
-        plans = PlanSet(
-            build_plans(self.schemas, program, tensors, handles, dims), "capture", mode, bs, bs
-        )
+        plans = PlanSet(build_plans(program, tensors, handles, dims), "capture", mode, bs, bs)
         named = [(f"{b}.{n}", t) for b, p in plans.items() for n, t in p.tensors().items()]
         self._captured[(mode, bs)] = CapturedPlans(
             plans,
@@ -326,7 +416,7 @@ class Planner:
         """
         start = time.perf_counter()
         mode = self._validate(batch, device_reads=self.debug)
-        bs = batch.bs if bs is None else bs
+        bs = max(batch.bs, 1) if bs is None else bs
         if batch.bs > bs:
             raise BatchError(
                 "batch larger than the replayed size",
@@ -334,7 +424,8 @@ class Planner:
                 expected=f"<= {bs}",
                 actual=batch.bs,
             )
-        captured = self._captured_for(mode, bs)
+        planned = mode.plans_as
+        captured = self._captured_for(planned, bs)
         table = batch.req_to_token
         if table.data_ptr() != captured.table_ptr or tuple(table.shape) != captured.table_shape:
             raise ReplayError(
@@ -347,17 +438,18 @@ class Planner:
         dims = self.dims(mode, bs, self.limits.max_context)
         host_steps = [step for step in program.steps if not step.in_graph]
         _, handles = materialise(
-            self.storages.static(mode),
+            self.storages.static(planned),
             batch,
             bs,
             dims,
-            self.storages.ranges(mode, table),
+            self.storages.ranges(planned, table),
             host_steps,
             read_device=self.debug,
         )
         captured.check_unmoved(handles)
         captured.plans.real_reqs = batch.bs
         captured.plans.phase = "replay"
+        captured.plans.mode = mode
         self.stats.record_steps(mode, program.steps)
         self.stats.batches["replay"] += 1
         self.stats.host_seconds["replay"] += time.perf_counter() - start
@@ -373,7 +465,8 @@ class Planner:
         """
         eager = self._plan(batch, pad_to=plans.reqs, count=False)
         program = self.program(plans.mode)
-        real = {"reqs": batch.bs, "rows": batch.bs * program.next_n}
+        tokens = batch.bs * program.next_n
+        real = {"reqs": batch.bs, "rows": tokens, "tokens": tokens}
         self.stats.verified += 1
         check_replay(batch, plans, eager, program.pads, real, self.on_mismatch)
 

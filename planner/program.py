@@ -75,6 +75,8 @@ class Program:
     """Everything a mode needs per batch: settings, source fields, ordered steps."""
 
     mode: ForwardMode
+    schemas: Mapping[str, type[Plan]]
+    """The plan schema of each backend for this mode."""
     settings: Mapping[str, Any]
     steps: tuple[Step, ...]
     pads: Mapping[tuple[str, str], int | float | None]
@@ -90,11 +92,15 @@ class Program:
 def settings_for(
     base: Mapping[str, Any], plan_cls: type[Plan], options: Mapping[str, Any], mode: ForwardMode
 ) -> dict[str, Any]:
-    """Limits, then the schema's defaults, then the user's backend options; next_n per mode."""
+    """Limits, then the schema's defaults, then the user's backend options; next_n per mode.
+
+    Only target-verify has ``next_n`` query rows per request; every other mode
+    plans one row per query token.
+    """
     settings = dict(base)
     settings.update(getattr(plan_cls, "defaults", {}))
     settings.update(options)
-    if mode is ForwardMode.DECODE:
+    if mode is not ForwardMode.TARGET_VERIFY:
         settings["next_n"] = 1
     return settings
 
@@ -143,9 +149,9 @@ def check_static_shapes(plan_cls: type[Plan]) -> None:
                     expected=sorted(SOURCES),
                     actual=spec.source,
                 )
-            if (spec.row_dim == "rows") != SOURCES[spec.source]:
+            if (spec.row_dim in ("rows", "tokens")) != SOURCES[spec.source]:
                 raise SchemaError(
-                    "a per-token source is over 'rows', a per-request one over 'reqs'",
+                    "a per-token source is over 'rows' or 'tokens', a per-request one over 'reqs'",
                     field=f"{plan_cls.backend}.{name}",
                     actual=spec.shape,
                 )
@@ -181,7 +187,8 @@ def build_program(
     first: dict[tuple, tuple[str, str]] = {}
     aliases: dict[tuple[str, str], tuple[str, str]] = {}
     for backend, plan_cls in schemas.items():
-        check_static_shapes(plan_cls)
+        if not mode.ragged:  # ragged modes run eagerly: no static buffers to keep contiguous
+            check_static_shapes(plan_cls)
         settings = settings_for(base_settings, plan_cls, options.get(backend, {}), mode)
         checker = getattr(plan_cls, "check_settings", None)
         if checker is not None:
@@ -247,6 +254,7 @@ def build_program(
     steps = _hoist_host_dependencies(steps, aliases)
     return Program(
         mode=mode,
+        schemas=dict(schemas),
         settings=settings_seen,
         steps=tuple(steps),
         pads=pads,

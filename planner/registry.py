@@ -26,7 +26,8 @@ its subclasses here, so this module must not import it back (no cycle in the cor
 
 ENTRY_POINT_GROUP = "forward_planner.backends"
 
-_BACKENDS: dict[str, PlanClass] = {}
+_BACKENDS: dict[str, list[PlanClass]] = {}
+"""Each backend's plan schemas, in registration order; their ``modes`` do not overlap."""
 _loaded = False
 _load_errors: dict[str, str] = {}
 
@@ -35,20 +36,38 @@ RESERVED = frozenset({"batch"})
 """Names no backend may take: ``batch`` owns the batch's own tensors in the planner's tables."""
 
 
+def _same(a: PlanClass, b: PlanClass) -> bool:
+    """The same class imported again (a reload, a second import path), not another class."""
+    return (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
+
+
 def register_backend(plan_cls: PlanClass) -> None:
-    """Called by ``Plan.__init_subclass__``; one schema per backend name."""
+    """Called by ``Plan.__init_subclass__``: a backend's schema for the modes it declares.
+
+    A backend may register several schemas (e.g. one for uniform decode
+    batches, one for ragged extend batches) as long as their modes do not
+    overlap; a class that would take a mode another class of the backend
+    already plans is refused, unless it is that class imported again.
+    """
     name = plan_cls.backend
     if name in RESERVED:
         raise SchemaError(
             "backend name is reserved", field=name, expected=f"not {sorted(RESERVED)}"
         )
-    existing = _BACKENDS.get(name)
-    if existing is not None and existing.__qualname__ != plan_cls.__qualname__:
-        raise SchemaError(
-            f"backend {name!r} already registered by {existing.__module__}.{existing.__qualname__}",
-            field=name,
-        )
-    _BACKENDS[name] = plan_cls
+    known = _BACKENDS.setdefault(name, [])
+    for i, existing in enumerate(known):
+        if _same(existing, plan_cls):
+            known[i] = plan_cls
+            return
+        overlap = existing.modes & plan_cls.modes
+        if overlap:
+            raise SchemaError(
+                f"backend {name!r} already plans {sorted(m.value for m in overlap)} with "
+                f"{existing.__module__}.{existing.__qualname__}",
+                field=name,
+                actual=f"{plan_cls.__module__}.{plan_cls.__qualname__}",
+            )
+    known.append(plan_cls)
 
 
 def load_backends() -> None:
@@ -65,20 +84,31 @@ def load_backends() -> None:
             warn_once(f"backend entry point {ep.name!r} ({ep.value}) failed to load: {exc!r}")
 
 
-def get_backend(name: str) -> PlanClass:
-    """The plan schema registered as ``name``."""
+def backend_plans(name: str) -> list[PlanClass]:
+    """Every plan schema registered as ``name`` (one per set of modes)."""
     load_backends()
     if name not in _BACKENDS:
         raise SchemaError(
             "unknown backend", field="backend", expected=sorted(_BACKENDS), actual=name
         )
-    return _BACKENDS[name]
+    return list(_BACKENDS[name])
+
+
+def get_backend(name: str) -> PlanClass:
+    """The backend's first registered schema (its uniform decode plan, for the in-tree ones)."""
+    return backend_plans(name)[0]
 
 
 def all_backends() -> dict[str, PlanClass]:
-    """Every registered backend schema by name."""
+    """Every backend by name, with its first registered schema."""
     load_backends()
-    return dict(sorted(_BACKENDS.items()))
+    return {name: plans[0] for name, plans in sorted(_BACKENDS.items())}
+
+
+def all_plan_classes() -> dict[str, list[PlanClass]]:
+    """Every backend by name, with all its schemas."""
+    load_backends()
+    return {name: list(plans) for name, plans in sorted(_BACKENDS.items())}
 
 
 def load_errors() -> dict[str, str]:

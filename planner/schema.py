@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
-from planner.batch import BATCH_TABLES, HOST_INPUTS
+from planner.batch import BATCH_TABLES, HOST_INPUTS, UNIFORM_MODES, ForwardMode
 from planner.dims import DimExpr, dim_names, parse_dim
 from planner.errors import SchemaError
 from planner.registry import register_backend
@@ -24,8 +24,17 @@ from planner.registry import register_backend
 Tensor = Annotated[torch.Tensor, WithJsonSchema({"type": "object", "title": "Tensor"})]
 """Annotation for tensor fields of a plan (a torch tensor, described in JSON Schema)."""
 
-BATCH_DIMS = frozenset({"reqs", "rows", "req_pages"})
-"""Dimensions that grow with the batch: ``req_pages`` = reqs * pages (flat page lists)."""
+BATCH_DIMS = frozenset({"reqs", "rows", "tokens", "req_pages", "kv_tokens"})
+"""Dimensions that grow with the batch.
+
+``reqs``: requests; ``rows``: query rows of a uniform batch (``reqs * next_n``);
+``tokens``: query tokens of any batch (the extend lengths' sum; ``rows`` when
+uniform); ``req_pages``: ``reqs * pages`` (flat page lists); ``kv_tokens``: the
+KV lengths' sum (a flat gathered KV).
+"""
+
+ROW_DIMS = ("reqs", "rows", "tokens")
+"""Leading dimensions whose trailing entries are padding rows in a padded batch."""
 
 PAD_DERIVED = "derived"
 """Pad marker: padding rows hold what the op computes from padded inputs (e.g. prefix sums)."""
@@ -79,9 +88,9 @@ class TensorSpec:
 
     @property
     def row_dim(self) -> str | None:
-        """The batch dimension (``reqs`` or ``rows``) padding applies to, if any."""
+        """The batch dimension (``reqs``, ``rows`` or ``tokens``) padding applies to, if any."""
         first, _ = parse_dim(self.shape[0]) if self.shape else (None, 0)
-        return first if first in ("reqs", "rows") else None
+        return first if first in ROW_DIMS else None
 
     @property
     def batch_dim(self) -> str | None:
@@ -217,6 +226,8 @@ class Plan(BaseModel):
 
     backend: ClassVar[str] = ""
     version: ClassVar[int] = 1
+    modes: ClassVar[frozenset[ForwardMode]] = UNIFORM_MODES
+    """The forward modes this schema plans; a backend may register one schema per set of modes."""
     tensor_specs: ClassVar[dict[str, TensorSpec]] = {}
     scalar_specs: ClassVar[dict[str, ScalarSpec]] = {}
     handle_specs: ClassVar[dict[str, HandleSpec]] = {}
@@ -234,11 +245,19 @@ class Plan(BaseModel):
                 f"invalid {type(self).__name__}: {first['msg']}", field=f"{self.backend}.{where}"
             ) from None
 
-    def __init_subclass__(cls, backend: str | None = None, version: int = 1, **kwargs: Any):
+    def __init_subclass__(
+        cls,
+        backend: str | None = None,
+        version: int = 1,
+        modes: frozenset[ForwardMode] | None = None,
+        **kwargs: Any,
+    ):
         super().__init_subclass__(**kwargs)
         if backend is not None:
             cls.backend = backend
             cls.version = version
+        if modes is not None:
+            cls.modes = frozenset(ForwardMode(m) for m in modes)
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:

@@ -26,7 +26,7 @@ from planner.batch import SOURCES, ForwardBatch
 from planner.door import check_table_width
 from planner.errors import BatchError
 
-_FIELD_OF_SOURCE = {"seq_lens": "seq_lens_cpu"}
+_FIELD_OF_SOURCE = {"seq_lens": "seq_lens_cpu", "extend_lens": "extend_lens_cpu"}
 _UNCHECKED = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
 _INT32 = (np.iinfo(np.int32).min, np.iinfo(np.int32).max)
 
@@ -36,6 +36,7 @@ class Ranges:
     """Inclusive ``(lo, hi)`` of each staged input; hashable, so bounds are cached per value."""
 
     seq_lens: tuple[int, int]
+    extend_lens: tuple[int, int]
     req_pool_indices: tuple[int, int]
     out_cache_loc: tuple[int, int]
     positions: tuple[int, int]
@@ -46,11 +47,16 @@ class Ranges:
 
 
 def input_ranges(
-    max_context: int, next_n: int, kv_slots: int | None, table: torch.Tensor
+    max_context: int, next_n: int, kv_slots: int | None, table: torch.Tensor, ragged: bool
 ) -> Ranges:
-    """The legal values of each staged input for a planner's limits and token table."""
+    """The legal values of each staged input for a planner's limits, token table and mode.
+
+    A uniform batch adds exactly ``next_n`` tokens per request (1 in decode);
+    a ragged one at least one, and never more than the request's KV length.
+    """
     return Ranges(
-        seq_lens=(next_n, min(max_context, table.shape[1])),
+        seq_lens=(1 if ragged else next_n, min(max_context, table.shape[1])),
+        extend_lens=(1, max_context) if ragged else (next_n, next_n),
         req_pool_indices=(0, table.shape[0] - 1),
         out_cache_loc=(0, (kv_slots if kv_slots is not None else 2**31) - 1),
         positions=(0, max_context - 1),
@@ -76,7 +82,7 @@ class StagingLayout:
     every input is range-checked in the same pass.
     """
 
-    def __init__(self, sources: Iterable[tuple[str, int]], max_reqs: int, next_n: int) -> None:
+    def __init__(self, sources: Iterable[tuple[str, int]], max_reqs: int, max_tokens: int) -> None:
         wanted = list(sources)
         named = {source for source, _ in wanted}
         wanted += [(source, 0) for source in SOURCES if source not in named]
@@ -87,16 +93,21 @@ class StagingLayout:
             if key in self.segments:
                 continue
             per_token = SOURCES[source]
-            capacity = max_reqs * next_n if per_token else max_reqs
+            capacity = max_tokens if per_token else max_reqs
             self.segments[key] = Segment(source, per_token, pad, offset, capacity)
             offset += capacity
         self.size = offset
-        self.next_n = next_n
         self._order = tuple(self.segments.values())
+        self._relation = (
+            self.segments.get(("extend_lens", pad_of(wanted, "extend_lens"))),
+            self.segments.get(("seq_lens", pad_of(wanted, "seq_lens"))),
+        )
         self._bounds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
-    def _bounds_for(self, real: int, ranges: Ranges, skip: frozenset) -> tuple[np.ndarray, ...]:
-        key = (real, ranges, skip)
+    def _bounds_for(
+        self, reqs: int, tokens: int, ranges: Ranges, skip: frozenset
+    ) -> tuple[np.ndarray, ...]:
+        key = (reqs, tokens, ranges, skip)
         bounds = self._bounds.get(key)
         if bounds is None:
             lo = np.full(self.size, _UNCHECKED[0], dtype=np.int64)
@@ -104,7 +115,7 @@ class StagingLayout:
             for seg in self._order:
                 if seg.offset in skip:
                     continue
-                n = real * self.next_n if seg.per_token else real
+                n = tokens if seg.per_token else reqs
                 lo[seg.offset : seg.offset + n], hi[seg.offset : seg.offset + n] = ranges[
                     seg.source
                 ]
@@ -112,7 +123,14 @@ class StagingLayout:
         return bounds
 
     def fill(
-        self, host: np.ndarray, batch: ForwardBatch, reqs: int, ranges: Ranges, *, read_device: bool
+        self,
+        host: np.ndarray,
+        batch: ForwardBatch,
+        reqs: int,
+        tokens: int,
+        ranges: Ranges,
+        *,
+        read_device: bool,
     ) -> list[tuple[Segment, torch.Tensor]]:
         """Write each source, then its pad, into ``host``; return the device-resident ones left.
 
@@ -122,10 +140,10 @@ class StagingLayout:
         tensor) for a device-to-device copy after the transfer.
         """
         on_device = []
-        real = batch.bs
+        real_reqs, real_tokens = batch.bs, batch.num_tokens
         for seg in self._order:
-            width = self.next_n if seg.per_token else 1
-            start, mid, end = seg.offset, seg.offset + real * width, seg.offset + reqs * width
+            real, padded = (real_tokens, tokens) if seg.per_token else (real_reqs, reqs)
+            start, mid, end = seg.offset, seg.offset + real, seg.offset + padded
             value = batch.source(seg.source)
             if value.is_cuda and not read_device:
                 on_device.append((seg, value))
@@ -144,12 +162,17 @@ class StagingLayout:
         ranges: Ranges,
         on_device: list[tuple[Segment, torch.Tensor]],
     ) -> None:
-        """Every staged input within its range, in one vectorised pass over ``host``."""
+        """Every staged input within its range, in one vectorised pass over ``host``.
+
+        Then the one relation between inputs: no request adds more tokens than
+        its KV length holds (a negative cached prefix).
+        """
         skip = frozenset(seg.offset for seg, _ in on_device)
-        lo, hi = self._bounds_for(batch.bs, ranges, skip)
+        lo, hi = self._bounds_for(batch.bs, batch.num_tokens, ranges, skip)
         flat = host[: self.size]
         bad = (flat < lo) | (flat > hi)
         if not bad.any():
+            self._check_prefix(host, batch.bs, skip)
             return
         index = int(np.flatnonzero(bad)[0])
         seg = next(s for s in self._order if s.offset <= index < s.offset + s.capacity)
@@ -163,6 +186,27 @@ class StagingLayout:
             expected=f"[{low}, {high}]",
             actual=value,
         )
+
+    def _check_prefix(self, host: np.ndarray, reqs: int, skip: frozenset) -> None:
+        extend, seq = self._relation
+        if extend is None or seq is None or extend.offset in skip or seq.offset in skip:
+            return
+        new = host[extend.offset : extend.offset + reqs]
+        kv = host[seq.offset : seq.offset + reqs]
+        longer = np.flatnonzero(new > kv)
+        if longer.size:
+            i = int(longer[0])
+            raise BatchError(
+                "a request adds more tokens than its KV length (negative cached prefix)",
+                field="extend_lens_cpu",
+                expected=f"<= seq_lens_cpu[{i}] = {int(kv[i])}",
+                actual=int(new[i]),
+            )
+
+
+def pad_of(sources: list[tuple[str, int]], name: str) -> int:
+    """The pad of the first segment of source ``name`` (what the relation check compares)."""
+    return next((pad for source, pad in sources if source == name), 0)
 
 
 def _fits_int32(source: str, values: np.ndarray, ranges: Ranges) -> None:
@@ -200,7 +244,7 @@ class Stager:
         return self.device_buf[segment.offset : segment.offset + n]
 
     def stage(
-        self, batch: ForwardBatch, reqs: int, ranges: Ranges, *, read_device: bool
+        self, batch: ForwardBatch, reqs: int, tokens: int, ranges: Ranges, *, read_device: bool
     ) -> torch.Tensor:
         """Fill, check, one host-to-device copy, then device-resident inputs; the device buffer."""
         if self.static:
@@ -210,7 +254,7 @@ class Stager:
         else:
             host = torch.empty(max(self.layout.size, 1), dtype=torch.int32)
             view = host.numpy()
-        on_device = self.layout.fill(view, batch, reqs, ranges, read_device=read_device)
+        on_device = self.layout.fill(view, batch, reqs, tokens, ranges, read_device=read_device)
         self.layout.check(view, batch, ranges, on_device)
         if not self.static:
             dev = host.to(self.device) if self.device.type != "cpu" else host
@@ -220,8 +264,7 @@ class Stager:
             dev = self.device_buf.copy_(host, non_blocking=True)
             self._copy_done.record()
         self.copies += 1
-        next_n = self.layout.next_n
         for seg, tensor in on_device:
-            n_real = batch.bs * next_n if seg.per_token else batch.bs
+            n_real = batch.num_tokens if seg.per_token else batch.bs
             dev[seg.offset : seg.offset + n_real].copy_(tensor)
         return dev

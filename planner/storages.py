@@ -16,7 +16,6 @@ from planner.batch import ForwardMode
 from planner.limits import Limits
 from planner.materialise import FreshStorage, StaticStorage, batch_dims, source_segments
 from planner.program import Program
-from planner.schema import Plan
 from planner.staging import Ranges, Stager, StagingLayout, input_ranges
 
 
@@ -26,12 +25,10 @@ class Storages:
     def __init__(
         self,
         programs: Mapping[ForwardMode, Program],
-        schemas: Mapping[str, type[Plan]],
         limits: Limits,
         device: torch.device,
     ) -> None:
         self.programs = programs
-        self.schemas = schemas
         self.limits = limits
         self.device = device
         self._layouts: dict[tuple[ForwardMode, int], StagingLayout] = {}
@@ -39,18 +36,27 @@ class Storages:
         self._static: dict[ForwardMode, StaticStorage] = {}
         self._ranges: dict[tuple, Ranges] = {}
 
+    def token_capacity(self, mode: ForwardMode, reqs: int) -> int:
+        """Query tokens a batch of ``reqs`` requests may hold in ``mode``: the staging capacity."""
+        if mode.ragged:
+            return self.limits.extend_tokens
+        return reqs * self.programs[mode].next_n
+
     def layout(self, mode: ForwardMode, reqs: int) -> StagingLayout:
+        """Sized by request count, not by tokens: a ragged batch's layout holds the token
+        capacity, so layouts stay few however the extend lengths vary."""
         key = (mode, reqs)
         layout = self._layouts.get(key)
         if layout is None:
             program = self.programs[mode]
             sources = [
                 (spec.source, program.pads[(backend, name)])
-                for backend, cls in self.schemas.items()
+                for backend, cls in program.schemas.items()
                 for name, spec in cls.tensor_specs.items()
                 if spec.source is not None
             ]
-            layout = self._layouts[key] = StagingLayout(sources, reqs, program.next_n)
+            layout = StagingLayout(sources, reqs, self.token_capacity(mode, reqs))
+            self._layouts[key] = layout
         return layout
 
     def ranges(self, mode: ForwardMode, table: torch.Tensor) -> Ranges:
@@ -59,7 +65,11 @@ class Storages:
         if ranges is None:
             limits = self.limits
             ranges = self._ranges[key] = input_ranges(
-                limits.max_context, self.programs[mode].next_n, limits.kv_slots, table
+                limits.max_context,
+                self.programs[mode].next_n,
+                limits.kv_slots,
+                table,
+                ragged=mode.ragged,
             )
         return ranges
 
@@ -68,7 +78,7 @@ class Storages:
         storage = self._fresh.get(key)
         if storage is None:
             program, layout = self.programs[mode], self.layout(mode, reqs)
-            segments = source_segments(program, self.schemas, layout)
+            segments = source_segments(program, layout)
             stager = Stager(layout, self.device, static=False)
             storage = self._fresh[key] = FreshStorage(program, segments, stager)
         return storage
@@ -78,10 +88,16 @@ class Storages:
         if storage is None:
             limits, program = self.limits, self.programs[mode]
             layout = self.layout(mode, limits.max_batch)
-            segments = source_segments(program, self.schemas, layout)
+            segments = source_segments(program, layout)
             stager = Stager(layout, self.device, static=True)
             max_dims = batch_dims(
-                program, limits.page_size, limits.num_sms, limits.max_batch, limits.max_context
+                program,
+                limits.page_size,
+                limits.num_sms,
+                reqs=limits.max_batch,
+                max_len=limits.max_context,
+                tokens=self.token_capacity(mode, limits.max_batch),
+                kv_tokens=limits.max_batch * limits.max_context,
             )
             storage = self._static[mode] = StaticStorage(program, segments, stager, max_dims)
         return storage

@@ -114,7 +114,8 @@ def test_indexer_topk_matches_brute_force(monkeypatch, provider, seq_lens, next_
     if provider == "garbage":
         monkeypatch.setattr(nsa, "fp8_paged_mqa_logits", garbage_past_lengths)
     plan = make_plan(seq_lens, next_n, topk, width=width, seed=len(seq_lens))
-    q_fp8, weights, cache = make_index_inputs(plan, seed=topk)
+    # seed chosen so that every case's scores are distinct (the brute force requires it)
+    q_fp8, weights, cache = make_index_inputs(plan, seed=topk + 1)
     got = nsa.indexer_topk(plan, q_fp8, weights, cache)
     assert got.dtype == torch.int32 and got.shape == (len(seq_lens) * next_n, topk)
     assert torch.equal(got, brute_force_topk(plan, q_fp8, weights, cache))

@@ -7,7 +7,7 @@ tested bit-equal against the reference under ``TRITON_INTERPRET=1``. ``qo_indptr
 the request owning token ``t`` (``qo_indptr[b] <= t < qo_indptr[b+1]``) and ``position`` is
 ``seq_lens[b] - qo_indptr[b+1] + t``. Tokens ``t >= qo_indptr[reqs]`` are padding.
 
-Not imported by ``backends.common``: importing this module registers the ops.
+Importing this module registers the ops (``backends.common`` does).
 """
 
 from __future__ import annotations
@@ -46,6 +46,16 @@ kv_gather_slots = metadata_op(
     "gathered KV's slots; 0 (the null slot) from kv_indptr[reqs] on.",
 )
 
+last_token_rows = metadata_op(
+    "last_token_rows",
+    "out[b] = qo_indptr[b+1] - 1: the row of request b's last query token (its next-token logits).",
+)
+slot_pages = metadata_op(
+    "slot_pages",
+    "out[0, t], out[1, t] = loc // page_size, loc % page_size of out_cache_loc[t]: where token t's "
+    "KV goes in a paged cache; padding (0, 0).",
+)
+
 token_request.provider("torch")(ref.token_request)
 token_request.provider("triton", available=triton_usable)(tri.token_request)
 token_positions.provider("torch")(ref.token_positions)
@@ -58,3 +68,7 @@ token_kv_ranges.provider("torch")(ref.token_kv_ranges)
 token_kv_ranges.provider("triton", available=triton_usable)(tri.token_kv_ranges)
 kv_gather_slots.provider("torch")(ref.kv_gather_slots)
 kv_gather_slots.provider("triton", available=triton_usable)(tri.kv_gather_slots)
+last_token_rows.provider("torch")(ref.last_token_rows)
+last_token_rows.provider("triton", available=triton_usable)(tri.last_token_rows)
+slot_pages.provider("torch")(ref.slot_pages)
+slot_pages.provider("triton", available=triton_usable)(tri.slot_pages)

@@ -28,6 +28,10 @@ from planner.errors import PlanError
 
 __all__ = [
     "check_kv_gather_slots",
+    "check_last_token_rows",
+    "check_slot_pages",
+    "last_token_rows",
+    "slot_pages",
     "check_token_kv_ranges",
     "check_token_op",
     "check_token_request",
@@ -266,3 +270,38 @@ def kv_gather_slots(
     rows = torch.index_select(req_pool_indices, 0, b).long()
     slots = req_to_token[rows, j.clamp(0, ctx - 1).long()]
     out.copy_(torch.where(take, slots, 0))
+
+
+def check_last_token_rows(out: torch.Tensor, qo_indptr: torch.Tensor) -> int:
+    _check_i32("out", out, 1)
+    reqs = _check_indptr("qo_indptr", qo_indptr)
+    _check_length("out", out, reqs, "len(qo_indptr) - 1")
+    _check_device(out, qo_indptr=qo_indptr)
+    return reqs
+
+
+def last_token_rows(out: torch.Tensor, qo_indptr: torch.Tensor) -> None:
+    """``out[b] = qo_indptr[b + 1] - 1``: the row of request ``b``'s last query token, the one
+    whose logits predict its next token (the LM head runs on these rows only)."""
+    check_last_token_rows(out, qo_indptr)
+    torch.sub(qo_indptr[1:], 1, out=out)
+
+
+def check_slot_pages(out: torch.Tensor, out_cache_loc: torch.Tensor, page_size: int) -> int:
+    _check_i32("out", out, 2)
+    if out.shape[0] != 2:
+        raise PlanError("must be [2, tokens]", field="out", expected=2, actual=_shape(out))
+    _check_i32("out_cache_loc", out_cache_loc, 1)
+    _check_length("out_cache_loc", out_cache_loc, out.shape[1], "out.shape[1]")
+    _check_device(out, out_cache_loc=out_cache_loc)
+    _check_scalar("page_size", page_size, 1)
+    return out.shape[1]
+
+
+def slot_pages(out: torch.Tensor, out_cache_loc: torch.Tensor, page_size: int) -> None:
+    """``out[0] = loc // page_size``, ``out[1] = loc % page_size``: the page and the offset in
+    it each new token's KV is written to (paged caches such as deep_gemm's index cache are
+    addressed this way); padding tokens write slot 0, so (0, 0)."""
+    check_slot_pages(out, out_cache_loc, page_size)
+    torch.div(out_cache_loc, page_size, rounding_mode="floor", out=out[0])
+    torch.remainder(out_cache_loc, page_size, out=out[1])

@@ -31,6 +31,8 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
 
 __all__ = [
     "kv_gather_slots",
+    "last_token_rows",
+    "slot_pages",
     "token_causal_lengths",
     "token_kv_ranges",
     "token_positions",
@@ -115,8 +117,25 @@ def _kv_gather_kernel(
     tl.store(out_ptr + p, slot, mask=in_out)
 
 
+def _last_rows_kernel(out_ptr, qo_ptr, reqs, BLOCK: tl.constexpr):
+    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = b < reqs
+    tl.store(out_ptr + b, tl.load(qo_ptr + b + 1, mask=keep, other=1) - 1, mask=keep)
+
+
+def _slot_pages_kernel(out_ptr, loc_ptr, n, page_size, out_stride, BLOCK: tl.constexpr):
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = t < n
+    loc = tl.load(loc_ptr + t, mask=keep, other=0)
+    page = loc // page_size  # slots are never negative: floor and truncation agree
+    tl.store(out_ptr + t, page, mask=keep)
+    tl.store(out_ptr + out_stride + t, loc - page * page_size, mask=keep)
+
+
 _token = LazyKernel(_token_kernel)
 _kv_gather = LazyKernel(_kv_gather_kernel)
+_last_rows = LazyKernel(_last_rows_kernel)
+_slot_pages = LazyKernel(_slot_pages_kernel)
 
 
 def _launch_token(
@@ -206,4 +225,26 @@ def kv_gather_slots(
         req_to_token.stride(0),
         reqs.bit_length(),
         BLOCK=block,
+    )
+
+
+def last_token_rows(out: torch.Tensor, qo_indptr: torch.Tensor) -> None:
+    """See ``ragged_ref.last_token_rows``."""
+    reqs = ref.check_last_token_rows(out, qo_indptr)
+    tri._require(out.device)
+    if reqs == 0:
+        return
+    block = block_size(reqs)
+    _last_rows[(triton.cdiv(reqs, block),)](out, qo_indptr, reqs, BLOCK=block)
+
+
+def slot_pages(out: torch.Tensor, out_cache_loc: torch.Tensor, page_size: int) -> None:
+    """See ``ragged_ref.slot_pages``."""
+    n = ref.check_slot_pages(out, out_cache_loc, page_size)
+    tri._require(out.device)
+    if n == 0:
+        return
+    block = block_size(n)
+    _slot_pages[(triton.cdiv(n, block),)](
+        out, out_cache_loc, n, page_size, out.stride(0), BLOCK=block
     )

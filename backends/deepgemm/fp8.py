@@ -26,6 +26,7 @@ __all__ = [
     "dequantize_fp8_per_vector",
     "quantize_query",
     "new_index_cache",
+    "gather_index_cache",
     "index_cache_views",
     "write_index_cache",
     "pack_index_kv_cache",
@@ -186,6 +187,22 @@ def write_index_cache(
     # index_put_ on the uint8 bytes: fp8 index_put is not implemented on every backend.
     k_view.view(torch.uint8).index_put_((block, offset), k_fp8.view(torch.uint8))
     s_view.index_put_((block, offset), scale.to(torch.float32))
+
+
+def gather_index_cache(
+    cache: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and scales of the given slots, in order: ``(k_fp8 [N, D], k_scale [N] float32)``.
+
+    What the ragged prefill indexer (``fp8_mqa_logits``) reads: a flat KV
+    gathered from the paged cache, request after request. Copies; no host sync.
+    """
+    k_view, s_view = index_cache_views(cache)
+    slots = slots.to(torch.int64)
+    block = torch.div(slots, PAGE, rounding_mode="floor")
+    offset = slots - block * PAGE
+    keys = k_view.view(torch.uint8)[block, offset].view(torch.float8_e4m3fn)
+    return keys, s_view[block, offset]
 
 
 def pack_index_kv_cache(

@@ -34,6 +34,7 @@ from planner.errors import PlanError, ProviderError
 from . import _native
 from .fp8 import PAGE, _check_cache, index_cache_views
 from .schedule import SPLIT_KV, validate_context_lens
+from .scores import weighted_head_sum
 
 __all__ = [
     "validate_paged_logits_inputs",
@@ -194,18 +195,20 @@ def reference_fp8_paged_mqa_logits(
         table = torch.nn.functional.pad(table, (0, need_blocks - table.shape[1]))
     table = table.clamp(0, num_blocks - 1)
 
-    q32 = q.float()  # [B, n, H, D]
-    w = weights.view(batch, next_n, heads, 1)
+    q64 = q.double()  # [B, n, H, D]; fp8 products are exact in float64 (see .scores)
+    w64 = weights.double()  # [B * n, H]
     lens = context_lens.to(torch.int64).unsqueeze(-1)  # [B, n, 1]
     out3 = full.view(batch, next_n, stride)  # row b * next_n + i == [b, i]
     chunk_blocks = max(1, _CHUNK_TOKENS // PAGE)
     for b0 in range(0, need_blocks, chunk_blocks):
         ids = table[:, b0 : b0 + chunk_blocks]  # [B, cb]
         tokens = ids.shape[1] * PAGE
-        k = k_view[ids].float().reshape(batch, tokens, dim)
-        k_scale = s_view[ids].reshape(batch, 1, tokens)
-        dots = torch.einsum("bnhd,btd->bnht", q32, k)
-        score = (torch.relu(dots) * w).sum(dim=2) * k_scale  # [B, n, T]
+        k = k_view.view(torch.uint8)[ids].view(torch.float8_e4m3fn).double()
+        k = k.reshape(batch, tokens, dim)
+        k_scale = s_view[ids].reshape(batch, 1, tokens).double()
+        dots = torch.einsum("bnhd,btd->bnht", q64, k).reshape(batch * next_n, heads, tokens)
+        score = weighted_head_sum(dots, w64).view(batch, next_n, tokens) * k_scale
+        score = score.float()  # [B, n, T]
         t0 = b0 * PAGE
         pos = torch.arange(t0, t0 + tokens, device=q.device)
         score = torch.where(pos < lens, score, float("-inf"))

@@ -49,6 +49,7 @@ import torch
 from planner.errors import PlanError, ProviderError
 
 from . import _native
+from .scores import weighted_head_sum
 
 __all__ = [
     "validate_mqa_logits_inputs",
@@ -195,19 +196,6 @@ def validate_mqa_logits_inputs(
     return tokens, kv_tokens, heads, dim
 
 
-def _weighted_head_sum(dots: torch.Tensor, w64: torch.Tensor) -> torch.Tensor:
-    """``sum_h w[r, h] * relu(dots[r, h, c])`` in float64, heads in order.
-
-    Element-wise ops only (no reduction kernel), so the rounding order is fixed by the
-    spec rather than by a reduction's vectorisation: the same bits on every device.
-    """
-    dots.clamp_(min=0).mul_(w64.unsqueeze(-1))
-    acc = dots[:, 0].clone()
-    for h in range(1, dots.shape[1]):
-        acc += dots[:, h]
-    return acc
-
-
 def reference_fp8_mqa_logits(
     q: torch.Tensor,
     kv: tuple[torch.Tensor, torch.Tensor],
@@ -264,7 +252,7 @@ def reference_fp8_mqa_logits(
             dots = (q64.view(tokens * heads, dim) @ keys.T).view(tokens, heads, c1 - c0)
             scale = k_scale[c0:c1].double().unsqueeze(0)
             valid = (cols >= start) & (cols < end)
-        score = (_weighted_head_sum(dots, w64) * scale).float()
+        score = (weighted_head_sum(dots, w64) * scale).float()
         out[:, c0:c1] = torch.where(valid, score, float("-inf"))
     return out
 

@@ -1,10 +1,12 @@
-"""DeepSeek-V3.2 NSA: plan schema, the schedule op, and the attention that reads the plan."""
+"""DeepSeek-V3.2 NSA: plan schemas (decode and extend), their ops, and the attention that reads them."""
 
 from backends.nsa.attention import dense_mla_decode, indexer_topk, sparse_mla_decode
+from backends.nsa.extend_plan import NSAExtendPlan
 from backends.nsa.ops import paged_mqa_schedule, warmup_schedule_buckets
 from backends.nsa.plan import NSAPlan
 
 __all__ = [
+    "NSAExtendPlan",
     "NSAPlan",
     "dense_mla_decode",
     "indexer_topk",

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from backends.deepgemm import fp8
-from backends.nsa import NSAPlan
+from backends.nsa import NSAExtendPlan, NSAPlan
 from backends.nsa.attention import indexer_topk
+from backends.nsa.extend_attention import indexer_topk_extend
 from models.config import DSV32Config
 from models.layers.hadamard import hadamard_matrix, hadamard_rotate
 from models.layers.norm import LayerNorm
@@ -77,7 +78,7 @@ class Indexer(nn.Module):
         qr: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        plan: NSAPlan,
+        plan: NSAPlan | NSAExtendPlan,
         index_cache: torch.Tensor,
     ) -> torch.Tensor:
         """Write this step's keys, then return ``topk_slots int32 [rows, topk]`` (-1 invalid)."""
@@ -87,6 +88,7 @@ class Indexer(nn.Module):
         fp8.write_index_cache(index_cache, plan.out_cache_loc, k_fp8, k_scale)
         q_fp8, q_scale = fp8.quantize_fp8_e4m3_per_vector(q, block=self.head_dim)
         weights = w * q_scale.squeeze(-1)
-        next_n = plan.next_n
-        q_fp8 = q_fp8.view(-1, next_n, self.n_heads, self.head_dim)
+        if isinstance(plan, NSAExtendPlan):
+            return indexer_topk_extend(plan, q_fp8, weights, index_cache)
+        q_fp8 = q_fp8.view(-1, plan.next_n, self.n_heads, self.head_dim)
         return indexer_topk(plan, q_fp8, weights, index_cache)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backends.nsa import NSAPlan
+from backends.nsa import NSAExtendPlan, NSAPlan
 from backends.nsa.attention import sparse_mla_decode
 from models.config import DSV32Config
 from models.layers.indexer import Indexer
@@ -79,11 +79,14 @@ class MLA(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        plan: NSAPlan,
+        plan: NSAPlan | NSAExtendPlan,
         kv_cache: torch.Tensor,
         index_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """One decode attention over ``x [rows, dim]`` (already normed) -> ``[rows, dim]``.
+        """One attention over ``x [rows, dim]`` (already normed) -> ``[rows, dim]``.
+
+        A row per query token: decode and verify rows, or every new token of an
+        extend batch (its top-k from the ragged indexer, causal per token).
 
         Writes this step's latent and rope key into ``kv_cache`` at the plan's
         ``out_cache_loc`` before attending, so every row sees its own token.
