@@ -42,15 +42,6 @@ DEFAULT_BLOCK = 1024
 DEFAULT_WARPS = 8
 
 
-def _order_key(x):
-    # float32 -> uint32 with the float order; -0.0 folded into +0.0 first (they tie).
-    x = tl.where(x == 0, 0.0, x)
-    bits = x.to(tl.int32, bitcast=True)
-    u = bits.to(tl.uint32, bitcast=True)
-    sign = tl.full(x.shape, 1, tl.uint32) << 31
-    return tl.where(bits >= 0, u | sign, ~u)
-
-
 def _row_topk_kernel(
     out_ptr,
     x_ptr,
@@ -70,6 +61,7 @@ def _row_topk_kernel(
     scored = tl.where(small, 0, n)  # positions whose scores are read
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 16)
+    sign = tl.full([BLOCK], 1, tl.uint32) << 31
 
     # Search state: digits fixed so far, how many of the k are still to be found among
     # keys matching them, and the lowest bit position fixed.
@@ -87,7 +79,12 @@ def _row_topk_kernel(
             idx = start + offs
             ok = idx < n
             x = tl.load(x_row + idx, mask=ok, other=0.0)
-            key = _order_key(x)
+            # Order-preserving uint32 key (-0.0 folded into +0.0 so they tie). Written out
+            # here and in the compaction: a helper would have to be a JITFunction, which
+            # freezes the interpreter mode at import like LazyKernel avoids.
+            bits = tl.where(x == 0, 0.0, x).to(tl.int32, bitcast=True)
+            u = bits.to(tl.uint32, bitcast=True)
+            key = tl.where(bits >= 0, u | sign, ~u)
             ok = ok & (x == x)  # NaN is never a candidate
             if p > 0:
                 ok = ok & ((key >> (shift + 4)) == (prefix >> (shift + 4)))
@@ -120,7 +117,9 @@ def _row_topk_kernel(
         in_len = idx < n
         x = tl.load(x_row + idx, mask=idx < scored, other=0.0)
         cand = in_len & (x == x)
-        hi = _order_key(x) >> low
+        bits = tl.where(x == 0, 0.0, x).to(tl.int32, bitcast=True)
+        u = bits.to(tl.uint32, bitcast=True)
+        hi = tl.where(bits >= 0, u | sign, ~u) >> low
         eq = cand & (hi == threshold)
         eq_i = eq.to(tl.int32)
         eq_rank = tl.cumsum(eq_i, axis=0) - eq_i + eq_seen
