@@ -71,6 +71,8 @@ def routed_experts(
     ``nn.Linear`` weights; their transposes are views, never copies.
     """
     rows, top_k = indices.shape
+    if rows == 0:  # decided from the shape: nothing to dispatch
+        return torch.zeros(0, x.shape[1], dtype=torch.float32, device=x.device)
     batch = sort_by_expert(weights, indices, w1.shape[0])
     xs = x.index_select(0, batch.rows)  # [P, dim]
     # A token picks an expert at most once, so no group exceeds `rows` pairs.
