@@ -74,7 +74,9 @@ def _row_topk_kernel(
     take_all = n < 0
     for p in tl.static_range(8):
         shift = 28 - 4 * p
-        counts = tl.zeros([16], tl.int32)
+        # Per-lane counts, reduced once per pass rather than once per chunk. Bins go on
+        # axis 0 so each thread keeps all 16 bins of its own positions (no shuffles).
+        lanes = tl.zeros([16, BLOCK], tl.int32)
         for start in range(0, tl.where(done, 0, n), BLOCK):
             idx = start + offs
             ok = idx < n
@@ -88,9 +90,9 @@ def _row_topk_kernel(
             ok = ok & (x == x)  # NaN is never a candidate
             if p > 0:
                 ok = ok & ((key >> (shift + 4)) == (prefix >> (shift + 4)))
-            digit = ((key >> shift) & 15).to(tl.int32)
-            hit = (digit[:, None] == bins[None, :]) & ok[:, None]
-            counts += tl.sum(hit.to(tl.int32), axis=0)
+            digit = tl.where(ok, ((key >> shift) & 15).to(tl.int32), 16)  # 16: no bin
+            lanes += (bins[:, None] == digit[None, :]).to(tl.int32)
+        counts = tl.sum(lanes, axis=1)
         if p == 0:
             # Fewer than k candidates (NaNs): take every candidate, no threshold.
             take_all = (n > k) & (tl.sum(counts, axis=0) <= k)
@@ -107,10 +109,14 @@ def _row_topk_kernel(
         shift_final = tl.where(live, shift, shift_final)
         done = done | (c == need)  # the bucket is taken whole: lower bits do not matter
 
-    # Compaction in position order: above the threshold always, at it while budget lasts.
+    # Compaction in position order. "always" entries are taken outright (above the
+    # threshold; or every candidate / position when there is no threshold); "at" entries
+    # (equal to the threshold) while the budget ``need`` lasts. One scan counts both:
+    # always in the low 16 bits, at in the high ones (BLOCK < 2**15 keeps them apart).
     low = shift_final.to(tl.uint32)
     threshold = prefix >> low
-    eq_seen = zero
+    plain = (small | take_all) == 0
+    at_seen = zero
     taken = zero
     for start in range(0, n, BLOCK):
         idx = start + offs
@@ -120,17 +126,20 @@ def _row_topk_kernel(
         bits = tl.where(x == 0, 0.0, x).to(tl.int32, bitcast=True)
         u = bits.to(tl.uint32, bitcast=True)
         hi = tl.where(bits >= 0, u | sign, ~u) >> low
-        eq = cand & (hi == threshold)
-        eq_i = eq.to(tl.int32)
-        eq_rank = tl.cumsum(eq_i, axis=0) - eq_i + eq_seen
-        sel = (cand & (hi > threshold)) | (eq & (eq_rank < need))
-        sel = tl.where(take_all, cand, sel)
-        sel = tl.where(small, in_len, sel)
-        sel_i = sel.to(tl.int32)
-        dest = tl.cumsum(sel_i, axis=0) - sel_i + taken
+        always = tl.where(plain, cand & (hi > threshold), tl.where(small, in_len, cand))
+        at = tl.where(plain, cand & (hi == threshold), False)
+        both = always.to(tl.int32) + (at.to(tl.int32) << 16)
+        before = tl.cumsum(both, axis=0) - both
+        at_before = at_seen + (before >> 16)
+        used = tl.minimum(at_before, need) - tl.minimum(at_seen, need)
+        dest = taken + (before & 0xFFFF) + used
+        sel = always | (at & (at_before < need))
         tl.store(out_row + dest, idx, mask=sel & (dest < k))
-        taken += tl.sum(sel_i, axis=0)
-        eq_seen += tl.sum(eq_i, axis=0)
+        total = tl.sum(both, axis=0)
+        taken += (
+            (total & 0xFFFF) + tl.minimum(at_seen + (total >> 16), need) - tl.minimum(at_seen, need)
+        )
+        at_seen += total >> 16
 
     cols = tl.arange(0, OUT_BLOCK)
     for start in range(0, k, OUT_BLOCK):
@@ -158,8 +167,8 @@ def row_topk_triton(
 ) -> torch.Tensor:
     """``reference_row_topk``'s result, written into ``out``, with work per row ~ its length.
 
-    ``block`` (a power of 2, >= 16) and ``num_warps`` are tuning knobs only; results do
-    not depend on them.
+    ``block`` (a power of 2 in ``[16, 8192]``) and ``num_warps`` are tuning knobs only;
+    results do not depend on them.
     """
     check_row_topk(logits, lengths, k, out)
     device = logits.device
@@ -172,8 +181,8 @@ def row_topk_triton(
             "triton.language was imported before TRITON_INTERPRET=1: its cumsum cannot be "
             "interpreted; set TRITON_INTERPRET before importing triton"
         )
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block must be a power of 2 >= 16, got {block}")
+    if block < 16 or block > 8192 or block & (block - 1):
+        raise ValueError(f"block must be a power of 2 in [16, 8192], got {block}")
     rows, width = logits.shape
     if rows == 0:
         return out
