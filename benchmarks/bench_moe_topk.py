@@ -331,66 +331,44 @@ def _med(row: dict, key: str) -> float | str:
 
 
 def _ratio(row: dict, num: str, den: str) -> float | str:
-    if num in row and den in row:
-        return row[num]["median_us"] / row[den]["median_us"]
-    return "-"
+    return row[num]["median_us"] / row[den]["median_us"] if num in row and den in row else "-"
 
 
 def render(result: dict[str, Any]) -> dict[str, float]:
     """Print the tables; return each case's speedup over its baseline (for the plot)."""
-    speedups: dict[str, float] = {}
-    rows = []
-    for r in result["moe"]:
-        rows.append(
-            [r["shape"], r["rows"], r["provider"], r.get("experts_used", "-"), _med(r, "dense"),
-             _med(r, "routed"), _med(r, "routed_triton"), _ratio(r, "dense", "routed"),
-             _ratio(r, "dense", "routed_triton"), r.get("routed", {}).get("TB_per_s", "-"),
-             r.get("routed_err", "-")]
-        )  # fmt: skip
-        if isinstance(rows[-1][7], float):
-            speedups[f"moe {r['shape']} r{r['rows']}"] = rows[-1][7]
+    moe = [
+        [r["shape"], r["rows"], r["provider"], r.get("experts_used", "-"), _med(r, "dense"),
+         _med(r, "routed"), _med(r, "routed_triton"), _ratio(r, "dense", "routed"),
+         _ratio(r, "dense", "routed_triton"), r.get("routed", {}).get("TB_per_s", "-"),
+         r.get("routed_err", "-")]
+        for r in result["moe"]
+    ]  # fmt: skip
     print_table(
-        "MoE (median us per forward; ratio = dense / routed)",
-        [
-            "shape",
-            "rows",
-            "provider",
-            "experts",
-            "dense",
-            "routed",
-            "triton",
-            "x",
-            "x_tri",
-            "TB/s",
-            "err",
-        ],  # fmt: skip
-        rows,
-    )
-    rows = []
-    for r in result["topk"]:
-        ratio = _ratio(r, "torch_topk", "triton")
-        rows.append(
-            [r["width"], r["rows"], r["lengths"], _med(r, "torch_topk"), _med(r, "triton"), ratio]
-        )
-        if isinstance(ratio, float):
-            speedups[f"topk {r['width']} r{r['rows']} {r['lengths']}"] = ratio
+        "MoE (median us per forward; x = dense / routed)",
+        ["shape", "rows", "provider", "experts", "dense", "routed", "triton", "x", "x_tri", "TB/s",
+         "err"],
+        moe,
+    )  # fmt: skip
+    topk = [
+        [r["width"], r["rows"], r["lengths"], _med(r, "torch_topk"), _med(r, "triton"),
+         _ratio(r, "torch_topk", "triton")]
+        for r in result["topk"]
+    ]  # fmt: skip
     print_table(
-        f"top-{result['topk_k']} (median us; ratio = torch.topk / triton)",
+        f"top-{result['topk_k']} (median us; x = torch.topk / triton)",
         ["width", "rows", "lengths", "torch.topk", "triton", "x"],
-        rows,
+        topk,
     )
     if result["sweep"]:
         print_table(
-            "Triton top-k, width 16384, 128 full rows",
+            "Triton top-k, widest width, 128 full rows",
             ["block", "warps", "median_us", "p99_us"],
             [[r["block"], r["warps"], r["median_us"], r["p99_us"]] for r in result["sweep"]],
         )
-    print(
-        "FAILURES:\n  " + "\n  ".join(result["failures"])
-        if result["failures"]
-        else "all checks passed"
-    )
-    return speedups
+    print("\n  ".join(["FAILURES:", *result["failures"]]) if result["failures"] else "all passed")
+    speedups = {f"moe {r[0]} r{r[1]}": r[7] for r in moe}
+    speedups.update({f"topk {r[0]} r{r[1]} {r[2]}": r[5] for r in topk})
+    return {name: x for name, x in speedups.items() if isinstance(x, float)}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
