@@ -1,12 +1,11 @@
 """Feed-forward blocks: dense SwiGLU MLP and DeepSeek-V3-style MoE.
 
-The MoE here is written for CUDA graph capture rather than speed: routing
-builds a dense ``[rows, experts]`` weight matrix (mostly zeros) and every
-expert runs on every row, so there is no host sync, no ``nonzero`` and no
-data-dependent shape. That costs ``n_routed_experts / num_experts_per_tok``
-times the FLOPs of real routing, which is fine for the few experts of the
-tiny/small presets; real serving dispatches tokens to experts with grouped
-GEMMs (and expert parallelism) instead.
+``MoE`` routes: only the chosen experts run, on tokens grouped by expert with grouped
+GEMMs (``moe_routing``), with static shapes and no host sync, so a forward can be
+captured in a CUDA graph. ``DenseMoE`` is the reference it is tested against: a dense
+``[rows, experts]`` weight matrix (mostly zeros) and every expert on every row,
+``n_routed_experts / num_experts_per_tok`` times the FLOPs and weight bytes. Both have
+the same parameters (names and shapes), so either loads the other's weights.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import DSV32Config
+from models.layers.moe_routing import routed_experts
 
 
 class MLP(nn.Module):
@@ -65,17 +65,45 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (stacked weights) plus shared experts, graph-capturable."""
+    """Routed experts (stacked weights) plus shared experts, graph-capturable.
 
-    def __init__(self, cfg: DSV32Config, dtype: torch.dtype | None = None) -> None:
+    ``grouped_mm_provider`` forces a grouped GEMM provider (``grouped_gemm.PROVIDERS``);
+    by default it is chosen from dtype and device per call.
+    """
+
+    def __init__(
+        self,
+        cfg: DSV32Config,
+        dtype: torch.dtype | None = None,
+        grouped_mm_provider: str | None = None,
+    ) -> None:
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Gate(cfg, dtype)
-        # Stacked [experts, out, in] like nn.Linear weights, so one bmm runs them all.
+        # Stacked [experts, out, in] like nn.Linear weights.
         self.w1 = nn.Parameter(torch.empty(e, i, d, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(e, d, i, dtype=dtype))
         self.w3 = nn.Parameter(torch.empty(e, i, d, dtype=dtype))
         self.shared = MLP(d, cfg.n_shared_experts * i, dtype) if cfg.n_shared_experts > 0 else None
+        self.grouped_mm_provider = grouped_mm_provider
+
+    def _with_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.shared is not None:
+            y = y + self.shared(x).float()
+        return y.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, indices = self.gate(x)
+        y = routed_experts(x, weights, indices, self.w1, self.w2, self.w3, self.grouped_mm_provider)
+        return self._with_shared(x, y)
+
+
+class DenseMoE(MoE):
+    """The dense-routing reference: every expert on every row, weighted by a dense matrix.
+
+    Same parameters as ``MoE``; kept because it is obviously right (one ``bmm`` per
+    projection, no dispatch), not because it is fast.
+    """
 
     def routing_matrix(self, x: torch.Tensor) -> torch.Tensor:
         """Dense ``[rows, experts]`` fp32 routing weights, zero for unchosen experts."""
@@ -88,7 +116,4 @@ class MoE(nn.Module):
         xe = x.unsqueeze(0).expand(self.w1.shape[0], -1, -1)  # [E, rows, dim]
         h = F.silu(torch.bmm(xe, self.w1.transpose(1, 2))) * torch.bmm(xe, self.w3.transpose(1, 2))
         ye = torch.bmm(h, self.w2.transpose(1, 2))  # [E, rows, dim]
-        y = torch.einsum("re,erd->rd", route, ye.float())
-        if self.shared is not None:
-            y = y + self.shared(x).float()
-        return y.to(x.dtype)
+        return self._with_shared(x, torch.einsum("re,erd->rd", route, ye.float()))

@@ -1,0 +1,201 @@
+"""Length-aware row top-k as one Triton program per row: radix select, then compaction.
+
+``torch.topk`` over the plan width scores and sorts every column of every row, so a
+decode batch padded to ``max_context`` pays for 16k columns where a row has 300 valid
+tokens, and rows whose whole KV fits in ``k`` sort for nothing. Here each program
+reads only its row's ``[0, L)``:
+
+1. **Radix select** on order-preserving uint32 keys of the scores (see
+   ``topk_ref.order_keys``): up to 8 passes of 4 bits, each a 16-bin histogram of
+   the candidates that match the digits fixed so far, find the k-th largest key.
+   A pass stops the search early when the k-th element's bucket is taken whole
+   (typical for distinct scores after 3-5 passes); with ties it runs all 8 and
+   the threshold is the exact key.
+2. **Compaction** walks ``[0, L)`` in order with running prefix counts: keys above
+   the threshold are taken, keys equal to it are taken lowest position first
+   until the budget is spent. Output is therefore ascending, then ``-1`` padding.
+
+Rows with ``L <= k`` skip both passes over the scores and write ``0 .. L-1``. The
+semantics (ties, NaN, ``-0.0``, padding) are ``topk_ref.reference_row_topk``'s, bit for
+bit. Grid ``(rows,)`` from shapes only: no host sync, capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backends.common.triton_kernels import LazyKernel, triton_available
+from backends.nsa.topk_ref import check_row_topk
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
+    triton = None
+    tl = None
+
+__all__ = ["row_topk_triton"]
+
+# Scores per chunk of a pass. The histogram is a [BLOCK, 16] compare, so 1024 keeps it
+# at 64 values per thread with 8 warps.
+DEFAULT_BLOCK = 1024
+DEFAULT_WARPS = 8
+
+
+def _row_topk_kernel(
+    out_ptr,
+    x_ptr,
+    len_ptr,
+    width,
+    k,
+    x_stride,
+    out_stride,
+    BLOCK: tl.constexpr,
+    OUT_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    out_row = out_ptr + row * out_stride
+    n = tl.minimum(tl.maximum(tl.load(len_ptr + row), 0), width)
+    small = n <= k  # the whole row fits: take it without reading a score
+    scored = tl.where(small, 0, n)  # positions whose scores are read
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 16)
+    sign = tl.full([BLOCK], 1, tl.uint32) << 31
+
+    # Search state: digits fixed so far, how many of the k are still to be found among
+    # keys matching them, and the lowest bit position fixed.
+    # Scalars derive from ``n`` so their types are fixed (int32 / uint32 / bool).
+    zero = n * 0
+    prefix = zero.to(tl.uint32)
+    need = zero + k
+    shift_final = zero + 28
+    done = small
+    take_all = n < 0
+    for p in tl.static_range(8):
+        shift = 28 - 4 * p
+        # Per-lane counts, reduced once per pass rather than once per chunk. Bins go on
+        # axis 0 so each thread keeps all 16 bins of its own positions (no shuffles).
+        lanes = tl.zeros([16, BLOCK], tl.int32)
+        for start in range(0, tl.where(done, 0, n), BLOCK):
+            idx = start + offs
+            ok = idx < n
+            x = tl.load(x_row + idx, mask=ok, other=0.0)
+            # Order-preserving uint32 key (-0.0 folded into +0.0 so they tie). Written out
+            # here and in the compaction: a helper would have to be a JITFunction, which
+            # freezes the interpreter mode at import like LazyKernel avoids.
+            bits = tl.where(x == 0, 0.0, x).to(tl.int32, bitcast=True)
+            u = bits.to(tl.uint32, bitcast=True)
+            key = tl.where(bits >= 0, u | sign, ~u)
+            ok = ok & (x == x)  # NaN is never a candidate
+            if p > 0:
+                ok = ok & ((key >> (shift + 4)) == (prefix >> (shift + 4)))
+            digit = tl.where(ok, ((key >> shift) & 15).to(tl.int32), 16)  # 16: no bin
+            lanes += (bins[:, None] == digit[None, :]).to(tl.int32)
+        counts = tl.sum(lanes, axis=1)
+        if p == 0:
+            # Fewer than k candidates (NaNs): take every candidate, no threshold.
+            take_all = (n > k) & (tl.sum(counts, axis=0) <= k)
+            done = done | take_all
+        # The digit d whose bucket holds the need-th largest: above(d) < need <= above+count.
+        above = tl.sum(tl.where(bins[None, :] > bins[:, None], counts[None, :], 0), axis=1)
+        pick = (above < need) & (need <= above + counts)
+        d = tl.sum(tl.where(pick, bins, 0), axis=0)
+        a = tl.sum(tl.where(pick, above, 0), axis=0)
+        c = tl.sum(tl.where(pick, counts, 0), axis=0)
+        live = done == 0
+        prefix = tl.where(live, prefix | (d.to(tl.uint32) << shift), prefix)
+        need = tl.where(live, need - a, need)
+        shift_final = tl.where(live, shift, shift_final)
+        done = done | (c == need)  # the bucket is taken whole: lower bits do not matter
+
+    # Compaction in position order. "always" entries are taken outright (above the
+    # threshold; or every candidate / position when there is no threshold); "at" entries
+    # (equal to the threshold) while the budget ``need`` lasts. One scan counts both:
+    # always in the low 16 bits, at in the high ones (BLOCK < 2**15 keeps them apart).
+    low = shift_final.to(tl.uint32)
+    threshold = prefix >> low
+    plain = (small | take_all) == 0
+    at_seen = zero
+    taken = zero
+    for start in range(0, n, BLOCK):
+        idx = start + offs
+        in_len = idx < n
+        x = tl.load(x_row + idx, mask=idx < scored, other=0.0)
+        cand = in_len & (x == x)
+        bits = tl.where(x == 0, 0.0, x).to(tl.int32, bitcast=True)
+        u = bits.to(tl.uint32, bitcast=True)
+        hi = tl.where(bits >= 0, u | sign, ~u) >> low
+        always = tl.where(plain, cand & (hi > threshold), tl.where(small, in_len, cand))
+        at = tl.where(plain, cand & (hi == threshold), False)
+        both = always.to(tl.int32) + (at.to(tl.int32) << 16)
+        before = tl.cumsum(both, axis=0) - both
+        at_before = at_seen + (before >> 16)
+        used = tl.minimum(at_before, need) - tl.minimum(at_seen, need)
+        dest = taken + (before & 0xFFFF) + used
+        sel = always | (at & (at_before < need))
+        tl.store(out_row + dest, idx, mask=sel & (dest < k))
+        total = tl.sum(both, axis=0)
+        taken += (
+            (total & 0xFFFF) + tl.minimum(at_seen + (total >> 16), need) - tl.minimum(at_seen, need)
+        )
+        at_seen += total >> 16
+
+    cols = tl.arange(0, OUT_BLOCK)
+    for start in range(0, k, OUT_BLOCK):
+        col = start + cols
+        tl.store(out_row + col, tl.full([OUT_BLOCK], -1, tl.int32), mask=(col < k) & (col >= taken))
+
+
+_row_topk = LazyKernel(_row_topk_kernel)
+
+
+def _stdlib_interpretable() -> bool:
+    # tl.cumsum / tl.sum are themselves triton.jit functions, frozen as compiled-only
+    # when triton.language was imported before TRITON_INTERPRET=1 was set.
+    return not isinstance(tl.cumsum, triton.JITFunction)
+
+
+def row_topk_triton(
+    logits: torch.Tensor,
+    lengths: torch.Tensor,
+    k: int,
+    out: torch.Tensor,
+    *,
+    block: int = DEFAULT_BLOCK,
+    num_warps: int = DEFAULT_WARPS,
+) -> torch.Tensor:
+    """``reference_row_topk``'s result, written into ``out``, with work per row ~ its length.
+
+    ``block`` (a power of 2 in ``[16, 8192]``) and ``num_warps`` are tuning knobs only;
+    results do not depend on them.
+    """
+    check_row_topk(logits, lengths, k, out)
+    device = logits.device
+    if not triton_available(device):
+        raise RuntimeError(
+            f"Triton cannot run on {device}: it needs CUDA, or CPU tensors with TRITON_INTERPRET=1"
+        )
+    if device.type == "cpu" and not _stdlib_interpretable():
+        raise RuntimeError(
+            "triton.language was imported before TRITON_INTERPRET=1: its cumsum cannot be "
+            "interpreted; set TRITON_INTERPRET before importing triton"
+        )
+    if block < 16 or block > 8192 or block & (block - 1):
+        raise ValueError(f"block must be a power of 2 in [16, 8192], got {block}")
+    rows, width = logits.shape
+    if rows == 0:
+        return out
+    _row_topk[(rows,)](
+        out,
+        logits,
+        lengths,
+        width,
+        k,
+        logits.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        OUT_BLOCK=min(block, max(16, triton.next_power_of_2(k))),
+        num_warps=num_warps,
+    )
+    return out
