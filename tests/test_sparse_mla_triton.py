@@ -10,6 +10,10 @@ element or a read of a never-written split shows up as nan.
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -314,3 +318,16 @@ def test_argument_checks_name_the_field():
             q, qr, kv, idx, float("nan"), split_plan=plan_for(lens, 1, 40), config=BN16
         )
     assert e.value.field == "softmax_scale"
+
+
+def test_benchmark_smoke_runs_on_the_cpu(tmp_path):
+    """benchmarks/bench_sparse_mla.py --smoke, so the GPU script cannot rot between sessions."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sparse_mla.py"
+    spec = importlib.util.spec_from_file_location("bench_sparse_mla", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--smoke", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "bench_sparse_mla.json").read_text())
+    assert result["ok"] and saved["ok"]
+    assert saved["accuracy"]["batches"] >= 8 and saved["accuracy"]["max_rel_err"] < 1e-2
+    assert {r["rows"] for r in saved["timing"]} == set(saved["args"]["rows"])
