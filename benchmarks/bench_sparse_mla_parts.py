@@ -201,7 +201,7 @@ def flashinfer_runner() -> Callable[[Batch], tuple[Callable[[], object], float]]
         kv_indptr[1:] = torch.cumsum(counts, 0)
         kv_indices = b.slots[valid].to(torch.int32)
         qo_indptr = torch.arange(rows + 1, dtype=torch.int32, device="cuda")
-        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+        wrapper = flashinfer.BatchMLAPagedAttentionWrapper(
             workspace,
             use_cuda_graph=True,
             qo_indptr=torch.empty_like(qo_indptr),
