@@ -25,6 +25,7 @@ from torch import nn
 from backends.nsa import NSAExtendPlan, NSAPlan
 from models.config import DSV32Config
 from models.kv_cache import PagedKVCache
+from models.layers.exact import Linear
 from models.layers.ffn import MLP, MoE
 from models.layers.mla import MLA
 from models.layers.norm import RMSNorm
@@ -100,7 +101,7 @@ class DSV32Model(nn.Module):
                 Block(config, i, dtype) for i in range(config.num_hidden_layers)
             )
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            self.head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.register_buffer(
             "inv_freq", torch.empty(config.qk_rope_head_dim // 2), persistent=False
         )

@@ -136,10 +136,12 @@ def sparse_mla_decode(
             actual=tuple(topk_slots.shape),
         )
     valid = topk_slots >= 0  # [rows, K]
-    kv = kv_cache[topk_slots.clamp(min=0).to(torch.int64)].float()  # [rows, K, 576]
+    # float64 on the CPU: a row's result must not depend on the batch or the slots' order
+    acc = torch.float64 if q_nope_abs.device.type == "cpu" else torch.float32
+    kv = kv_cache[topk_slots.clamp(min=0).to(torch.int64)].to(acc)  # [rows, K, 576]
     lat, k_rope = kv[..., :latent], kv[..., latent:]
-    logits = torch.einsum("rhd,rkd->rhk", q_nope_abs.float(), lat)
-    logits = (logits + torch.einsum("rhd,rkd->rhk", q_rope.float(), k_rope)) * softmax_scale
+    logits = torch.einsum("rhd,rkd->rhk", q_nope_abs.to(acc), lat)
+    logits = (logits + torch.einsum("rhd,rkd->rhk", q_rope.to(acc), k_rope)) * softmax_scale
     mask = valid.unsqueeze(1)
     logits = logits.masked_fill(~mask, float("-inf"))
     peak = logits.amax(dim=-1, keepdim=True)

@@ -11,10 +11,10 @@ the same parameters (names and shapes), so either loads the other's weights.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.config import DSV32Config
+from models.layers.exact import Linear, contract, sigmoid, silu
 from models.layers.moe_routing import routed_experts
 
 
@@ -23,12 +23,12 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, inter: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, inter, bias=False, dtype=dtype)
-        self.w2 = nn.Linear(inter, dim, bias=False, dtype=dtype)
-        self.w3 = nn.Linear(dim, inter, bias=False, dtype=dtype)
+        self.w1 = Linear(dim, inter, bias=False, dtype=dtype)
+        self.w2 = Linear(inter, dim, bias=False, dtype=dtype)
+        self.w3 = Linear(dim, inter, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(silu(self.w1(x)) * self.w3(x))
 
 
 class Gate(nn.Module):
@@ -50,7 +50,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [rows, top_k] fp32, indices [rows, top_k] int64)``."""
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())
+        scores = sigmoid(contract("rd,ed->re", x, self.weight, dtype=torch.float32))
         biased = scores + self.bias
         if self.n_group > 1:
             grouped = biased.unflatten(-1, (self.n_group, -1))
@@ -114,6 +114,7 @@ class DenseMoE(MoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         route = self.routing_matrix(x)  # [rows, E]
         xe = x.unsqueeze(0).expand(self.w1.shape[0], -1, -1)  # [E, rows, dim]
-        h = F.silu(torch.bmm(xe, self.w1.transpose(1, 2))) * torch.bmm(xe, self.w3.transpose(1, 2))
-        ye = torch.bmm(h, self.w2.transpose(1, 2))  # [E, rows, dim]
-        return self._with_shared(x, torch.einsum("re,erd->rd", route, ye.float()))
+        gate = contract("erd,eid->eri", xe, self.w1, dtype=x.dtype)
+        h = silu(gate) * contract("erd,eid->eri", xe, self.w3, dtype=x.dtype)
+        ye = contract("eri,edi->erd", h, self.w2, dtype=x.dtype)  # [E, rows, dim]
+        return self._with_shared(x, contract("re,erd->rd", route, ye, dtype=torch.float32))

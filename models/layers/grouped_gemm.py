@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from backends.common.triton_kernels import triton_available
+from models.layers.exact import accumulate_dtype
 from models.layers.grouped_gemm_triton import grouped_mm_triton
 from planner.errors import PlanError
 
@@ -121,7 +122,9 @@ def grouped_mm_loop(
     window = torch.arange(cap, device=a.device)
     for g in range(b.shape[0]):
         rows = (starts[g] + window).clamp(max=m - 1)
-        y = a.index_select(0, rows) @ b[g]
+        # float64 on the CPU: a row's product must not depend on the group's size (see exact)
+        acc = accumulate_dtype(a)
+        y = (a.index_select(0, rows).to(acc) @ b[g].to(acc)).to(a.dtype)
         keep = (window < ends[g] - starts[g]).unsqueeze(1)
         out.index_add_(0, rows, torch.where(keep, y, torch.zeros_like(y)))
     return out

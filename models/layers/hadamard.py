@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from models.layers.exact import accumulate_dtype
+
 
 def hadamard_matrix(
     n: int, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
@@ -26,9 +28,12 @@ def hadamard_matrix(
 def hadamard_rotate(x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ H^T * n^-0.5`` over the last dim, in fp32 (orthonormal, so norms are kept).
 
+    Accumulated in float64 on the CPU, so a row's result does not depend on the batch.
+
     Pass ``h`` (from ``hadamard_matrix``) to avoid rebuilding it every call.
     """
     n = x.shape[-1]
     if h is None:
         h = hadamard_matrix(n, device=x.device)
-    return (x.float() @ h.float().t()) * (n**-0.5)
+    acc = accumulate_dtype(x)
+    return ((x.to(acc) @ h.to(acc).t()) * (n**-0.5)).float()

@@ -18,6 +18,7 @@ from backends.nsa import NSAExtendPlan, NSAPlan
 from backends.nsa.attention import indexer_topk
 from backends.nsa.extend_attention import indexer_topk_extend
 from models.config import DSV32Config
+from models.layers.exact import Linear
 from models.layers.hadamard import hadamard_matrix, hadamard_rotate
 from models.layers.norm import LayerNorm
 from models.layers.rope import apply_rope_half
@@ -31,15 +32,11 @@ class Indexer(nn.Module):
         self.n_heads = cfg.index_n_heads
         self.head_dim = cfg.index_head_dim
         self.rope_dim = cfg.qk_rope_head_dim
-        self.wq_b = nn.Linear(
-            cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype
-        )
-        self.wk = nn.Linear(cfg.hidden_size, self.head_dim, bias=False, dtype=dtype)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wk = Linear(cfg.hidden_size, self.head_dim, bias=False, dtype=dtype)
         self.k_norm = LayerNorm(self.head_dim)
         # fp32: the head weights multiply every relu'd dot product in the ranking.
-        self.weights_proj = nn.Linear(
-            cfg.hidden_size, self.n_heads, bias=False, dtype=torch.float32
-        )
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
         # Filled by reset_buffers: built empty so construction on "meta" stays cheap.
         self.register_buffer(
             "hadamard", torch.empty(self.head_dim, self.head_dim), persistent=False

@@ -16,6 +16,7 @@ from torch import nn
 from backends.nsa import NSAExtendPlan, NSAPlan
 from backends.nsa.attention import sparse_mla_decode
 from models.config import DSV32Config
+from models.layers.exact import Linear, contract
 from models.layers.indexer import Indexer
 from models.layers.norm import RMSNorm
 from models.layers.rope import apply_rope_interleaved
@@ -33,13 +34,13 @@ class MLA(nn.Module):
         self.kv_lora = cfg.kv_lora_rank
         self.softmax_scale = cfg.softmax_scale
         h, eps = self.n_heads, cfg.rms_norm_eps
-        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False, dtype=dtype)
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False, dtype=dtype)
         self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False, dtype=dtype)
-        self.wkv_a = nn.Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=False, dtype=dtype)
+        self.wq_b = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False, dtype=dtype)
+        self.wkv_a = Linear(cfg.hidden_size, cfg.kv_cache_dim, bias=False, dtype=dtype)
         self.kv_norm = RMSNorm(self.kv_lora, eps)
-        self.wkv_b = nn.Linear(self.kv_lora, h * (self.nope + self.v_dim), bias=False, dtype=dtype)
-        self.wo = nn.Linear(h * self.v_dim, cfg.hidden_size, bias=False, dtype=dtype)
+        self.wkv_b = Linear(self.kv_lora, h * (self.nope + self.v_dim), bias=False, dtype=dtype)
+        self.wo = Linear(h * self.v_dim, cfg.hidden_size, bias=False, dtype=dtype)
         self.indexer = Indexer(cfg, dtype)
 
     # Steps 1-3 and 5 of the decode layer, separately callable for tests.
@@ -65,13 +66,12 @@ class MLA(nn.Module):
 
     def absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:
         """``q_nope . W_UK -> [rows, H, kv_lora]``: queries in latent space."""
-        return torch.einsum("rhd,hdc->rhc", q_nope, self._wkv_b()[:, : self.nope])
+        return contract("rhd,hdc->rhc", q_nope, self._wkv_b()[:, : self.nope], dtype=q_nope.dtype)
 
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
         """Attention output in latent space -> ``W_UV`` per head -> ``wo`` -> ``[rows, dim]``."""
-        o = torch.einsum(
-            "rhc,hdc->rhd", o_latent.to(self.wkv_b.weight.dtype), self._wkv_b()[:, self.nope :]
-        )
+        dtype = self.wkv_b.weight.dtype
+        o = contract("rhc,hdc->rhd", o_latent.to(dtype), self._wkv_b()[:, self.nope :], dtype=dtype)
         return self.wo(o.flatten(1))
 
     def forward(

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from models.layers.exact import silu
 from models.layers.grouped_gemm import grouped_mm
 
 __all__ = ["ExpertBatch", "combine", "routed_experts", "sort_by_expert"]
@@ -79,5 +79,5 @@ def routed_experts(
     kw = {"capacity": rows, "provider": provider}
     gate = grouped_mm(xs, w1.transpose(1, 2), batch.ends, **kw)
     up = grouped_mm(xs, w3.transpose(1, 2), batch.ends, **kw)
-    y = grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), batch.ends, **kw)
+    y = grouped_mm(silu(gate) * up, w2.transpose(1, 2), batch.ends, **kw)
     return combine(y, batch, rows, top_k)

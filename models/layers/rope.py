@@ -59,6 +59,9 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin [rows, dim/2]`` fp32 for integer ``positions [rows]``."""
     angles = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
+    if positions.device.type == "cpu":  # rounded once from float64: batch-invariant (see exact)
+        wide = angles.double()
+        return (wide.cos() * attention_factor).float(), (wide.sin() * attention_factor).float()
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
