@@ -41,6 +41,8 @@ GRAPHS_DISABLED = "graphs_disabled"
 MODE_NOT_CAPTURED = "mode_not_captured"
 BATCH_TOO_LARGE = "batch_too_large"
 SIZE_DROPPED = "size_dropped"
+RAGGED = "ragged"
+"""Extend and mixed batches: eager by design (piecewise graphs would go here), counted, never warned."""
 
 
 class GraphWarning(RuntimeWarning):
@@ -213,13 +215,19 @@ class GraphRunner:
         return list(self._ladders.get(ForwardMode(mode), []))
 
     def route(self, mode: ForwardMode, bs: int) -> tuple[int | None, str | None]:
-        """(graph size, None) for a batch that replays, or (None, fallback reason)."""
+        """(graph size, None) for a batch that replays, or (None, fallback reason).
+
+        An idle batch replays the smallest decode graph with every row padding.
+        """
+        if mode.ragged:
+            return None, RAGGED
         if not self.enabled:
             return None, GRAPHS_DISABLED
+        mode = mode.plans_as
         if mode not in self.modes:
             return None, MODE_NOT_CAPTURED
         ladder = self._ladders.get(mode, [])
-        i = bisect.bisect_left(ladder, bs)
+        i = bisect.bisect_left(ladder, max(bs, 1))
         if i < len(ladder):
             return ladder[i], None
         return None, SIZE_DROPPED if bs <= self.sizes[-1] else BATCH_TOO_LARGE
@@ -241,12 +249,12 @@ class GraphRunner:
         size, reason = self.route(mode, batch.bs)
         if size is None:
             return self._eager(batch, inputs, reason or GRAPHS_DISABLED)
-        return self._replay(batch, inputs, self._graphs[(mode, size)])
+        return self._replay(batch, inputs, self._graphs[(mode.plans_as, size)])
 
     def _replay(
         self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor], entry: CapturedGraph
     ) -> Any:
-        reqs, rows = batch.bs, batch.bs * self._next_n(entry.mode)
+        reqs, rows = batch.bs, batch.num_tokens
         self.inputs.check(inputs, reqs, rows)
         t0 = time.perf_counter()
         plans = self.planner.replay(batch, entry.bs)
@@ -280,7 +288,7 @@ class GraphRunner:
         )  # before running: a fallback that then fails is still seen
         start = time.perf_counter()
         plans = self.last_plans = self.planner.plan(batch)
-        rows = batch.bs * batch.next_n
+        rows = batch.num_tokens
         self.inputs.check(inputs, batch.bs, rows)
         with self.planner.guard(plans):
             outputs = self.forward(dict(inputs), plans)
@@ -291,7 +299,7 @@ class GraphRunner:
         return outputs
 
     def _warn_fallback(self, batch: ForwardBatch, reason: str) -> None:
-        if reason in self._warned:
+        if reason in self._warned or reason == RAGGED:
             return
         self._warned.add(reason)
         mode = ForwardMode(batch.mode)
@@ -339,14 +347,17 @@ def _graph_kind(device: torch.device, use_cuda_graph: bool | None) -> GraphKind:
 
 
 def _modes(planner: Planner, modes: Iterable[ForwardMode | str] | None) -> tuple[ForwardMode, ...]:
-    """DECODE, plus TARGET_VERIFY when the planner verifies more than one token."""
+    """DECODE, plus TARGET_VERIFY when the planner verifies more than one token.
+
+    Idle batches replay decode's graphs; ragged modes are never captured.
+    """
     if modes is None:
         verify = (ForwardMode.TARGET_VERIFY,) if planner.limits.next_n > 1 else ()
         return (ForwardMode.DECODE, *verify)
     out = []
     for mode in modes:
         try:
-            out.append(ForwardMode(mode))
+            mode = ForwardMode(mode)
         except ValueError:
             raise ConfigError(
                 "unknown forward mode",
@@ -354,4 +365,12 @@ def _modes(planner: Planner, modes: Iterable[ForwardMode | str] | None) -> tuple
                 expected=[m.value for m in ForwardMode],
                 actual=mode,
             ) from None
+        if mode.ragged:
+            raise ConfigError(
+                "extend and mixed batches run eagerly; only uniform modes are captured",
+                field="modes",
+                expected=[ForwardMode.DECODE.value, ForwardMode.TARGET_VERIFY.value],
+                actual=mode.value,
+            )
+        out.append(mode.plans_as)
     return tuple(dict.fromkeys(out))

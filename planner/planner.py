@@ -316,9 +316,12 @@ class Planner:
         )
         plans = PlanSet(build_plans(program, tensors, handles, dims), "eager", mode, reqs, batch.bs)
         if count:
+            seconds = time.perf_counter() - start
             self.stats.record_steps(mode, program.steps)
             self.stats.batches["eager"] += 1
-            self.stats.host_seconds["eager"] += time.perf_counter() - start
+            self.stats.batches[f"eager_{mode.value}"] += 1
+            self.stats.host_seconds["eager"] += seconds
+            self.stats.host_seconds[f"eager_{mode.value}"] += seconds
         return plans
 
     # ---- capture --------------------------------------------------------------------------

@@ -80,5 +80,15 @@ class PlannerStats:
                 out[step.key] += runs
         return out
 
+    def op_calls_per_batch(self, mode: ForwardMode) -> dict[str, float]:
+        """Executions per op name per batch of ``mode``, whatever the number of layers."""
+        runs = self.program_runs.get(mode, 0)
+        if not runs:
+            return {}
+        out: Counter = Counter()
+        for step in self.programs[mode]:
+            out[step.op_name] += 1
+        return dict(sorted(out.items()))
+
     def reset(self) -> None:
         self.__init__()

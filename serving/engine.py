@@ -7,17 +7,19 @@ runner -> model layers. The engine only feeds tokens and reads logits.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from backends.nsa import NSAPlan
+from backends.nsa import NSAExtendPlan, NSAPlan
 from graphs import GraphRunner
 from models.kv_cache import PagedKVCache, RequestPool
 from models.model import DSV32Model
-from planner.batch import ForwardMode
+from planner.batch import ForwardBatch, ForwardMode
 from planner.limits import Limits
 from planner.planner import Planner
 from planner.planset import PlanSet
@@ -46,7 +48,14 @@ class RunResult:
     prefill_steps: int = 0
     wall_seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
+    """Wall time of each decode (or verify) graph step."""
     accepted_drafts: int = 0
+    steps_by_mode: Counter = field(default_factory=Counter)
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    ttft_seconds: list[float] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
 
 
@@ -83,12 +92,13 @@ class DecodeEngine:
             max_context=p.max_context,
             page_size=page,
             next_n=p.next_n,
+            max_tokens=config.loop.chunk_tokens + p.max_batch,  # a chunk plus decode rows (mixed)
             num_sms=num_sms,
             kv_slots=self.cache.num_slots,
             device=str(self.device),
         )
         self.planner = Planner(
-            [NSAPlan],
+            [NSAPlan, NSAExtendPlan],
             self.limits,
             options={
                 "nsa": {"topk": self.model_config.index_topk, "schedule_layout": p.schedule_layout}
@@ -115,44 +125,108 @@ class DecodeEngine:
         )
         self.scheduler = Scheduler(self.cache, self.pool, p.max_batch, page)
         self.decode_mode = ForwardMode.TARGET_VERIFY if p.next_n > 1 else ForwardMode.DECODE
-        self.decode_steps = 0
+        self.forward_steps = 0
 
     def _forward(self, inputs: dict[str, torch.Tensor], plans: PlanSet) -> torch.Tensor:
         return self.model(inputs["input_ids"], plans, self.cache)
 
     # ---- the loop -------------------------------------------------------------------------
 
-    def _prefill_step(self, requests: list[Request]) -> None:
-        """Feed one prompt token of each prefilling request, eagerly; predictions are not kept."""
-        batch, ids = self.scheduler.build(requests, ForwardMode.DECODE, 1)
-        plans = self.planner.plan(batch)
-        with self.planner.guard(plans):
-            self.model(ids, plans, self.cache)
-        for request in requests:
-            request.fed += 1
+    def _forward_step(self, batch: ForwardBatch, ids: torch.Tensor, result: RunResult) -> Any:
+        """One forward through the graph runner (eager for ragged batches), dumped if asked."""
+        logits = self.runner.step(batch, {"input_ids": ids})
+        if self.dump_ring is not None:
+            self.dump_ring.maybe_dump(self.forward_steps, self.runner.last_plans, batch)
+        self.forward_steps += 1
+        result.steps_by_mode[ForwardMode(batch.mode).value] += 1
+        return logits
 
-    def _decode_step(self, requests: list[Request]) -> int:
-        """One decode (or verify) step through the graph runner; returns drafts accepted."""
+    def _prefill_work(self, running: list[Request]) -> list[tuple[Request, int]]:
+        """Prompt chunks for this step: requests in admission order, up to the token budget."""
+        budget = self.config.loop.chunk_tokens
+        work = []
+        for request in running:
+            if budget == 0:
+                break
+            if request.prefilling:
+                n = min(len(request.prompt) - request.fed, budget)
+                work.append((request, n))
+                budget -= n
+        return work
+
+    def _extend_step(
+        self, work: list[tuple[Request, int]], mode: ForwardMode, result: RunResult
+    ) -> None:
+        """Feed each request's chunk; keep the next token of those whose prompt is now done."""
+        t0 = time.perf_counter()
+        batch, ids = self.scheduler.build_extend(work, mode)
+        best = self._forward_step(batch, ids, result).argmax(dim=-1).tolist()
+        now = time.perf_counter()
+        prefilled = 0
+        for (request, n), token in zip(work, best):
+            was_prefill = request.prefilling
+            request.fed += n
+            prefilled += n if was_prefill else 0
+            if not request.prefilling:  # the logits predict a kept token
+                if request.first_token_at is None:
+                    result.ttft_seconds.append(now - request.arrived_at)
+                request.take(token, now)
+                if not was_prefill:
+                    result.decode_tokens += 1
+        result.prefill_tokens += prefilled
+        result.prefill_seconds += now - t0
+        if mode is ForwardMode.MIXED:
+            result.decode_seconds += now - t0
+        result.prefill_steps += 1
+
+    def _decode_step(self, requests: list[Request], result: RunResult) -> None:
+        """One decode (or verify) step through the graph runner."""
+        t0 = time.perf_counter()
         n = self.limits.next_n if self.decode_mode is ForwardMode.TARGET_VERIFY else 1
         drafts = (
             [r.tokens[r.fed] for r in requests] if n > 1 else None
         )  # trivial draft: repeat the token
         batch, ids = self.scheduler.build(requests, self.decode_mode, n, drafts)
-        logits = self.runner.step(batch, {"input_ids": ids})
-        if self.dump_ring is not None:
-            self.dump_ring.maybe_dump(self.decode_steps, self.runner.last_plans, batch)
-        self.decode_steps += 1
+        logits = self._forward_step(batch, ids, result)
         best = logits.argmax(dim=-1).view(len(requests), n).tolist()
-        accepted = 0
+        now = time.perf_counter()
+        before = sum(len(r.generated) for r in requests)
         for j, (request, row) in enumerate(zip(requests, best)):
-            request.generated.append(row[0])
+            request.take(row[0], now)
             request.fed += 1
             if drafts is not None and not request.done and row[0] == drafts[j]:
-                request.generated.append(row[1])
+                request.take(row[1], now)
                 request.fed += 1
-                accepted += 1
+                result.accepted_drafts += 1
             del request.generated[request.max_new_tokens :]
-        return accepted
+        result.decode_tokens += sum(len(r.generated) for r in requests) - before
+        result.step_seconds.append(now - t0)
+        result.decode_seconds += now - t0
+        result.decode_steps += 1
+
+    def step(self, result: RunResult) -> list[Request]:
+        """One loop step: prefill chunks and decode, as one mixed batch or two batches.
+
+        Separate (the default): the prompt chunks run as one eager extend batch,
+        the decode requests as a decode graph replay. Mixed: decode requests
+        join the extend batch as one-token extends, one eager forward instead
+        of two. Returns the requests that finished.
+        """
+        sched = self.scheduler
+        work = self._prefill_work(sched.running)
+        prefilling = {id(r) for r, _ in work}
+        decoding = [r for r in sched.running if not r.prefilling and id(r) not in prefilling]
+        if work and decoding and self.config.loop.mixed:
+            self._extend_step(work + [(r, 1) for r in decoding], ForwardMode.MIXED, result)
+        else:
+            if work:
+                self._extend_step(work, ForwardMode.EXTEND, result)
+            if decoding:
+                self._decode_step(decoding, result)
+        if not work and not decoding:
+            batch, ids = sched.idle()  # a data-parallel rank with nothing to run still steps
+            self._forward_step(batch, ids, result)
+        return [r for r in sched.running if r.done]
 
     def run(self, *, progress: bool = True, max_steps: int | None = None) -> RunResult:
         """Serve the configured workload to completion (or ``max_steps``); greedy sampling."""
@@ -169,24 +243,17 @@ class DecodeEngine:
         step = 0
         sched = self.scheduler
         while (pending or sched.waiting or sched.running) and step < limit:
+            now = time.perf_counter()
             while pending and pending[-1].arrival_step <= step:
-                sched.arrive([pending.pop()])
+                request = pending.pop()
+                request.arrived_at = now
+                sched.arrive([request])
             sched.admit(self.limits.next_n)
-            prefilling = [r for r in sched.running if r.prefilling]
-            if prefilling:
-                self._prefill_step(prefilling)
-                result.prefill_steps += 1
-            decoding = [r for r in sched.running if not r.prefilling and r not in prefilling]
-            if decoding:
-                t0 = time.perf_counter()
-                result.accepted_drafts += self._decode_step(decoding)
-                result.step_seconds.append(time.perf_counter() - t0)
-                result.decode_steps += 1
-                for request in [r for r in decoding if r.done]:
-                    sched.finish(request, step)
-                    result.tokens[request.rid] = list(request.generated)
-                    bar.update(1)
-                bar.set_postfix(batch=len(decoding), running=len(sched.running), refresh=False)
+            for request in self.step(result):
+                sched.finish(request, step)
+                result.tokens[request.rid] = list(request.generated)
+                bar.update(1)
+            bar.set_postfix(running=len(sched.running), refresh=False)
             step += 1
         bar.close()
         result.wall_seconds = time.perf_counter() - start

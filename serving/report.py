@@ -17,17 +17,19 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+def _per(seconds: float, count: int, scale: float = 1.0) -> float:
+    return scale * seconds / count if count else 0.0
+
+
 def summarize(engine: Any, result: Any) -> dict[str, Any]:
     """Numbers a serving engineer asks for first, as a flat dict (also the ``--json`` output)."""
-    planner_stats = engine.planner.stats
+    stats = engine.planner.stats
     graph = engine.runner.stats.summary()
     generated = sum(len(t) for t in result.tokens.values())
-    batches = planner_stats.batches["replay"] + planner_stats.batches["eager"]
-    per_step_calls = (
-        {op: n / batches for op, n in sorted(planner_stats.op_calls.items())} if batches else {}
-    )
-    replays, eagers = planner_stats.batches["replay"], planner_stats.batches["eager"]
-    steps = result.decode_steps
+    decode_mode = engine.decode_mode
+    decode_calls = stats.op_calls_per_batch(decode_mode)
+    batches, host = stats.batches, stats.host_seconds
+    eager_extend = batches["eager_extend"] + batches["eager_mixed"]
     return {
         "device": str(engine.device),
         "layers": engine.model_config.num_hidden_layers,
@@ -35,24 +37,40 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         "generated_tokens": generated,
         "wall_seconds": result.wall_seconds,
         "tokens_per_second": generated / result.wall_seconds if result.wall_seconds else 0.0,
-        "decode_steps": steps,
+        "prefill_tokens": result.prefill_tokens,
+        "prefill_tokens_per_second": _per(result.prefill_tokens, 1) / result.prefill_seconds
+        if result.prefill_seconds
+        else 0.0,
+        "decode_tokens": result.decode_tokens,
+        "decode_tokens_per_second": result.decode_tokens / result.decode_seconds
+        if result.decode_seconds
+        else 0.0,
+        "ttft_ms_p50": 1e3 * _percentile(result.ttft_seconds, 50),
+        "ttft_ms_p99": 1e3 * _percentile(result.ttft_seconds, 99),
+        "steps_by_mode": dict(sorted(result.steps_by_mode.items())),
+        "decode_steps": result.decode_steps,
         "prefill_steps": result.prefill_steps,
         "step_ms_p50": 1e3 * _percentile(result.step_seconds, 50),
         "step_ms_p99": 1e3 * _percentile(result.step_seconds, 99),
         "step_ms_mean": 1e3 * statistics.fmean(result.step_seconds) if result.step_seconds else 0.0,
-        "planner_us_per_replay": 1e6 * planner_stats.host_seconds["replay"] / replays
-        if replays
-        else 0.0,
-        "planner_us_per_eager_plan": 1e6 * planner_stats.host_seconds["eager"] / eagers
-        if eagers
-        else 0.0,
+        "planner_us_per_replay": _per(host["replay"], batches["replay"], 1e6),
+        "planner_us_per_eager_plan": _per(
+            host[f"eager_{decode_mode.value}"], batches[f"eager_{decode_mode.value}"], 1e6
+        ),
+        "planner_us_per_extend_plan": _per(
+            host["eager_extend"] + host["eager_mixed"], eager_extend, 1e6
+        ),
         "graph_pool_bytes": graph.get("pool_allocated_bytes"),
         "graph_replays": graph["graph_steps"],
         "eager_fallbacks": graph["eager_fallbacks"],
         "graph_kind": graph["kind"],
         "accepted_drafts": result.accepted_drafts,
-        "op_calls_per_batch": per_step_calls,
-        "schedule_calls_per_step": per_step_calls.get("paged_mqa_schedule", 0.0),
+        "op_calls_per_batch": {
+            mode.value: stats.op_calls_per_batch(mode)
+            for mode in stats.program_runs
+            if stats.program_runs[mode]
+        },
+        "schedule_calls_per_step": decode_calls.get("paged_mqa_schedule") if decode_calls else None,
         "static_bytes": graph["static_bytes"],
     }
 
@@ -62,33 +80,46 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
     table = Table(title=f"DeepSeek-V3.2 decode ({summary['layers']} layers, {summary['device']})")
     table.add_column("metric")
     table.add_column("value", justify="right")
+    schedule = summary["schedule_calls_per_step"]
     rows = [
         ("requests finished", f"{summary['requests_finished']}"),
         ("generated tokens", f"{summary['generated_tokens']}"),
         ("tokens/s", f"{summary['tokens_per_second']:.1f}"),
         (
-            "decode steps (+ eager prefill steps)",
-            f"{summary['decode_steps']} (+{summary['prefill_steps']})",
+            "prefill tokens/s (prompt tokens)",
+            f"{summary['prefill_tokens_per_second']:.1f} ({summary['prefill_tokens']})",
         ),
-        ("step time p50 / p99", f"{summary['step_ms_p50']:.2f} / {summary['step_ms_p99']:.2f} ms"),
         (
-            "planner host time per replay / eager plan",
-            f"{summary['planner_us_per_replay']:.0f} / {summary['planner_us_per_eager_plan']:.0f} us",
+            "decode tokens/s (generated in decode)",
+            f"{summary['decode_tokens_per_second']:.1f} ({summary['decode_tokens']})",
+        ),
+        (
+            "time to first token p50 / p99",
+            f"{summary['ttft_ms_p50']:.1f} / {summary['ttft_ms_p99']:.1f} ms",
+        ),
+        ("steps by mode", ", ".join(f"{k} {v}" for k, v in summary["steps_by_mode"].items())),
+        (
+            "decode step time p50 / p99",
+            f"{summary['step_ms_p50']:.2f} / {summary['step_ms_p99']:.2f} ms",
+        ),
+        (
+            "planner host time per replay / eager decode / extend plan",
+            f"{summary['planner_us_per_replay']:.0f} / "
+            f"{summary['planner_us_per_eager_plan']:.0f} / "
+            f"{summary['planner_us_per_extend_plan']:.0f} us",
         ),
         (f"graph replays ({summary['graph_kind']})", f"{summary['graph_replays']}"),
         (
-            "eager fallbacks",
+            "eager steps",
             ", ".join(f"{k}: {v}" for k, v in summary["eager_fallbacks"].items()) or "0",
         ),
         (
-            "schedule computations per step (all layers)",
-            f"{summary['schedule_calls_per_step']:.2f}",
-        ),
-        (
-            "ops per batch",
-            ", ".join(f"{k} {v:.0f}" for k, v in summary["op_calls_per_batch"].items()),
+            "schedule computations per decode step (all layers)",
+            "n/a (no decode step)" if schedule is None else f"{schedule:.2f}",
         ),
     ]
+    for mode, calls in summary["op_calls_per_batch"].items():
+        rows.append((f"ops per {mode} batch", ", ".join(f"{k} {v:.0f}" for k, v in calls.items())))
     if summary["accepted_drafts"]:
         rows.append(("accepted drafts (next_n=2)", f"{summary['accepted_drafts']}"))
     for name, value in rows:

@@ -25,6 +25,8 @@ class Request:
     generated: list[int] = field(default_factory=list)
     fed: int = 0  # tokens whose KV is in the cache
     finish_step: int = -1
+    arrived_at: float = 0.0  # wall clock (perf_counter) when the loop saw it arrive
+    first_token_at: float | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -32,8 +34,14 @@ class Request:
 
     @property
     def prefilling(self) -> bool:
-        """Still feeding prompt tokens whose predictions are not kept."""
-        return self.fed < len(self.prompt) - 1
+        """Prompt tokens are still to be fed (in chunks, by extend batches)."""
+        return self.fed < len(self.prompt)
+
+    def take(self, token: int, now: float) -> None:
+        """Keep a generated token (the prediction after the last fed position)."""
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.generated.append(token)
 
     @property
     def done(self) -> bool:

@@ -69,6 +69,14 @@ class LoopSection(_Section):
     kv_pages: int | None = Field(
         None, ge=2, description="KV cache pages; None: enough for max_batch"
     )
+    chunk_tokens: int = Field(
+        256, ge=1, le=1 << 20, description="prompt tokens one step prefills (chunked prefill)"
+    )
+    mixed: bool = Field(
+        False,
+        description="run decode requests inside the step's extend batch (one eager forward) "
+        "instead of a separate decode graph step",
+    )
 
     @field_validator("prompt_len", "max_new_tokens")
     @classmethod

@@ -69,6 +69,49 @@ class Scheduler:
         request.pages = []
         self.finished.append(request)
 
+    def build_extend(
+        self, work: list[tuple[Request, int]], mode: ForwardMode
+    ) -> tuple[ForwardBatch, torch.Tensor]:
+        """The batch and ``input_ids`` feeding ``n`` more tokens of each ``(request, n)``.
+
+        Tokens ``fed .. fed + n - 1`` of each request, request-major: a prompt
+        chunk, or (``n = 1``) a decode request's last token in a mixed batch.
+        """
+        lens, new, pools, locs, positions, ids = [], [], [], [], [], []
+        for request, n in work:
+            tokens = request.tokens
+            lens.append(request.fed + n)
+            new.append(n)
+            pools.append(request.pool_idx)
+            for position in range(request.fed, request.fed + n):
+                positions.append(position)
+                locs.append(self.slot(request, position))
+                ids.append(tokens[position])
+        batch = ForwardBatch(
+            seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
+            req_pool_indices=torch.tensor(pools, dtype=torch.int32),
+            req_to_token=self.pool.req_to_token,
+            out_cache_loc=torch.tensor(locs, dtype=torch.int32),
+            positions=torch.tensor(positions, dtype=torch.int32),
+            mode=mode,
+            extend_lens_cpu=torch.tensor(new, dtype=torch.int32),
+        )
+        device = self.pool.req_to_token.device
+        return batch, torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+
+    def idle(self) -> tuple[ForwardBatch, torch.Tensor]:
+        """A batch with no request, for a rank with no work this step."""
+        empty = torch.zeros(0, dtype=torch.int32)
+        batch = ForwardBatch(
+            seq_lens_cpu=empty,
+            req_pool_indices=empty,
+            req_to_token=self.pool.req_to_token,
+            out_cache_loc=empty,
+            mode=ForwardMode.IDLE,
+        )
+        device = self.pool.req_to_token.device
+        return batch, torch.zeros(0, dtype=torch.int64, device=device)
+
     def build(
         self,
         requests: list[Request],

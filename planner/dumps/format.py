@@ -57,6 +57,8 @@ class BatchSignature(BaseModel):
     next_n: int
     mode: str
     seq_lens: SeqLensSummary
+    extend_lens: SeqLensSummary | None = None
+    """Tokens each request added (extend and mixed batches; absent when uniform)."""
 
 
 class Summary(BaseModel):
@@ -188,18 +190,23 @@ def head_values(tensor: torch.Tensor, n: int = HEAD) -> list[JsonValue]:
     return [json_value(v) for v in flat.tolist()]
 
 
+def _lens_summary(lens: torch.Tensor) -> SeqLensSummary:
+    lens = lens.to(torch.int64)
+    if lens.numel() == 0:  # an idle batch
+        return SeqLensSummary(head=[], min=0, max=0, sum=0)
+    return SeqLensSummary(
+        head=lens[:HEAD].tolist(), min=int(lens.min()), max=int(lens.max()), sum=int(lens.sum())
+    )
+
+
 def batch_signature(batch: ForwardBatch, padded_reqs: int) -> BatchSignature:
     """What identifies a batch in a dump without storing the whole batch."""
-    lens = batch.seq_lens_cpu.to(torch.int64)
+    extend = batch.extend_lens_cpu
     return BatchSignature(
         bs=batch.bs,
         padded_reqs=padded_reqs,
         next_n=int(batch.next_n),
         mode=getattr(batch.mode, "value", str(batch.mode)),
-        seq_lens=SeqLensSummary(
-            head=lens[:HEAD].tolist(),
-            min=int(lens.min()),
-            max=int(lens.max()),
-            sum=int(lens.sum()),
-        ),
+        seq_lens=_lens_summary(batch.seq_lens_cpu),
+        extend_lens=None if extend is None else _lens_summary(extend),
     )

@@ -69,10 +69,14 @@ def batch_text(dump: LoadedDump) -> str:
     if batch is None:
         return "batch: not recorded"
     s = batch.seq_lens
-    return (
-        f"batch: bs {batch.bs}, padded to {batch.padded_reqs}, next_n {batch.next_n}, "
+    text = (
+        f"batch: {batch.mode}, bs {batch.bs}, padded to {batch.padded_reqs}, next_n {batch.next_n}, "
         f"seq_lens min {s.min} max {s.max} sum {s.sum} head {s.head}"
     )
+    e = batch.extend_lens
+    if e is not None:
+        text += f"; extend_lens min {e.min} max {e.max} sum {e.sum} (tokens) head {e.head}"
+    return text
 
 
 def dump_title(dump: LoadedDump) -> str:
