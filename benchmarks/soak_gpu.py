@@ -329,9 +329,9 @@ def part_decode(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     sizes: Counter = Counter()
     inner = engine._decode_step
 
-    def decode_step(requests):
+    def decode_step(requests, result):
         sizes[len(requests)] += 1
-        accepted = inner(requests)
+        accepted = inner(requests, result)
         n = sum(sizes.values())
         if n >= args.warmup and (n - args.warmup) % args.every == 0:
             sync(device)

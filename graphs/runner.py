@@ -294,7 +294,10 @@ class GraphRunner:
             outputs = self.forward(dict(inputs), plans)
         self.stats.host_seconds["eager"] += time.perf_counter() - start
         self.stats.steps += 1
-        self.stats.eager[reason] += 1
+        if reason == RAGGED:
+            self.stats.ragged[ForwardMode(batch.mode).value] += 1
+        else:
+            self.stats.eager[reason] += 1
         self.stats.real_rows += rows
         return outputs
 

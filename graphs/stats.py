@@ -38,6 +38,9 @@ class GraphStats:
     padded_rows: int = 0
     replays: Counter = field(default_factory=Counter)
     eager: Counter = field(default_factory=Counter)
+    """Eager fallbacks by reason: batches a graph should have served."""
+    ragged: Counter = field(default_factory=Counter)
+    """Extend and mixed batches by mode: eager by design, not fallbacks."""
     host_seconds: Counter = field(default_factory=Counter)
 
     @property
@@ -83,6 +86,7 @@ class GraphStats:
             "hit_rate": self.hit_rate,
             "replays": {f"{mode}/{bs}": n for (mode, bs), n in sorted(self.replays.items())},
             "eager_fallbacks": dict(sorted(self.eager.items())),
+            "ragged_steps": dict(sorted(self.ragged.items())),
             "padding_fraction": self.padded_rows / (self.real_rows + self.padded_rows)
             if self.real_rows + self.padded_rows
             else 0.0,

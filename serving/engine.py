@@ -223,7 +223,7 @@ class DecodeEngine:
                 self._extend_step(work, ForwardMode.EXTEND, result)
             if decoding:
                 self._decode_step(decoding, result)
-        if not work and not decoding:
+        if not work and not decoding and self.config.loop.idle_steps:
             batch, ids = sched.idle()  # a data-parallel rank with nothing to run still steps
             self._forward_step(batch, ids, result)
         return [r for r in sched.running if r.done]

@@ -63,6 +63,7 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         "graph_pool_bytes": graph.get("pool_allocated_bytes"),
         "graph_replays": graph["graph_steps"],
         "eager_fallbacks": graph["eager_fallbacks"],
+        "ragged_steps": graph["ragged_steps"],
         "graph_kind": graph["kind"],
         "accepted_drafts": result.accepted_drafts,
         "op_calls_per_batch": {
@@ -110,11 +111,15 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
         ),
         (f"graph replays ({summary['graph_kind']})", f"{summary['graph_replays']}"),
         (
-            "eager steps",
+            "eager fallbacks",
             ", ".join(f"{k}: {v}" for k, v in summary["eager_fallbacks"].items()) or "0",
         ),
         (
-            "schedule computations per decode step (all layers)",
+            "eager extend/mixed steps (by design)",
+            ", ".join(f"{k}: {v}" for k, v in summary["ragged_steps"].items()) or "0",
+        ),
+        (
+            "schedule computations per step (decode, all layers)",
             "n/a (no decode step)" if schedule is None else f"{schedule:.2f}",
         ),
     ]

@@ -72,6 +72,11 @@ class LoopSection(_Section):
     chunk_tokens: int = Field(
         256, ge=1, le=1 << 20, description="prompt tokens one step prefills (chunked prefill)"
     )
+    idle_steps: bool = Field(
+        False,
+        description="step with an idle batch when nothing runs, as a data-parallel rank must "
+        "(it keeps its peers' collectives in step); a single rank just waits",
+    )
     mixed: bool = Field(
         False,
         description="run decode requests inside the step's extend batch (one eager forward) "

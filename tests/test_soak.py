@@ -157,9 +157,9 @@ class Probe:
     def _finished(self) -> int:
         return len(self.engine.scheduler.finished)
 
-    def _decode_step(self, requests):
+    def _decode_step(self, requests, result):
         self.report.batch_sizes[len(requests)] += 1
-        accepted = self._step(requests)
+        accepted = self._step(requests, result)
         n = sum(self.report.batch_sizes.values())
         if n == self.warmup:
             self._finished_at = self._finished()
