@@ -150,7 +150,15 @@ def _check_extend_lens(
         _check_tensor(
             "extend_lens_cpu", lens, dtypes=(torch.int32,), rank=1, devices=(cpu,), length=bs
         )
-        tokens = int(lens.numpy().sum()) if bs else 0
+        values = lens.numpy()
+        if bs and int(values.min()) < 1:  # the token layout itself is undefined: not a range
+            raise BatchError(
+                "every request adds at least one token",
+                field="extend_lens_cpu",
+                expected=">= 1",
+                actual=int(values.min()),
+            )
+        tokens = int(values.sum()) if bs else 0
     if mode.ragged and tokens > max_tokens:
         raise BatchError(
             "more query tokens than max_tokens",

@@ -164,15 +164,17 @@ class StagingLayout:
     ) -> None:
         """Every staged input within its range, in one vectorised pass over ``host``.
 
-        Then the one relation between inputs: no request adds more tokens than
-        its KV length holds (a negative cached prefix).
+        First the one relation between inputs: no request adds more tokens than
+        its KV length holds (a negative cached prefix); it is named before the
+        positions derived from it would be.
         """
         skip = frozenset(seg.offset for seg, _ in on_device)
+        if batch.extend_lens_cpu is not None:  # else implied by the mode: seq_lens' range covers it
+            self._check_prefix(host, batch.bs, skip)
         lo, hi = self._bounds_for(batch.bs, batch.num_tokens, ranges, skip)
         flat = host[: self.size]
         bad = (flat < lo) | (flat > hi)
         if not bad.any():
-            self._check_prefix(host, batch.bs, skip)
             return
         index = int(np.flatnonzero(bad)[0])
         seg = next(s for s in self._order if s.offset <= index < s.offset + s.capacity)
