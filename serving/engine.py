@@ -142,16 +142,23 @@ class DecodeEngine:
         return logits
 
     def _prefill_work(self, running: list[Request]) -> list[tuple[Request, int]]:
-        """Prompt chunks for this step: requests in admission order, up to the token budget."""
-        budget = self.config.loop.chunk_tokens
+        """Prompt chunks for this step: requests in admission order, up to the token budget.
+
+        A request's chunk is never cut short to fill the leftover budget: it waits
+        for the next step instead, so a prompt of ``L`` tokens takes exactly
+        ``ceil(L / chunk_tokens)`` prefill steps, and admission order is kept.
+        """
+        chunk = self.config.loop.chunk_tokens
+        budget = chunk
         work = []
         for request in running:
-            if budget == 0:
+            if not request.prefilling:
+                continue
+            n = min(len(request.prompt) - request.fed, chunk)
+            if n > budget:
                 break
-            if request.prefilling:
-                n = min(len(request.prompt) - request.fed, budget)
-                work.append((request, n))
-                budget -= n
+            work.append((request, n))
+            budget -= n
         return work
 
     def _extend_step(
@@ -165,6 +172,7 @@ class DecodeEngine:
         prefilled = 0
         for (request, n), token in zip(work, best):
             was_prefill = request.prefilling
+            request.prefill_steps += was_prefill
             request.fed += n
             prefilled += n if was_prefill else 0
             if not request.prefilling:  # the logits predict a kept token

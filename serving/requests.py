@@ -26,6 +26,7 @@ class Request:
     fed: int = 0  # tokens whose KV is in the cache
     finish_step: int = -1
     arrived_at: float = 0.0  # wall clock (perf_counter) when the loop saw it arrive
+    prefill_steps: int = 0  # extend steps that fed prompt tokens
     first_token_at: float | None = None
 
     @property

@@ -105,28 +105,24 @@ def grouped_mm_provider(a: torch.Tensor, b: torch.Tensor) -> str:
 def grouped_mm_loop(
     a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, capacity: int | None = None
 ) -> torch.Tensor:
-    """The static-shaped fallback: each group multiplies a ``capacity``-row window.
+    """The static-shaped fallback: every group's product over all rows, each row keeping its own.
 
-    ``capacity`` must be at least the largest group (``M`` always is; the MoE passes its
-    token count, since a token picks each expert at most once). Windows past the end
-    are clamped onto the last row and masked to zero, and each row receives exactly
-    one non-zero term, so the ``index_add_`` sums are exact in any order.
+    ``groups`` full products instead of one grouped one: fine at the CPU sizes it
+    serves (tests, tiny configs), and branch-free (no gathers or scatters whose
+    cost grows with the rows). ``capacity`` is accepted for the other providers'
+    signature and ignored. On the CPU each product accumulates in float64 (see
+    ``models.layers.exact``), so a row's result does not depend on the batch.
     """
     m = a.shape[0]
     out = torch.zeros(m, b.shape[2], dtype=a.dtype, device=a.device)
     if m == 0:
         return out
-    cap = m if capacity is None else max(1, min(capacity, m))
-    ends = ends.to(torch.int64)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    window = torch.arange(cap, device=a.device)
+    group = torch.searchsorted(ends.to(torch.int64), torch.arange(m, device=a.device), right=True)
+    acc = accumulate_dtype(a)
+    wide = a.to(acc)
     for g in range(b.shape[0]):
-        rows = (starts[g] + window).clamp(max=m - 1)
-        # float64 on the CPU: a row's product must not depend on the group's size (see exact)
-        acc = accumulate_dtype(a)
-        y = (a.index_select(0, rows).to(acc) @ b[g].to(acc)).to(a.dtype)
-        keep = (window < ends[g] - starts[g]).unsqueeze(1)
-        out.index_add_(0, rows, torch.where(keep, y, torch.zeros_like(y)))
+        y = (wide @ b[g].to(acc)).to(a.dtype)
+        out = torch.where((group == g).unsqueeze(1), y, out)
     return out
 
 

@@ -1,0 +1,42 @@
+"""The decode loop's chunked prefill: prompt tokens per step, steps per request, the summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from serving.engine import DecodeEngine
+from serving.run_config import load_run_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 256])
+def test_each_prompt_takes_ceil_of_its_length_over_the_budget_in_prefill_steps(chunk):
+    engine = DecodeEngine(load_run_config(None, {"loop.requests": 12, "loop.chunk_tokens": chunk}))
+    result = engine.run(progress=False)
+    finished = engine.scheduler.finished
+    assert len(finished) == 12 and result.prefill_tokens == sum(len(r.prompt) for r in finished)
+    for request in finished:
+        assert request.prefill_steps == math.ceil(len(request.prompt) / chunk), request.rid
+    assert len(result.ttft_seconds) == 12 and all(t > 0 for t in result.ttft_seconds)
+    assert result.steps_by_mode["extend"] == result.prefill_steps
+
+
+def test_the_cli_default_run_reports_prefill_decode_and_ttft(tmp_path):
+    out = tmp_path / "summary.json"
+    cmd = [sys.executable, "-m", "planner", "decode", "--quiet", "--json", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    for line in ("prefill tokens/s", "decode tokens/s", "time to first token", "steps by mode"):
+        assert line in run.stdout, line
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["requests_finished"] == 32
+    assert summary["prefill_tokens"] > 0 and summary["decode_tokens"] > 0
+    assert summary["ttft_ms_p50"] > 0 and summary["ttft_ms_p99"] >= summary["ttft_ms_p50"]
+    assert summary["steps_by_mode"]["extend"] >= 1 and summary["steps_by_mode"]["decode"] >= 1
+    assert summary["eager_fallbacks"] == {}
