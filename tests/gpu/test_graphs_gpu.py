@@ -16,7 +16,7 @@ import torch
 
 from graphs import GraphRunner, GraphWarning, capture_ladder, is_capturing
 from planner import ForwardMode, Limits, Planner
-from tests.graph_helpers import Scheduler, TinyPagedModel, make_table
+from tests.support.graph_model import Scheduler, TinyPagedModel, make_table
 
 pytestmark = [
     pytest.mark.gpu,

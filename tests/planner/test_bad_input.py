@@ -10,7 +10,7 @@ import torch
 
 from planner import BatchError, ForwardBatch, ForwardMode, Limits, PlanError, Planner
 from planner.program import Step
-from tests.batches import make_pool, random_batch
+from tests.support.batches import make_pool, random_batch
 
 MAX_CTX, PAGE = 128, 16
 TABLE = make_pool(16, MAX_CTX, PAGE)

@@ -22,7 +22,6 @@ if not torch.cuda.is_available():
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
@@ -30,10 +29,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 from backends.common import torch_ref as ref  # noqa: E402
 from backends.common import triton_kernels as tri  # noqa: E402
+from tests.support import REPO  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 I32 = torch.int32
-REPO = Path(__file__).resolve().parents[1]
 
 needs_triton = pytest.mark.skipif(
     not tri.triton_available(DEVICE), reason=f"Triton cannot run on {DEVICE} here"

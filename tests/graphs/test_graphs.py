@@ -33,7 +33,8 @@ from planner import (
     PlanWriteError,
     ReplayError,
 )
-from tests.graph_helpers import Scheduler, TinyPagedModel, make_table
+from tests.support import REPO
+from tests.support.graph_model import Scheduler, TinyPagedModel, make_table
 
 PAGE, MAX_CTX, MAX_BATCH, NEXT_N = 4, 32, 12, 3
 SIZES = [1, 2, 4, 8]  # batches of 9..12 exceed the largest size: eager fallbacks
@@ -509,9 +510,8 @@ def test_replay_overhead_benchmark_runs_on_emulated_graphs(tmp_path):
     """A smoke run on the CPU, so the GPU script cannot rot between GPU sessions."""
     import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "replay_overhead.py"
+    path = REPO / "benchmarks" / "replay_overhead.py"
     spec = importlib.util.spec_from_file_location("replay_overhead", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -31,7 +31,6 @@ import tracemalloc
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
@@ -39,9 +38,8 @@ import torch
 from graphs import GraphWarning
 from serving.engine import DecodeEngine
 from serving.run_config import load_run_config
+from tests.support import REPO, TINY_YAML
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY_YAML = ROOT / "configs" / "dsv32-tiny.yaml"
 SERVING = os.sep + os.path.join("planner", "serving") + os.sep
 DECODE_STEPS_PER_REQUEST = 3.7
 """Decode steps the workload below yields per request (measured; the workload is seeded)."""
@@ -272,7 +270,7 @@ def test_gpu_soak_script_runs_on_emulated_graphs(tmp_path):
     import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("soak_gpu", ROOT / "benchmarks" / "soak_gpu.py")
+    spec = importlib.util.spec_from_file_location("soak_gpu", REPO / "benchmarks" / "soak_gpu.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path / "soak.json"

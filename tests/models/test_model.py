@@ -36,8 +36,9 @@ from models.layers.rope import (
 from models.model import DSV32Model
 from planner import Limits, Planner
 from planner.errors import ConfigError, PlanError, SchemaError
+from tests.support import REPO
 
-ROOT = str(Path(__file__).resolve().parents[1])
+ROOT = str(REPO)
 
 
 # --------------------------------------------------------------------- helpers

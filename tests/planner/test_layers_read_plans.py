@@ -9,7 +9,7 @@ import torch
 
 from backends.paged import paged_attention
 from planner import Limits, Planner, PlanWriteError, ReplayError
-from tests.batches import make_pool, random_batch
+from tests.support.batches import make_pool, random_batch
 
 MAX_CTX, PAGE, HEADS, DIM = 96, 16, 2, 8
 

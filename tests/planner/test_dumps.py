@@ -37,11 +37,11 @@ from planner.ops import get_op
 from planner.registry import get_backend
 from serving.cli import build_parser, dispatch
 from serving.dump_ring import DumpRing, install_mismatch_dumps
-from tests.batches import make_pool, random_batch
+from tests.support import REPO
+from tests.support.batches import make_pool, random_batch
 
 PAGE, MAX_CTX, MAX_BATCH = 16, 200, 12
 TABLE = make_pool(40, MAX_CTX, PAGE, seed=5)
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _planner(next_n: int = 1, **kwargs) -> Planner:

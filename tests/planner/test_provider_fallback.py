@@ -25,7 +25,6 @@ import sys
 import types
 import warnings
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -39,9 +38,9 @@ from planner.errors import ProviderError
 from planner.ops import MetadataOp, Provider
 from serving.engine import DecodeEngine
 from serving.run_config import load_run_config
-from tests.batches import make_pool, random_batch
+from tests.support import TINY_YAML
+from tests.support.batches import make_pool, random_batch
 
-ROOT = Path(__file__).resolve().parents[1]
 CUDA0 = torch.device("cuda", 0)
 MAX_CTX, PAGE = 256, 64
 TABLE = make_pool(9, MAX_CTX, PAGE)
@@ -264,7 +263,7 @@ SMALL = {
 
 
 def _engine(**overrides) -> DecodeEngine:
-    return DecodeEngine(load_run_config(ROOT / "configs" / "dsv32-tiny.yaml", SMALL | overrides))
+    return DecodeEngine(load_run_config(TINY_YAML, SMALL | overrides))
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ if not torch.cuda.is_available():
 import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
@@ -46,9 +45,9 @@ from planner import (  # noqa: E402
     ProviderError,
     SchemaError,
 )
-from tests.batches import make_pool, random_batch  # noqa: E402
+from tests.support import REPO  # noqa: E402
+from tests.support.batches import make_pool, random_batch  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 I32 = torch.int32
 MAX_BATCH, MAX_CTX = 8, 150

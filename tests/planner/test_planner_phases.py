@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner import ForwardMode, Limits, Planner
-from tests.batches import make_pool, random_batch
+from tests.support.batches import make_pool, random_batch
 
 PAGE = 16
 MAX_CTX = 200

@@ -7,12 +7,12 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = Path(__file__).parent / "fixtures" / "example_backend"
+from tests.support import REPO
+
+EXAMPLE = REPO / "tests" / "fixtures" / "example_backend"
 
 PLAN_IT = """
 import torch
@@ -50,7 +50,7 @@ def installed(tmp_path_factory) -> dict[str, str]:
         capture_output=True,
         cwd=target,
     )
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(ROOT)])}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(REPO)])}
 
 
 def test_third_party_backend_is_listed(installed):
@@ -75,7 +75,7 @@ def test_third_party_backend_is_planned(installed):
 
 
 def test_not_listed_without_the_package():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(
         [sys.executable, "-m", "planner", "backends", "--json"],
         env=env,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from backends.deepgemm import reference_paged_mqa_schedule
 from planner import ForwardMode, Limits, Planner, SchemaError
 from planner.ops import get_op
-from tests.batches import make_pool, random_batch
+from tests.support.batches import make_pool, random_batch
 
 MAX_CTX, MAX_BATCH = 700, 40
 TABLE = make_pool(60, MAX_CTX, 64, seed=3)

@@ -51,10 +51,9 @@ from planner.program import Step
 from serving.dump_ring import DumpRing
 from serving.engine import DecodeEngine
 from serving.run_config import load_run_config
-from tests.batches import make_pool, random_batch
+from tests.support import REPO, TINY_YAML
+from tests.support.batches import make_pool, random_batch
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY_YAML = ROOT / "configs" / "dsv32-tiny.yaml"
 MAX_CTX, PAGE, KV_SLOTS = 256, 64, 20 * 256
 TABLE = make_pool(16, MAX_CTX, PAGE)
 """Token table of 15 requests over 64-token pages; every slot is below KV_SLOTS."""
@@ -679,7 +678,7 @@ def test_corrupt_dump_is_a_dump_error(dump_dir, kind):
 
 
 def test_every_kind_is_in_the_reliability_table():
-    text = (ROOT / "docs" / "reliability.md").read_text()
+    text = (REPO / "docs" / "reliability.md").read_text()
     kinds = [c.kind for c in BATCH_CASES] + CONFIG_KINDS + sorted(DUMP_CASES)
     kinds += [f"Limits.{field}" for field, _, _ in LIMIT_CASES]
     kinds += [x.kind for x in NOT_REFUSED]
