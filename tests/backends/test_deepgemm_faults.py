@@ -15,12 +15,7 @@ import warnings
 import pytest
 
 import backends.deepgemm._native as native
-from planner import Limits, Planner
-from tests.support.faults import block_import, runtime_warnings
-
-
-def _limits(device: str = "cpu") -> Limits:
-    return Limits(max_batch=4, max_context=256, page_size=64, device=device)
+from tests.support.faults import FAULTS, block_import, runtime_warnings
 
 
 @pytest.mark.parametrize(
@@ -38,7 +33,7 @@ def test_deep_gemm_import_failure_falls_back_to_the_reference_once(
     block_import(monkeypatch, "deep_gemm", exc)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        chosen = [Planner(["nsa"], _limits("cuda:0")).providers_chosen() for _ in range(3)]
+        chosen = [FAULTS.planner(["nsa"], device="cuda:0").providers_chosen() for _ in range(3)]
     assert {c["nsa.schedule"] for c in chosen} == {"torch"}
     said = [m for m in runtime_warnings(caught) if "deep_gemm is unavailable" in m]
     assert len(said) == 1 and type(exc).__name__ in said[0]
@@ -49,7 +44,9 @@ def test_deep_gemm_present_is_chosen_on_cuda(monkeypatch, fresh_deep_gemm):
     fake = types.ModuleType("deep_gemm")
     fake.get_paged_mqa_logits_metadata = lambda *a: None
     monkeypatch.setitem(sys.modules, "deep_gemm", fake)
-    assert Planner(["nsa"], _limits("cuda:0")).providers_chosen()["nsa.schedule"] == "deep_gemm"
+    assert (
+        FAULTS.planner(["nsa"], device="cuda:0").providers_chosen()["nsa.schedule"] == "deep_gemm"
+    )
     # and on the CPU the reference is chosen without even trying the import
     native.reset()
-    assert Planner(["nsa"], _limits()).providers_chosen()["nsa.schedule"] == "torch"
+    assert FAULTS.planner(["nsa"]).providers_chosen()["nsa.schedule"] == "torch"

@@ -15,10 +15,10 @@ import warnings
 import pytest
 
 from backends.flashinfer import wrappers
-from planner import ForwardMode, Limits, Planner
-from tests.support.faults import block_import, runtime_warnings
+from planner import ForwardMode, Planner
+from tests.support.faults import FAULTS, block_import, runtime_warnings
 
-CUDA_LIMITS = Limits(max_batch=4, max_context=256, page_size=64, device="cuda:0")
+CUDA_LIMITS = FAULTS.make_limits(device="cuda:0")
 
 
 def _flashinfer_plan_provider(planner: Planner) -> str:

@@ -30,8 +30,7 @@ from planner import (
 from planner.dumps import INDEX, dump_plans, load_dump
 from planner.dumps import write as dumps_write
 from planner.registry import get_backend
-from tests.support.batches import random_batch
-from tests.support.dumps import MAX_BATCH, MAX_CTX, TABLE, assert_same_bits, dump_planner
+from tests.support.dumps import DUMPS, assert_same_bits
 
 # ---- round trips -------------------------------------------------------------------------------
 
@@ -40,13 +39,11 @@ from tests.support.dumps import MAX_BATCH, MAX_CTX, TABLE, assert_same_bits, dum
 @given(seed=st.integers(0, 2**31), next_n=st.integers(1, 3), verify=st.booleans())
 def test_paged_plans_round_trip_bit_for_bit(seed, next_n, verify):
     rng = random.Random(seed)
-    planner = dump_planner(next_n)
+    planner = DUMPS.planner(next_n=next_n)
     mode = ForwardMode.TARGET_VERIFY if verify and next_n > 1 else ForwardMode.DECODE
-    batch = random_batch(
-        rng, TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX, next_n=next_n, mode=mode
-    )
-    bs = min(s for s in (1, 2, 4, 8, MAX_BATCH) if s >= batch.bs)
-    planner.capture(bs, mode, req_to_token=TABLE)
+    batch = DUMPS.batch(rng, next_n=next_n, mode=mode)
+    bs = min(s for s in (1, 2, 4, 8, DUMPS.max_batch) if s >= batch.bs)
+    planner.capture(bs, mode, req_to_token=DUMPS.table)
     replayed = planner.replay(batch, bs)
     planner.record(bs, mode)
     with tempfile.TemporaryDirectory() as tmp:
@@ -131,8 +128,8 @@ def test_float_and_int_fields_round_trip_bit_for_bit(rows, data, width):
 
 
 def test_dump_replaces_an_old_dump_and_leaves_no_temporaries(tmp_path):
-    planner = dump_planner()
-    batch = random_batch(random.Random(1), TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX)
+    planner = DUMPS.planner()
+    batch = DUMPS.batch(random.Random(1))
     plans = planner.plan(batch)
     dump_plans(plans, tmp_path / "d", step=1)
     dump_plans(plans, tmp_path / "d", step=2)
@@ -141,9 +138,7 @@ def test_dump_replaces_an_old_dump_and_leaves_no_temporaries(tmp_path):
 
 
 def test_dump_refuses_to_replace_a_directory_that_is_not_a_dump(tmp_path):
-    plans = dump_planner().plan(
-        random_batch(random.Random(1), TABLE, max_batch=4, max_context=MAX_CTX)
-    )
+    plans = DUMPS.planner().plan(DUMPS.batch(random.Random(1), max_batch=4))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "notes.txt").write_text("mine")
     with pytest.raises(DumpError, match="not a plan dump"):
@@ -153,9 +148,7 @@ def test_dump_refuses_to_replace_a_directory_that_is_not_a_dump(tmp_path):
 
 
 def test_a_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
-    plans = dump_planner().plan(
-        random_batch(random.Random(1), TABLE, max_batch=4, max_context=MAX_CTX)
-    )
+    plans = DUMPS.planner().plan(DUMPS.batch(random.Random(1), max_batch=4))
     real = dumps_write.write_synced
     calls = []
 
@@ -203,9 +196,7 @@ def test_index_cannot_point_outside_the_dump(one_dump):
 
 
 def test_a_mismatch_directory_is_named_as_such(tmp_path):
-    plans = dump_planner().plan(
-        random_batch(random.Random(1), TABLE, max_batch=4, max_context=MAX_CTX)
-    )
+    plans = DUMPS.planner().plan(DUMPS.batch(random.Random(1), max_batch=4))
     dump_plans(plans, tmp_path / "mismatch-0" / "replayed")
     with pytest.raises(DumpError, match="holds a mismatch"):
         load_dump(tmp_path / "mismatch-0")

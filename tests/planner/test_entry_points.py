@@ -53,15 +53,20 @@ def installed(tmp_path_factory) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(REPO)])}
 
 
-def test_third_party_backend_is_listed(installed):
+def _listed_backends(env: dict[str, str]) -> list[dict]:
+    """The rows of ``python -m planner backends --json`` run with ``env``."""
     out = subprocess.run(
         [sys.executable, "-m", "planner", "backends", "--json"],
-        env=installed,
+        env=env,
         check=True,
         capture_output=True,
         text=True,
     )
-    rows = json.loads(out.stdout)
+    return json.loads(out.stdout)
+
+
+def test_third_party_backend_is_listed(installed):
+    rows = _listed_backends(installed)
     assert {"backend": "example-window", "field": "window_lens"}.items() <= next(
         r for r in rows if r["backend"] == "example-window" and r["field"] == "window_lens"
     ).items()
@@ -76,11 +81,4 @@ def test_third_party_backend_is_planned(installed):
 
 def test_not_listed_without_the_package():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [sys.executable, "-m", "planner", "backends", "--json"],
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    assert all(r["backend"] != "example-window" for r in json.loads(out.stdout))
+    assert all(r["backend"] != "example-window" for r in _listed_backends(env))

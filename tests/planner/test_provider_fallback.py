@@ -18,25 +18,18 @@ import warnings
 import pytest
 import torch
 
-from planner import Limits, Planner, get_op
+from planner import get_op
 from planner.compare import diff_plans
 from planner.errors import ProviderError
 from planner.ops import MetadataOp, Provider
-from tests.support.batches import make_pool, random_batch
-from tests.support.faults import runtime_warnings
+from tests.support.faults import FAULTS, runtime_warnings
 
 CUDA0 = torch.device("cuda", 0)
-MAX_CTX, PAGE = 256, 64
-TABLE = make_pool(9, MAX_CTX, PAGE)
-
-
-def _limits(device: str = "cpu") -> Limits:
-    return Limits(max_batch=4, max_context=MAX_CTX, page_size=PAGE, device=device)
 
 
 def _batches(n: int, seed: int = 0):
     rng = random.Random(seed)
-    return [random_batch(rng, TABLE, max_batch=4, max_context=MAX_CTX) for _ in range(n)]
+    return [FAULTS.batch(rng) for _ in range(n)]
 
 
 def test_a_crashing_availability_check_counts_as_unavailable_and_is_said_once(monkeypatch):
@@ -94,8 +87,8 @@ FAILING = [("paged_mqa_schedule", "deep_gemm"), ("page_table", "triton")]
 @pytest.mark.parametrize("failing_provider", FAILING, indirect=True, ids=lambda p: "/".join(p))
 def test_provider_failing_its_first_call_falls_back_to_the_next(failing_provider):
     op_name, provider, calls = failing_provider
-    planner = Planner(["nsa", "paged"], _limits())
-    reference = Planner(["nsa", "paged"], _limits())
+    planner = FAULTS.planner()
+    reference = FAULTS.planner()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for batch in _batches(5):
@@ -108,7 +101,7 @@ def test_provider_failing_its_first_call_falls_back_to_the_next(failing_provider
 @pytest.mark.parametrize("failing_provider", FAILING, indirect=True, ids=lambda p: "/".join(p))
 def test_a_forced_provider_that_fails_is_an_error_not_a_fallback(failing_provider):
     op_name, provider, calls = failing_provider
-    planner = Planner(["nsa", "paged"], _limits(), providers={op_name: provider})
+    planner = FAULTS.planner(providers={op_name: provider})
     with pytest.raises(ProviderError, match="forced provider failed") as info:
         planner.plan(_batches(1)[0])
     assert info.value.actual == provider

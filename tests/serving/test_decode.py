@@ -8,10 +8,9 @@ import sys
 
 import pytest
 
-from serving.engine import DecodeEngine
 from serving.report import summarize
-from serving.run_config import load_run_config
-from tests.support import REPO, TINY_YAML
+from tests.support import REPO
+from tests.support.engines import tiny_engine
 
 SMALL = {
     "loop.requests": 6,
@@ -24,7 +23,7 @@ SMALL = {
 
 
 def _run(**overrides):
-    engine = DecodeEngine(load_run_config(TINY_YAML, {**SMALL, **overrides}))
+    engine = tiny_engine({**SMALL, **overrides})
     result = engine.run(progress=False)
     return engine, result
 

@@ -23,8 +23,7 @@ from planner.registry import get_backend
 from serving.cli import build_parser, dispatch
 from serving.dump_ring import install_mismatch_dumps
 from tests.support import REPO
-from tests.support.batches import random_batch
-from tests.support.dumps import MAX_CTX, TABLE, dump_planner
+from tests.support.dumps import DUMPS
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -55,17 +54,17 @@ def stale_page_table(monkeypatch):
 def test_stale_field_is_dumped_on_mismatch_and_diff_points_at_rows(
     tmp_path, stale_page_table, capsys, caplog
 ):
-    planner = dump_planner(debug=True)
+    planner = DUMPS.planner(debug=True)
     dumper = install_mismatch_dumps(planner, tmp_path / "dumps")
     rng = random.Random(11)
-    planner.capture(8, req_to_token=TABLE)
-    first = random_batch(rng, TABLE, max_batch=8, max_context=MAX_CTX, bs=6)
+    planner.capture(8, req_to_token=DUMPS.table)
+    first = DUMPS.batch(rng, bs=6)
     plans = planner.replay(first, 8)
     planner.record(8)
     planner.verify(first, plans)  # a healthy replay writes nothing
     assert dumper.paths == []
 
-    second = random_batch(rng, TABLE, max_batch=8, max_context=MAX_CTX, bs=5)
+    second = DUMPS.batch(rng, bs=5)
     stale_page_table["skip"] = True
     plans = planner.replay(second, 8)
     planner.record(8)
@@ -110,10 +109,10 @@ def test_stale_field_is_dumped_on_mismatch_and_diff_points_at_rows(
 
 
 def test_replay_without_record_leaves_in_graph_fields_stale(tmp_path):
-    planner = dump_planner(debug=True)
+    planner = DUMPS.planner(debug=True)
     dumper = install_mismatch_dumps(planner, tmp_path)
-    planner.capture(4, req_to_token=TABLE)
-    batch = random_batch(random.Random(3), TABLE, max_batch=4, max_context=MAX_CTX, bs=3)
+    planner.capture(4, req_to_token=DUMPS.table)
+    batch = DUMPS.batch(random.Random(3), bs=3)
     plans = planner.replay(batch, 4)  # the graph never replayed: in-graph ops did not run
     with pytest.raises(ReplayError):
         planner.verify(batch, plans)
@@ -130,9 +129,9 @@ def test_python_m_planner_diff_and_inspect(tmp_path, capsys):
     """The commands as wired into ``python -m planner`` (one real subprocess: torch imports slowly)."""
     from serving.cli import main
 
-    planner = dump_planner()
+    planner = DUMPS.planner()
     rng = random.Random(2)
-    batches = [random_batch(rng, TABLE, max_batch=4, max_context=MAX_CTX, bs=3) for _ in range(2)]
+    batches = [DUMPS.batch(rng, bs=3) for _ in range(2)]
     a = dump_plans(planner.plan(batches[0]), tmp_path / "a")
     b = dump_plans(planner.plan(batches[1]), tmp_path / "b")
     diff = subprocess.run(
@@ -208,8 +207,8 @@ def test_inspect_unknown_field_is_an_error(one_dump, capsys):
 
 
 def test_diff_of_equal_dumps_and_pointer_option(tmp_path, capsys):
-    planner = dump_planner()
-    batch = random_batch(random.Random(6), TABLE, max_batch=4, max_context=MAX_CTX, bs=2)
+    planner = DUMPS.planner()
+    batch = DUMPS.batch(random.Random(6), bs=2)
     plans = planner.plan(batch)
     a = dump_plans(plans, tmp_path / "a")
     b = dump_plans(plans, tmp_path / "b")
@@ -222,10 +221,10 @@ def test_diff_of_equal_dumps_and_pointer_option(tmp_path, capsys):
 
 
 def test_diff_reports_shape_changes_and_missing_fields(tmp_path, capsys):
-    planner = dump_planner()
+    planner = DUMPS.planner()
     rng = random.Random(12)
-    small = planner.plan(random_batch(rng, TABLE, max_batch=4, max_context=MAX_CTX, bs=2))
-    large = planner.plan(random_batch(rng, TABLE, max_batch=4, max_context=MAX_CTX, bs=3))
+    small = planner.plan(DUMPS.batch(rng, bs=2))
+    large = planner.plan(DUMPS.batch(rng, bs=3))
     a, b = dump_plans(small, tmp_path / "a"), dump_plans(large, tmp_path / "b")
     code, out, _ = _run(capsys, "diff", str(a), str(b), "--json")
     assert code == 1

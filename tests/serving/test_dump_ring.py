@@ -12,16 +12,15 @@ import pytest
 from planner import ConfigError, PlanSet, ReplayError
 from planner.dumps import load_dump
 from serving.dump_ring import DumpRing, install_mismatch_dumps
-from tests.support.batches import random_batch
-from tests.support.dumps import MAX_CTX, TABLE, dump_planner
+from tests.support.dumps import DUMPS
 
 # ---- ring buffer and environment ---------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def small_plans() -> tuple[PlanSet, object]:
-    batch = random_batch(random.Random(8), TABLE, max_batch=4, max_context=MAX_CTX, bs=2)
-    return dump_planner().plan(batch), batch
+    batch = DUMPS.batch(random.Random(8), bs=2)
+    return DUMPS.planner().plan(batch), batch
 
 
 def _steps_on_disk(directory: Path) -> list[str]:
@@ -108,7 +107,7 @@ def test_ring_rejects_bad_arguments(tmp_path, kwargs):
 
 def test_mismatch_dumps_count_up_and_chain(tmp_path, small_plans):
     plans, batch = small_plans
-    planner = dump_planner()
+    planner = DUMPS.planner()
     seen = []
     planner.on_mismatch = lambda *args: seen.append(args)
     (tmp_path / "mismatch-5").mkdir()
@@ -121,11 +120,11 @@ def test_mismatch_dumps_count_up_and_chain(tmp_path, small_plans):
 
 
 def test_a_failing_mismatch_dump_never_hides_the_replay_error(tmp_path, caplog):
-    planner = dump_planner(debug=True)
+    planner = DUMPS.planner(debug=True)
     (tmp_path / "file").write_text("x")
     dumper = install_mismatch_dumps(planner, tmp_path / "file" / "sub")
-    planner.capture(4, req_to_token=TABLE)
-    batch = random_batch(random.Random(9), TABLE, max_batch=4, max_context=MAX_CTX, bs=4)
+    planner.capture(4, req_to_token=DUMPS.table)
+    batch = DUMPS.batch(random.Random(9), bs=4)
     plans = planner.replay(batch, 4)  # no record(): stale
     with caplog.at_level(logging.ERROR, logger="serving.dump_ring"), pytest.raises(ReplayError):
         planner.verify(batch, plans)

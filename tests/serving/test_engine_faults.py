@@ -15,8 +15,7 @@ import pytest
 from graphs import SIZE_DROPPED, GraphWarning, is_capturing
 from planner import ForwardMode
 from serving.engine import DecodeEngine
-from serving.run_config import load_run_config
-from tests.support import TINY_YAML
+from tests.support.engines import tiny_engine
 
 SMALL = {
     "loop.requests": 8,
@@ -31,7 +30,7 @@ SMALL = {
 
 
 def _engine(**overrides) -> DecodeEngine:
-    return DecodeEngine(load_run_config(TINY_YAML, SMALL | overrides))
+    return tiny_engine(SMALL | overrides)
 
 
 @pytest.fixture(scope="module")

@@ -37,8 +37,8 @@ import torch
 
 from graphs import GraphWarning
 from serving.engine import DecodeEngine
-from serving.run_config import load_run_config
-from tests.support import REPO, TINY_YAML
+from tests.support import REPO
+from tests.support.engines import tiny_engine
 
 SERVING = os.sep + os.path.join("planner", "serving") + os.sep
 DECODE_STEPS_PER_REQUEST = 3.7
@@ -201,7 +201,7 @@ def soak(
     layers: int | None = None,
 ) -> tuple[SoakReport, DecodeEngine]:
     """Serve a workload of at least ``decode_steps`` decode steps; return the report and engine."""
-    engine = DecodeEngine(load_run_config(TINY_YAML, workload(decode_steps, seed, layers)))
+    engine = tiny_engine(workload(decode_steps, seed, layers))
     probe = Probe(engine, warmup, trace_from, every)
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:

@@ -1,4 +1,4 @@
-"""Plan dumps for the dump tests: a paged planner over a 40-request table, bit-for-bit checks."""
+"""Plan dumps for the dump tests: the planner they plan with, bit-for-bit checks, a probe dump."""
 
 from __future__ import annotations
 
@@ -7,18 +7,13 @@ from pathlib import Path
 
 import torch
 
-from planner import Limits, Planner, PlanSet
+from planner import PlanSet
 from planner.compare import tensor_digest
 from planner.dumps import dump_plans
-from tests.support.batches import make_pool, random_batch
+from tests.support.planners import PlannerSetup
 
-PAGE, MAX_CTX, MAX_BATCH = 16, 200, 12
-TABLE = make_pool(40, MAX_CTX, PAGE, seed=5)
-
-
-def dump_planner(next_n: int = 1, **kwargs) -> Planner:
-    limits = Limits(max_batch=MAX_BATCH, max_context=MAX_CTX, page_size=PAGE, next_n=next_n)
-    return Planner(["paged"], limits, **kwargs)
+DUMPS = PlannerSetup(("paged",), max_batch=12, max_context=200, page_size=16, pool=40, seed=5)
+"""The paged planner and 40-request table every dump test plans with."""
 
 
 def bits(tensor: torch.Tensor) -> bytes:
@@ -43,7 +38,7 @@ def assert_same_bits(plans: PlanSet, loaded) -> None:
 
 def probe_dump(directory: Path) -> tuple[Path, PlanSet]:
     """An eager plan of a 5-request batch, dumped as step 42 labelled 'probe'."""
-    planner = dump_planner()
-    batch = random_batch(random.Random(4), TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX, bs=5)
+    planner = DUMPS.planner()
+    batch = DUMPS.batch(random.Random(4), bs=5)
     plans = planner.plan(batch)
     return dump_plans(plans, directory / "d", step=42, batch=batch, label="probe"), plans

@@ -1,9 +1,15 @@
-"""Simulated faults: an optional library that will not import, and the warnings said about it."""
+"""Simulated faults: the planner setup the fault tests share, an optional library that will not
+import, and the warnings said about it."""
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from tests.support.planners import PlannerSetup
+
+FAULTS = PlannerSetup(("nsa", "paged"), max_batch=4, max_context=256, page_size=64, pool=9)
+"""Small limits; ``planner(device="cuda:0")`` builds and chooses providers without a GPU."""
 
 
 def block_import(monkeypatch, name: str, exc: BaseException) -> None:
