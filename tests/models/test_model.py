@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import traceback
 import types
 from pathlib import Path
@@ -33,11 +34,12 @@ from models.layers.rope import (
     rope_cos_sin,
     yarn_inv_freq,
 )
-from models.model import DSV32Model
+from models.model import Block, DSV32Model
 from planner import Limits, Planner
 from planner.errors import ConfigError, PlanError, SchemaError
 from tests.support import REPO
 from tests.support.engines import tiny_model
+from tests.support.planners import PlannerSetup
 
 ROOT = str(REPO)
 
@@ -741,3 +743,20 @@ def test_plans_from_the_real_planner(model: DSV32Model) -> None:
         plans = planner.replay(batch, 4)
         planner.record(4)  # what replaying the captured graph would run
         assert torch.equal(model(padded, plans, s.cache), eager)
+
+
+def test_plan_topk_other_than_the_models_is_refused_before_the_first_layer(
+    model: DSV32Model, monkeypatch
+) -> None:
+    """A plan built for another model: the model refuses it before any layer runs."""
+    cache = model.new_cache(4 * 256 // PAGE + 1)
+    setup = PlannerSetup(("nsa",), max_batch=4, max_context=256, page_size=PAGE, pool=5)
+    planner = setup.planner(kv_slots=cache.num_slots, options={"nsa": {"topk": 2048}})
+    batch = setup.batch(random.Random(0), bs=2)
+    layers: list[int] = []
+    original = Block.forward
+    monkeypatch.setattr(Block, "forward", lambda self, *a: layers.append(1) or original(self, *a))
+    with pytest.raises(PlanError) as info:
+        model(torch.zeros(2, dtype=torch.int64), planner.plan(batch), cache)
+    assert info.value.field == "topk" and "expected 16, got 2048" in str(info.value)
+    assert layers == []

@@ -1,301 +1,350 @@
-"""The catalogue of bad inputs beyond the batch door checks of ``test_bad_input.py``.
+"""The catalogue of bad inputs the planner refuses: batches, limits, planner builds, dumps.
 
-Every entry is refused with a ``PlanError`` subclass (``ConfigError`` for configs) that
-names the field in ``err.field`` and in the message, plus the limit it broke where there
-is one, and nothing has launched when it is refused. ``docs/reliability.md`` tabulates
-the entries (kind, example, error class, field, where checked); a test below keeps the
-table and this file in step.
+Every entry is refused with a ``PlanError`` subclass (``ConfigError`` for limits) that
+names the field in ``err.field`` and in the message, plus the limit it broke where the
+case states one, and no metadata op has launched when it is refused. A bad batch is
+refused in every phase it applies to: ``plan()``, and ``replay()`` after a capture.
+``docs/reliability.md`` tabulates the entries (kind, example, error class, field, where
+checked); ``tests/serving/test_bad_config_catalogue.py`` (the run-config, engine and CLI
+parts) keeps the table and both catalogues in step.
 
-Inputs that are *not* refused today (silently accepted, or refused with a raw exception
-that an engine catching ``PlanError`` would not catch) are at the end, as
-``xfail(strict=True)`` tests: each turns into an unexpected pass, and so a failure, the
-day the planner starts refusing it, and its marker must then go.
+Inputs that are *not* refused today are at the end, as ``xfail(strict=True)`` tests: each
+turns into an unexpected pass, and so a failure, the day the planner starts refusing it,
+and its marker must then go.
 
 There is no floating-point batch input: ``ForwardBatch`` carries only integer tensors
 (the model's hidden states are not planner input). A NaN can only arrive in a float
 tensor handed over in place of an index tensor, which the dtype check refuses; the
 floats that do exist are config values (``loop.arrival_rate``, model ``overrides``,
-backend options such as ``nsa.topk``), and those entries are here.
+backend options such as ``nsa.topk``), and those entries are here and in the serving
+catalogue.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-import backends.deepgemm._native as native
-from graphs import GraphRunner
-from models.config import DSV32Config
-from models.model import Block, DSV32Model
 from planner import (
     BatchError,
     ConfigError,
     DumpError,
     ForwardBatch,
     ForwardMode,
-    Limits,
     PlanError,
     Planner,
-    ProviderError,
     SchemaError,
 )
 from planner.dumps import INDEX, dump_plans, load_dump
-from planner.program import Step
-from serving.dump_ring import DumpRing
-from serving.engine import DecodeEngine
-from serving.run_config import load_run_config
-from tests.support import REPO, TINY_YAML
-from tests.support.batches import make_pool, random_batch
+from tests.support.catalogue import (
+    KV_SLOTS,
+    NSA_PAGED_64,
+    PAGED_16,
+    BatchCase,
+    Case,
+    Finding,
+    batch_params,
+    expect_finding_refused,
+    expect_refused,
+    finding_params,
+    record_launches,
+)
 
-MAX_CTX, PAGE, KV_SLOTS = 256, 64, 20 * 256
-TABLE = make_pool(16, MAX_CTX, PAGE)
+pytestmark = pytest.mark.usefixtures("fresh_deep_gemm")  # a CUDA planner tries deep_gemm once
+
+VERIFY = ForwardMode.TARGET_VERIFY
+DOOR = "planner/door.py validate_batch"
+STAGING = "planner/staging.py (host values, before any op)"
+NSA, PAGED = NSA_PAGED_64, PAGED_16
+TABLE, CTX = NSA.table, NSA.max_context
 """Token table of 15 requests over 64-token pages; every slot is below KV_SLOTS."""
 
 
-def _limits(**overrides) -> Limits:
-    values = dict(max_batch=4, max_context=MAX_CTX, page_size=PAGE, kv_slots=KV_SLOTS)
-    return Limits(**{**values, **overrides})
-
-
-def _good(**overrides) -> ForwardBatch:
-    batch = random_batch(
-        random.Random(3), TABLE, max_batch=4, max_context=MAX_CTX, bs=3, positions=True
+def _paged(**overrides) -> Callable[[], ForwardBatch]:
+    """The door checks' good batch (3 requests, positions given), with ``overrides``."""
+    return lambda: dataclasses.replace(
+        PAGED.batch(random.Random(0), bs=3, positions=True), **overrides
     )
-    return dataclasses.replace(batch, **overrides)
 
 
-@dataclass(frozen=True)
-class Case:
-    """One kind of bad input: how to make it, and how it must be refused."""
-
-    kind: str
-    category: str
-    run: Callable[[], object]
-    error: type[PlanError]
-    field: str
-    limit: str | None = None
-    where: str = ""
-
-
-_TINY_MODEL: list[DSV32Model] = []
-
-
-def _tiny_model() -> DSV32Model:
-    """One tiny model per session for the engine-level cases (building one costs ~0.7 s)."""
-    if not _TINY_MODEL:
-        _TINY_MODEL.append(DSV32Model(DSV32Config.tiny(), device="cpu", dtype=torch.float32))
-    return _TINY_MODEL[0]
-
-
-def _engine(*, shared_model: bool = True, **overrides) -> DecodeEngine:
-    """An engine over the tiny YAML; ``shared_model=False`` builds the model the config asks for."""
-    config = load_run_config(TINY_YAML, overrides)
-    if not shared_model or config.model != load_run_config(TINY_YAML).model:
-        return DecodeEngine(config)
-    return DecodeEngine(config, model=_tiny_model())
-
-
-def _yaml(tmp: Path, text: str) -> Callable[[], object]:
-    def load() -> object:
-        path = tmp / "bad.yaml"
-        path.write_text(text)
-        return load_run_config(path)
-
-    return load
-
-
-# ---- batch: what the door checks of test_bad_input.py do not already show ----------------------
-
-
-def _plan(batch: ForwardBatch, **limits) -> Callable[[], object]:
-    return lambda: Planner(["nsa", "paged"], _limits(**limits)).plan(batch)
+def _nsa(**overrides) -> Callable[[], ForwardBatch]:
+    """The catalogue's good batch (3 requests, positions given), with ``overrides``."""
+    return lambda: dataclasses.replace(
+        NSA.batch(random.Random(3), bs=3, positions=True), **overrides
+    )
 
 
 def _meta(*shape: int) -> torch.Tensor:
     return torch.empty(*shape, dtype=torch.int32, device="meta")
 
 
+def _i32(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# ---- batches: types, ranks, shapes, values, devices, mode; in plan and in replay --------------
+
+
+def _door(kind: str, batch, field: str, where: str, **kw) -> BatchCase:
+    """A door check of the paged planner over 16-token pages: a PlanError naming ``field``."""
+    kw.setdefault("error", PlanError)
+    return BatchCase(kind, "batch", PAGED, batch, field=field, where=where, **kw)
+
+
+def _nsa_case(kind: str, category: str, batch, field: str, limit: str, where: str, **kw):
+    """A batch refused by the NSA and paged planner over 64-token pages: a BatchError."""
+    return BatchCase(kind, category, NSA, batch, BatchError, field, limit, where, **kw)
+
+
 BATCH_CASES = [
-    Case(
+    _door("negative length", _paged(seq_lens_cpu=_i32(5, -1, 3)), "seq_lens_cpu", STAGING),
+    _door("zero length", _paged(seq_lens_cpu=_i32(5, 0, 3)), "seq_lens_cpu", STAGING),
+    _door(
+        "length past max context",
+        _paged(seq_lens_cpu=_i32(5, PAGED.max_context + 1, 3)),
+        "seq_lens_cpu",
+        STAGING,
+    ),
+    _door("lengths int64", _paged(seq_lens_cpu=torch.tensor([5, 6, 3])), "seq_lens_cpu", DOOR),
+    _door(
+        "lengths 2-D",
+        _paged(seq_lens_cpu=torch.tensor([[5, 6, 3]], dtype=torch.int32)),
+        "seq_lens_cpu",
+        DOOR,
+    ),
+    _door("lengths not a tensor", _paged(seq_lens_cpu=[5, 6, 3]), "seq_lens_cpu", DOOR),
+    _door(
+        "lengths non-contiguous",
+        _paged(seq_lens_cpu=_i32(5, 9, 6, 9, 3, 9)[::2]),
+        "seq_lens_cpu",
+        DOOR,
+    ),
+    _door(
+        "empty batch",
+        _paged(
+            seq_lens_cpu=torch.zeros(0, dtype=torch.int32),
+            req_pool_indices=torch.zeros(0, dtype=torch.int64),
+            out_cache_loc=torch.zeros(0, dtype=torch.int32),
+            positions=None,
+        ),
+        "seq_lens_cpu",
+        DOOR,
+    ),
+    _door(
+        "batch past max_batch",
+        _paged(),
+        "seq_lens_cpu",
+        DOOR,
+        error=BatchError,
+        limit="max_batch",
+        planner={"max_batch": 2, "kv_slots": None},
+        captured=2,
+        replay_bs=2,
+    ),
+    _door(
+        "pool index out of range",
+        _paged(req_pool_indices=torch.tensor([1, 2, 16])),
+        "req_pool_indices",
+        STAGING,
+    ),
+    _door(
+        "negative pool index",
+        _paged(req_pool_indices=torch.tensor([1, -1, 2])),
+        "req_pool_indices",
+        STAGING,
+    ),
+    _door(
+        "pool indices wrong length",
+        _paged(req_pool_indices=torch.tensor([1, 2])),
+        "req_pool_indices",
+        DOOR,
+    ),
+    _door(
+        "pool indices float",
+        _paged(req_pool_indices=torch.tensor([1.0, 2.0, 3.0])),
+        "req_pool_indices",
+        DOOR,
+    ),
+    _door("token table int64", _paged(req_to_token=PAGED.table.long()), "req_to_token", DOOR),
+    _door(
+        "token table one column short",
+        _paged(req_to_token=PAGED.table[:, :20].contiguous(), seq_lens_cpu=_i32(5, 21, 3)),
+        "req_to_token",
+        STAGING,
+    ),
+    _door("token table 1-D", _paged(req_to_token=PAGED.table[0]), "req_to_token", DOOR),
+    _door(
+        "token table moved since capture",
+        _paged(req_to_token=PAGED.table.clone()),
+        "req_to_token",
+        "Planner.replay",
+        limit="moved or reallocated",
+        phases=("replay",),
+        planner={"kv_slots": None},
+    ),
+    _door(
+        "replay of a size never captured",
+        _paged(),
+        "bs",
+        "Planner.replay",
+        limit="no capture",
+        phases=("replay",),
+        planner={"kv_slots": None},
+        replay_bs=3,
+    ),
+    _door("out_cache_loc wrong length", _paged(out_cache_loc=_i32(1, 2)), "out_cache_loc", DOOR),
+    _door(
+        "out_cache_loc past the cache",
+        _paged(out_cache_loc=_i32(1, 2, 10**6)),
+        "out_cache_loc",
+        STAGING,
+    ),
+    _door(
+        "positions past max context",
+        _paged(positions=_i32(1, 2, PAGED.max_context)),
+        "positions",
+        STAGING,
+    ),
+    _door("next_n mismatch in decode", _paged(next_n=2), "next_n", DOOR),
+    _door(
+        "verify next_n other than the planner's",
+        lambda: PAGED.batch(random.Random(1), next_n=3, mode=VERIFY),
+        "next_n",
+        DOOR,
+        limit="expected 2",
+        planner={"next_n": 2, "kv_slots": None},
+    ),
+    _door("unknown mode", _paged(mode="prefill"), "mode", DOOR),
+    _door(
+        "device seq_lens disagree",
+        _paged(seq_lens=_i32(1, 1, 1)),
+        "seq_lens",
+        f"{DOOR} (eager and debug only: a device read)",
+        skip={
+            "replay": "device-resident values are compared only where a sync is allowed "
+            "(eager, debug)"
+        },
+    ),
+    _nsa_case(
         "token table on another device",
         "device",
-        _plan(_good(req_to_token=_meta(16, MAX_CTX))),
-        BatchError,
+        _nsa(req_to_token=_meta(16, CTX)),
         "req_to_token",
         "wrong device",
-        "planner/batch.py validate_batch",
+        DOOR,
     ),
-    Case(
+    _nsa_case(
         "host lengths on a device",
         "device",
-        _plan(_good(seq_lens_cpu=_meta(3))),
-        BatchError,
+        _nsa(seq_lens_cpu=_meta(3)),
         "seq_lens_cpu",
         "wrong device",
-        "planner/batch.py validate_batch",
+        DOOR,
     ),
-    Case(
+    _nsa_case(
         "out_cache_loc on another device",
         "device",
-        _plan(_good(out_cache_loc=_meta(3))),
-        BatchError,
+        _nsa(out_cache_loc=_meta(3)),
         "out_cache_loc",
         "wrong device",
-        "planner/batch.py validate_batch",
+        DOOR,
     ),
-    Case(
+    _nsa_case(
         "CPU batch for a CUDA planner",
         "device",
-        lambda: Planner(["nsa"], _limits(device="cuda:0")).plan(_good()),
-        BatchError,
+        _nsa(),
         "req_to_token",
         "expected cuda:0",
-        "planner/batch.py validate_batch",
+        DOOR,
+        phases=("plan",),  # replay needs a capture, which a CUDA planner cannot make here
+        planner={"backends": ("nsa",), "device": "cuda:0"},
     ),
-    Case(
+    _nsa_case(
         "NaN in a float tensor given as an index",
         "batch",
-        _plan(_good(out_cache_loc=torch.tensor([1.0, float("nan"), 2.0]))),
-        BatchError,
+        _nsa(out_cache_loc=torch.tensor([1.0, float("nan"), 2.0])),
         "out_cache_loc",
         "int32 or torch.int64",
-        "planner/batch.py validate_batch",
+        DOOR,
     ),
-    Case(
+    _nsa_case(
         "lengths of dtype bool",
         "batch",
-        _plan(_good(seq_lens_cpu=torch.ones(3, dtype=torch.bool))),
-        BatchError,
+        _nsa(seq_lens_cpu=torch.ones(3, dtype=torch.bool)),
         "seq_lens_cpu",
         "torch.int32",
-        "planner/batch.py validate_batch",
+        DOOR,
     ),
-    Case(
+    _nsa_case(
         "int64 slot past int32 (kv_slots set)",
         "batch",
-        _plan(_good(out_cache_loc=torch.tensor([1, 2, 2**32 + 5]))),
-        BatchError,
+        _nsa(out_cache_loc=torch.tensor([1, 2, 2**32 + 5])),
         "out_cache_loc",
         f"[0, {KV_SLOTS - 1}]",
-        "planner/staging.py (host values, before any op)",
+        STAGING,
     ),
-    Case(
+    _nsa_case(
         "int64 slot past int32 (no kv_slots)",
         "batch",
-        _plan(_good(out_cache_loc=torch.tensor([1, 2, 2**32 + 5])), kv_slots=None),
-        BatchError,
+        _nsa(out_cache_loc=torch.tensor([1, 2, 2**32 + 5])),
         "out_cache_loc",
         "2147483647",
-        "planner/staging.py (host values, before any op)",
+        STAGING,
+        planner={"kv_slots": None},
     ),
-    Case(
+    _nsa_case(
         "int64 pool index past int32",
         "batch",
-        _plan(_good(req_pool_indices=torch.tensor([1, 2, 2**40]))),
-        BatchError,
+        _nsa(req_pool_indices=torch.tensor([1, 2, 2**40])),
         "req_pool_indices",
         "[0, 15]",
-        "planner/staging.py (host values, before any op)",
+        STAGING,
     ),
-    Case(
+    _nsa_case(
         "verify batch on a decode-only planner",
         "batch",
-        _plan(
-            random_batch(
-                random.Random(1),
-                TABLE,
-                max_batch=4,
-                max_context=MAX_CTX,
-                next_n=2,
-                mode=ForwardMode.TARGET_VERIFY,
-            ),
-            next_n=1,
-        ),
-        BatchError,
+        lambda: NSA.batch(random.Random(1), next_n=2, mode=VERIFY),
         "next_n",
         "expected 1",
-        "planner/batch.py validate_batch",
+        DOOR,
+        planner={"next_n": 1},
     ),
-    Case(
+    _nsa_case(
         "not a ForwardBatch",
         "batch",
-        lambda: Planner(["paged"], _limits()).plan({"seq_lens_cpu": torch.ones(1)}),
-        BatchError,
+        lambda: {"seq_lens_cpu": torch.ones(1)},
         "batch",
         "dict",
-        "planner/batch.py validate_batch",
-    ),
-    Case(
-        "pad_to below the batch",
-        "batch",
-        lambda: Planner(["paged"], _limits()).plan(_good(), pad_to=2),
-        BatchError,
-        "pad_to",
-        "[3, 4]",
-        "Planner.plan",
-    ),
-    Case(
-        "capture size past max_batch",
-        "batch",
-        lambda: Planner(["paged"], _limits()).capture(5, req_to_token=TABLE),
-        BatchError,
-        "bs",
-        "[1, 4]",
-        "Planner.capture",
-    ),
-    Case(
-        "capture over an int64 token table",
-        "batch",
-        lambda: Planner(["paged"], _limits()).capture(2, req_to_token=TABLE.long()),
-        BatchError,
-        "req_to_token",
-        "torch.int32",
-        "Planner.capture (validate_batch of the dummy batch)",
+        DOOR,
+        planner={"backends": ("paged",)},
     ),
 ]
+"""Every bad batch: the door checks of the paged planner (PlanError, the field named), then
+devices, dtypes and int64 values on the NSA and paged planner (BatchError, the limit too)."""
 
 
-@pytest.fixture(autouse=True)
-def _forget_deep_gemm():
-    """A CUDA planner tries ``import deep_gemm`` once and remembers; leave no trace behind."""
-    yield
-    native.reset()
+@pytest.mark.parametrize(("case", "phase"), batch_params(BATCH_CASES))
+def test_bad_batch_is_refused_naming_the_field(case, phase, monkeypatch):
+    planner = case.make_planner()
+    if phase == "replay":
+        planner.capture(case.captured, req_to_token=case.setup.table)
+    launched = record_launches(monkeypatch)
+    batch = case.batch()
+    if phase == "plan":
+        expect_refused(case, lambda: planner.plan(batch))
+    else:
+        expect_refused(case, lambda: planner.replay(batch, case.replay_bs))
+    assert launched == [], f"a kernel ran before the batch was refused: {launched}"
 
 
-@pytest.mark.parametrize("case", BATCH_CASES, ids=lambda c: c.kind)
-def test_bad_batch_refused_before_any_op(case, monkeypatch):
-    launched: list[str] = []
-    monkeypatch.setattr(Step, "run", lambda step, *a, **k: launched.append(step.key))
-    _expect(case)
-    assert launched == [], f"an op ran before the input was refused: {launched}"
-
-
-def test_bad_batch_refused_at_replay_too(monkeypatch):
-    """The same checks guard replay (no device reads there: all of these are host facts)."""
-    planner = Planner(["nsa", "paged"], _limits())
-    planner.capture(4, req_to_token=TABLE)
-    launched: list[str] = []
-    monkeypatch.setattr(Step, "run", lambda step, *a, **k: launched.append(step.key))
-    for overrides, field in [
-        (dict(req_to_token=_meta(16, MAX_CTX)), "req_to_token"),
-        (dict(out_cache_loc=torch.tensor([1.0, float("nan"), 2.0])), "out_cache_loc"),
-        (dict(out_cache_loc=torch.tensor([1, 2, 2**32 + 5])), "out_cache_loc"),
-        (dict(seq_lens_cpu=torch.ones(3, dtype=torch.bool)), "seq_lens_cpu"),
-    ]:
-        with pytest.raises(BatchError) as info:
-            planner.replay(_good(**overrides), 4)
-        assert info.value.field == field
-    assert launched == []
-
-
-# ---- limits ------------------------------------------------------------------------------------
+# ---- calls: plan and capture arguments, Limits, the planner's build ----------------------------
 
 LIMIT_CASES = [
     ("max_batch", dict(max_batch=0), "greater than or equal to 1"),
@@ -309,315 +358,132 @@ LIMIT_CASES = [
 """(field, bad value, the limit the message states): Limits' own pydantic validation."""
 
 
-@pytest.mark.parametrize(("field", "bad", "limit"), LIMIT_CASES, ids=[c[0] for c in LIMIT_CASES])
-def test_limits_name_the_field_and_the_limit(field, bad, limit):
-    with pytest.raises(ValueError) as info:
-        _limits(**bad)
-    assert field in str(info.value) and limit in str(info.value)
+def _build(backends, limits=None, **kwargs) -> Callable[[], Planner]:
+    return lambda: Planner(backends, limits or NSA.make_limits(), **kwargs)
 
 
-@pytest.mark.parametrize(("field", "bad", "limit"), LIMIT_CASES, ids=[c[0] for c in LIMIT_CASES])
-def test_limits_errors_are_config_errors(field, bad, limit):
-    with pytest.raises(ConfigError) as info:
-        _limits(**bad)
-    assert info.value.field == field
+NSA_CHECK = "backends/nsa/plan.py NSAPlan.check_settings (Planner build)"
+
+CALL_CASES = [
+    Case(
+        "pad_to below the batch",
+        "batch",
+        lambda: NSA.planner(["paged"]).plan(_nsa()(), pad_to=2),
+        BatchError,
+        "pad_to",
+        "[3, 4]",
+        "Planner.plan",
+    ),
+    Case(
+        "capture size past max_batch",
+        "batch",
+        lambda: NSA.planner(["paged"]).capture(5, req_to_token=TABLE),
+        BatchError,
+        "bs",
+        "[1, 4]",
+        "Planner.capture",
+    ),
+    Case(
+        "capture over an int64 token table",
+        "batch",
+        lambda: NSA.planner(["paged"]).capture(2, req_to_token=TABLE.long()),
+        BatchError,
+        "req_to_token",
+        "torch.int32",
+        "Planner.capture (validate_batch of the dummy batch)",
+    ),
+    *[
+        Case(
+            f"Limits.{field}",
+            "limits",
+            lambda bad=bad: NSA.make_limits(**bad),
+            ConfigError,
+            field,
+            limit,
+            "planner/limits.py Limits",
+        )
+        for field, bad, limit in LIMIT_CASES
+    ],
+    Case(
+        "unknown backend",
+        "backend",
+        _build(["nsa", "flashattention"]),
+        SchemaError,
+        "backend",
+        "'paged'",
+        "planner/registry.py get_backend",
+    ),
+    Case(
+        "no backend",
+        "backend",
+        _build([]),
+        SchemaError,
+        "backends",
+        "at least one backend",
+        "Planner.__init__",
+    ),
+    Case(
+        "options for a backend not planned",
+        "backend",
+        _build(["nsa"], options={"paged": {}}),
+        SchemaError,
+        "options",
+        "['nsa']",
+        "Planner.__init__",
+    ),
+    Case(
+        "NSA over pages other than 64",
+        "config",
+        _build(["nsa"], NSA.make_limits(page_size=32)),
+        SchemaError,
+        "page_size",
+        "expected 64",
+        NSA_CHECK,
+    ),
+    Case(
+        "NSA block_kv other than 64",
+        "config",
+        _build(["nsa"], options={"nsa": {"block_kv": 128}}),
+        SchemaError,
+        "nsa.block_kv",
+        "expected 64",
+        NSA_CHECK,
+    ),
+    Case(
+        "NSA next_n outside deep_gemm's 1 or 2",
+        "config",
+        _build(["nsa"], NSA.make_limits(next_n=3)),
+        SchemaError,
+        "next_n",
+        "(1, 2)",
+        NSA_CHECK,
+    ),
+    Case(
+        "NSA top-k NaN",
+        "config",
+        _build(["nsa"], options={"nsa": {"topk": float("nan")}}),
+        SchemaError,
+        "nsa.topk",
+        ">= 1",
+        NSA_CHECK,
+    ),
+    Case(
+        "NSA schedule layout unknown",
+        "config",
+        _build(["nsa"], options={"nsa": {"schedule_layout": "0.2"}}),
+        SchemaError,
+        "nsa.schedule_layout",
+        "'new'",
+        NSA_CHECK,
+    ),
+]
 
 
-# ---- configs: the YAML run config, the planner's own build, backends and providers ----------
-
-
-def config_cases(tmp: Path) -> list[Case]:
-    return [
-        Case(
-            "unknown key in a section",
-            "config",
-            lambda: load_run_config(TINY_YAML, {"planner.max_bacth": 8}),
-            ConfigError,
-            "planner.max_bacth",
-            "Extra inputs are not permitted",
-            "planner/run_config.py load_run_config",
-        ),
-        Case(
-            "unknown section",
-            "config",
-            lambda: load_run_config(TINY_YAML, {"plannr.max_batch": 8}),
-            ConfigError,
-            "plannr",
-            "Extra inputs are not permitted",
-            "planner/run_config.py load_run_config",
-        ),
-        Case(
-            "max_batch out of range",
-            "config",
-            lambda: load_run_config(TINY_YAML, {"planner.max_batch": 0}),
-            ConfigError,
-            "planner.max_batch",
-            "greater than or equal to 1",
-            "planner/run_config.py load_run_config",
-        ),
-        Case(
-            "max_context below one page",
-            "config",
-            lambda: load_run_config(TINY_YAML, {"planner.max_context": 32}),
-            ConfigError,
-            "planner.max_context",
-            "greater than or equal to 64",
-            "planner/run_config.py load_run_config",
-        ),
-        Case(
-            "max_context below the longest request",
-            "config",
-            lambda: load_run_config(TINY_YAML, {"planner.max_context": 64}),
-            ConfigError,
-            "planner.max_context",
-            "below the longest request",
-            "planner/run_config.py RunConfig.check_fits",
-        ),
-        Case(
-            "next_n outside deep_gemm's 1 or 2 (YAML)",
-            "config",
-            lambda: load_run_config(TINY_YAML, {"planner.next_n": 3}),
-            ConfigError,
-            "planner.next_n",
-            "1 or 2",
-            "planner/run_config.py load_run_config",
-        ),
-        Case(
-            "NaN arrival rate",
-            "config",
-            lambda: load_run_config(TINY_YAML, {"loop.arrival_rate": float("nan")}),
-            ConfigError,
-            "loop.arrival_rate",
-            "greater than 0",
-            "planner/run_config.py load_run_config",
-        ),
-        Case(
-            "reversed range",
-            "config",
-            lambda: load_run_config(TINY_YAML, {"loop.prompt_len": [40, 8]}),
-            ConfigError,
-            "loop.prompt_len",
-            "must be [lo, hi]",
-            "planner/run_config.py LoopSection._range",
-        ),
-        Case(
-            "unknown schedule layout (YAML)",
-            "config",
-            lambda: load_run_config(TINY_YAML, {"planner.schedule_layout": "0.2"}),
-            ConfigError,
-            "planner.schedule_layout",
-            "'0.1.0' or 'new'",
-            "planner/run_config.py load_run_config",
-        ),
-        Case(
-            "unknown model dtype",
-            "config",
-            lambda: load_run_config(TINY_YAML, {"model.dtype": "fp8"}),
-            ConfigError,
-            "model.dtype",
-            "'float32' or 'bfloat16'",
-            "planner/run_config.py load_run_config",
-        ),
-        Case(
-            "not YAML",
-            "config",
-            _yaml(tmp, "planner: [1\n"),
-            ConfigError,
-            "--config",
-            "not valid YAML",
-            "planner/run_config.py load_run_config",
-        ),
-        Case(
-            "YAML that is not a mapping",
-            "config",
-            _yaml(tmp, "- planner\n"),
-            ConfigError,
-            "<root>",
-            "top level must be a mapping",
-            "planner/run_config.py load_run_config",
-        ),
-        Case(
-            "missing config file",
-            "config",
-            lambda: load_run_config(tmp / "nowhere.yaml"),
-            ConfigError,
-            "--config",
-            "No such file",
-            "planner/run_config.py load_run_config",
-        ),
-        Case(
-            "unknown model preset",
-            "config",
-            lambda: _engine(**{"model.preset": "huge"}),
-            ConfigError,
-            "model.preset",
-            "'tiny'",
-            "planner/serving/engine.py model_config",
-        ),
-        Case(
-            "unknown provider for an op (YAML)",
-            "provider",
-            lambda: _engine(**{"planner.providers": {"page_table": "cutlass"}}),
-            ProviderError,
-            "page_table",
-            "['torch', 'triton']",
-            "planner/ops.py MetadataOp.select (Planner build)",
-        ),
-        Case(
-            "provider for an op no field uses",
-            "provider",
-            lambda: _engine(**{"planner.providers": {"pages_per_requst": "torch"}}),
-            SchemaError,
-            "providers",
-            "paged_mqa_schedule",
-            "Planner._check_forced_keys",
-        ),
-        Case(
-            "forced provider unavailable here",
-            "provider",
-            lambda: _engine(**{"planner.providers": {"paged_mqa_schedule": "deep_gemm"}}),
-            ProviderError,
-            "paged_mqa_schedule",
-            "not available on cpu",
-            "planner/ops.py MetadataOp.select (Planner build)",
-        ),
-        Case(
-            "capture size past max_batch (YAML)",
-            "config",
-            lambda: _engine(**{"graphs.sizes": [1, 32]}),
-            ConfigError,
-            "capture_sizes",
-            "<= 16",
-            "graphs/sizes.py capture_ladder (GraphRunner build)",
-        ),
-        Case(
-            "unknown backend",
-            "backend",
-            lambda: Planner(["nsa", "flashattention"], _limits()),
-            SchemaError,
-            "backend",
-            "'paged'",
-            "planner/registry.py get_backend",
-        ),
-        Case(
-            "no backend",
-            "backend",
-            lambda: Planner([], _limits()),
-            SchemaError,
-            "backends",
-            "at least one backend",
-            "Planner.__init__",
-        ),
-        Case(
-            "options for a backend not planned",
-            "backend",
-            lambda: Planner(["nsa"], _limits(), options={"paged": {}}),
-            SchemaError,
-            "options",
-            "['nsa']",
-            "Planner.__init__",
-        ),
-        Case(
-            "NSA over pages other than 64",
-            "config",
-            lambda: Planner(["nsa"], _limits(page_size=32)),
-            SchemaError,
-            "page_size",
-            "expected 64",
-            "backends/nsa.py NSAPlan.check_settings (Planner build)",
-        ),
-        Case(
-            "NSA block_kv other than 64",
-            "config",
-            lambda: Planner(["nsa"], _limits(), options={"nsa": {"block_kv": 128}}),
-            SchemaError,
-            "nsa.block_kv",
-            "expected 64",
-            "backends/nsa.py NSAPlan.check_settings (Planner build)",
-        ),
-        Case(
-            "NSA next_n outside deep_gemm's 1 or 2",
-            "config",
-            lambda: Planner(["nsa"], _limits(next_n=3)),
-            SchemaError,
-            "next_n",
-            "(1, 2)",
-            "backends/nsa.py NSAPlan.check_settings (Planner build)",
-        ),
-        Case(
-            "NSA top-k NaN",
-            "config",
-            lambda: Planner(["nsa"], _limits(), options={"nsa": {"topk": float("nan")}}),
-            SchemaError,
-            "nsa.topk",
-            ">= 1",
-            "backends/nsa.py NSAPlan.check_settings (Planner build)",
-        ),
-        Case(
-            "NSA schedule layout unknown",
-            "config",
-            lambda: Planner(["nsa"], _limits(), options={"nsa": {"schedule_layout": "0.2"}}),
-            SchemaError,
-            "nsa.schedule_layout",
-            "'new'",
-            "backends/nsa.py NSAPlan.check_settings (Planner build)",
-        ),
-        Case(
-            "unknown graph mode",
-            "config",
-            lambda: GraphRunner(
-                Planner(["paged"], _limits()), lambda i, p: i, req_to_token=TABLE, modes=["prefill"]
-            ),
-            ConfigError,
-            "modes",
-            "'target_verify'",
-            "graphs/runner.py GraphRunner.__init__",
-        ),
-        Case(
-            "dump env value not a count",
-            "dump",
-            lambda: DumpRing.from_env({"PLANNER_DUMP_DIR": str(tmp), "PLANNER_DUMP_KEEP": "0"}),
-            ConfigError,
-            "PLANNER_DUMP_KEEP",
-            ">= 1",
-            "planner/dump_ring.py DumpRing.from_env",
-        ),
-    ]
-
-
-CONFIG_KINDS = [c.kind for c in config_cases(Path("/nonexistent"))]
-
-
-@pytest.mark.parametrize("kind", CONFIG_KINDS)
-def test_bad_config_refused_naming_the_field(kind, tmp_path, monkeypatch):
-    launched: list[str] = []
-    monkeypatch.setattr(Step, "run", lambda step, *a, **k: launched.append(step.key))
-    (case,) = [c for c in config_cases(tmp_path) if c.kind == kind]
-    _expect(case)
-    assert launched == []
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_run_config_on_a_cpu_machine():
-    with pytest.raises(ConfigError) as info:
-        _engine(device="cuda")
-    assert info.value.field == "device" and "not available" in str(info.value)
-
-
-def test_plan_topk_other_than_the_models_is_refused_before_the_first_layer(monkeypatch):
-    """A plan built for another model: the model refuses it before any layer runs."""
-    model = _tiny_model()
-    cache = model.new_cache(4 * MAX_CTX // PAGE + 1)
-    table = make_pool(5, MAX_CTX, PAGE)
-    planner = Planner(["nsa"], _limits(kv_slots=cache.num_slots), options={"nsa": {"topk": 2048}})
-    batch = random_batch(random.Random(0), table, max_batch=4, max_context=MAX_CTX, bs=2)
-    layers: list[int] = []
-    original = Block.forward
-    monkeypatch.setattr(Block, "forward", lambda self, *a: layers.append(1) or original(self, *a))
-    with pytest.raises(PlanError) as info:
-        model(torch.zeros(2, dtype=torch.int64), planner.plan(batch), cache)
-    assert info.value.field == "topk" and "expected 16, got 2048" in str(info.value)
-    assert layers == []
+@pytest.mark.parametrize("case", CALL_CASES, ids=lambda c: c.kind)
+def test_bad_call_is_refused_naming_the_field(case, monkeypatch):
+    launched = record_launches(monkeypatch)
+    expect_refused(case)
+    assert launched == [], f"an op ran before the input was refused: {launched}"
 
 
 # ---- dumps -------------------------------------------------------------------------------------
@@ -625,8 +491,7 @@ def test_plan_topk_other_than_the_models_is_refused_before_the_first_layer(monke
 
 @pytest.fixture
 def dump_dir(tmp_path) -> Path:
-    planner = Planner(["nsa", "paged"], _limits())
-    return dump_plans(planner.plan(_good()), tmp_path / "dump", step=1)
+    return dump_plans(NSA.planner().plan(_nsa()()), tmp_path / "dump", step=1)
 
 
 def _edit_json(path: Path, change: Callable[[dict], None]) -> None:
@@ -662,6 +527,7 @@ DUMP_CASES = {
         "unsafe file",
     ),
 }
+"""kind -> (how to corrupt a dump directory, what load_dump's DumpError says)."""
 
 
 @pytest.mark.parametrize("kind", sorted(DUMP_CASES))
@@ -674,71 +540,20 @@ def test_corrupt_dump_is_a_dump_error(dump_dir, kind):
         assert info.value.field.startswith("paged.")
 
 
-# ---- the table in docs/reliability.md ----------------------------------------------------------
-
-
-def test_every_kind_is_in_the_reliability_table():
-    text = (REPO / "docs" / "reliability.md").read_text()
-    kinds = [c.kind for c in BATCH_CASES] + CONFIG_KINDS + sorted(DUMP_CASES)
-    kinds += [f"Limits.{field}" for field, _, _ in LIMIT_CASES]
-    kinds += [x.kind for x in NOT_REFUSED]
-    missing = [k for k in kinds if f"| {k} |" not in text]
-    assert not missing, f"docs/reliability.md lacks rows for {missing}"
-
-
-def _expect(case: Case) -> None:
-    with pytest.raises(PlanError) as info:
-        case.run()
-    err = info.value
-    assert isinstance(err, case.error), f"{type(err).__name__}: {err}"
-    assert err.field == case.field, str(err)
-    assert case.field in str(err)
-    if case.limit is not None:
-        assert case.limit in str(err), str(err)
-
-
 # ---- not refused today: each is a finding (see docs/reliability.md) ---------------------------
-
-
-@dataclass(frozen=True)
-class Finding:
-    kind: str
-    reason: str
-    run: Callable[[Path], object]
-    fields: tuple[str, ...]
-    """``err.field`` values a fix may reasonably choose."""
 
 
 def _table_with(value: int) -> torch.Tensor:
     table = TABLE.clone()
-    table[_good().req_pool_indices[0], 0] = value
+    table[_nsa()().req_pool_indices[0], 0] = value
     return table
 
 
-def _kv_pages_too_small(tmp: Path) -> object:
-    engine = _engine(
-        **{
-            "loop.kv_pages": 2,
-            "loop.requests": 2,
-            "loop.prompt_len": [60, 60],
-            "loop.max_new_tokens": [10, 10],
-            "loop.max_steps": 30,
-        }
-    )
-    return engine.run(progress=False)
-
-
-def _missing_weights(tmp: Path) -> object:
-    return _engine(**{"model.weights": str(tmp / "none.safetensors")})
-
-
 def _debug_env(tmp: Path) -> object:
-    import os
-
     old = os.environ.get("PLANNER_DEBUG")
     os.environ["PLANNER_DEBUG"] = "maybe"  # "true"/"yes"/"on" turn it on; a typo must not be "off"
     try:
-        planner = Planner(["paged"], _limits())
+        planner = NSA.planner(["paged"])
     finally:
         if old is None:
             del os.environ["PLANNER_DEBUG"]
@@ -754,40 +569,35 @@ NOT_REFUSED = [
         "token table entry past the KV cache",
         "req_to_token values are never range-checked: a slot past kv_slots becomes a page id past "
         "the cache in nsa.page_table / paged.token_slots",
-        lambda tmp: Planner(["nsa", "paged"], _limits()).plan(
-            _good(req_to_token=_table_with(10**6))
-        ),
+        lambda tmp: NSA.planner().plan(_nsa(req_to_token=_table_with(10**6))()),
         ("req_to_token", "nsa.token_slots", "paged.token_slots"),
     ),
     Finding(
         "negative token table entry",
         "a slot of -5 becomes page id -1 in nsa.page_table (a negative index in the kernel)",
-        lambda tmp: Planner(["nsa"], _limits()).plan(_good(req_to_token=_table_with(-5))),
+        lambda tmp: NSA.planner(["nsa"]).plan(_nsa(req_to_token=_table_with(-5))()),
         ("req_to_token", "nsa.token_slots"),
     ),
     Finding(
         "two tokens writing one KV slot",
         "duplicate out_cache_loc entries are accepted; two rows then write the same slot",
-        lambda tmp: Planner(["nsa"], _limits()).plan(
-            _good(out_cache_loc=torch.tensor([300, 300, 301], dtype=torch.int32))
-        ),
+        lambda tmp: NSA.planner(["nsa"]).plan(_nsa(out_cache_loc=_i32(300, 300, 301))()),
         ("out_cache_loc",),
     ),
     Finding(
         "positions disagreeing with lengths",
         "positions are range-checked only; a decode token at position 0 of a 100-token request "
         "gets the wrong rope silently",
-        lambda tmp: Planner(["nsa"], _limits()).plan(
-            _good(positions=torch.zeros(3, dtype=torch.int32))
-        ),
+        lambda tmp: NSA.planner(["nsa"]).plan(_nsa(positions=torch.zeros(3, dtype=torch.int32))()),
         ("positions",),
     ),
     Finding(
         "unknown backend option",
         "options={'nsa': {'topkk': 5}} is merged into the settings and ignored, so the typo "
         "leaves top-k at its default",
-        lambda tmp: Planner(["nsa"], _limits(), options={"nsa": {"topkk": 5}}),
+        lambda tmp: NSA.planner(["nsa"], options={"nsa": {"topkk": 5}}),
         ("options", "nsa", "nsa.topkk"),
+        fixed=True,
     ),
     Finding(
         "PLANNER_DEBUG=true",
@@ -795,60 +605,10 @@ NOT_REFUSED = [
         "off (PLANNER_DUMP_* values are validated, this one is not)",
         _debug_env,
         ("PLANNER_DEBUG",),
-    ),
-    Finding(
-        "model override of the page size",
-        "model.overrides is validated by DSV32Config directly: page_size 32 raises a raw "
-        "pydantic ValidationError from DecodeEngine, not a ConfigError",
-        lambda tmp: _engine(**{"model.overrides": {"page_size": 32}}),
-        ("model.overrides.page_size", "model.overrides", "page_size"),
-    ),
-    Finding(
-        "unknown model override key",
-        "a typo in model.overrides raises a raw pydantic ValidationError, not a ConfigError",
-        lambda tmp: _engine(**{"model.overrides": {"index_topkk": 8}}),
-        ("model.overrides.index_topkk", "model.overrides", "index_topkk"),
-    ),
-    Finding(
-        "NaN model override",
-        "model.overrides rope_theta NaN raises a raw pydantic ValidationError, not a ConfigError",
-        lambda tmp: _engine(**{"model.overrides": {"rope_theta": float("nan")}}),
-        ("model.overrides.rope_theta", "model.overrides", "rope_theta"),
-    ),
-    Finding(
-        "context past the model's positions",
-        "planner.max_context 256 over a model with max_position_embeddings 128 is accepted",
-        lambda tmp: _engine(**{"model.overrides": {"max_position_embeddings": 128}}),
-        ("planner.max_context", "max_position_embeddings", "model.overrides"),
-    ),
-    Finding(
-        "missing weights file",
-        "model.weights naming a missing file raises a raw FileNotFoundError from safetensors",
-        _missing_weights,
-        ("model.weights",),
-    ),
-    Finding(
-        "device name torch does not know",
-        "device: tpu passes RunConfig and raises a raw RuntimeError from torch.device in "
-        "DecodeEngine",
-        lambda tmp: _engine(device="tpu"),
-        ("device",),
-    ),
-    Finding(
-        "KV cache smaller than one request",
-        "loop.kv_pages 2 (one usable page) cannot hold a 71-token request: it is never "
-        "admitted and the loop spins to max_steps, returning no tokens and no error",
-        _kv_pages_too_small,
-        ("loop.kv_pages",),
-    ),
-    Finding(
-        "config error on the root",
-        "max_context below the longest request is a ConfigError whose field is '<root>' (the "
-        "message names planner.max_context); reversed ranges say 'loop', not 'loop.prompt_len'",
-        lambda tmp: load_run_config(TINY_YAML, {"planner.max_context": 64}),
-        ("planner.max_context",),
+        fixed=True,
     ),
 ]
+"""The planner's findings; the run config's and the engine's are in the serving catalogue."""
 
 if not torch.cuda.is_available():
     NOT_REFUSED.append(
@@ -856,42 +616,16 @@ if not torch.cuda.is_available():
             "CUDA planner without CUDA",
             "Limits(device='cuda') builds, then Planner() raises torch's raw AssertionError "
             "('Torch not compiled with CUDA enabled') from Limits.torch_device",
-            lambda tmp: Planner(["paged"], _limits(device="cuda")),
+            lambda tmp: NSA.planner(["paged"], device="cuda"),
             ("device",),
+            fixed=True,
         )
     )
 
 
-FIXED = {
-    "unknown backend option",
-    "PLANNER_DEBUG=true",
-    "model override of the page size",
-    "unknown model override key",
-    "NaN model override",
-    "context past the model's positions",
-    "missing weights file",
-    "device name torch does not know",
-    "KV cache smaller than one request",
-    "config error on the root",
-    "CUDA planner without CUDA",
-}
-"""Findings of this catalogue that the planner now refuses (they stay here as regression tests)."""
-
-
-@pytest.mark.parametrize(
-    "finding",
-    [
-        f
-        if f.kind in FIXED
-        else pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=f.reason))
-        for f in NOT_REFUSED
-    ],
-    ids=[f.kind for f in NOT_REFUSED],
-)
+@pytest.mark.parametrize("finding", finding_params(NOT_REFUSED))
 def test_not_refused_today(finding, tmp_path):
-    with pytest.raises(PlanError) as info:
-        finding.run(tmp_path)
-    assert info.value.field in finding.fields, str(info.value)
+    expect_finding_refused(finding, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -900,4 +634,9 @@ def test_not_refused_today(finding, tmp_path):
 )
 def test_planner_debug_env_values(value, on, monkeypatch):
     monkeypatch.setenv("PLANNER_DEBUG", value)
-    assert Planner(["paged"], _limits()).debug is on
+    assert NSA.planner(["paged"]).debug is on
+
+
+KINDS = [c.kind for c in BATCH_CASES + CALL_CASES] + sorted(DUMP_CASES)
+KINDS += [f.kind for f in NOT_REFUSED]
+"""Every kind of this catalogue: each has its row in docs/reliability.md."""
