@@ -1,6 +1,6 @@
 """Soak: DeepSeek-V3.2 tiny decode through the engine for thousands of steps, memory flat.
 
-``planner/serving/engine.py`` serves a Poisson workload (requests arrive and finish, so
+``serving/engine.py`` serves a Poisson workload (requests arrive and finish, so
 batch sizes wander over 1..max_batch) through the planner and the emulated graph runner.
 A probe wrapped around each decode step, after a warm-up:
 
@@ -8,7 +8,7 @@ A probe wrapped around each decode step, after a warm-up:
   ``malloc_trim``), which sees tensors too: they live outside Python's allocator;
 - then starts ``tracemalloc`` (its own memory would blur the RSS, hence the two
   windows), so whatever it still holds at the end was allocated later and never freed.
-  What ``planner/serving/`` holds is the run's own record (finished requests, their
+  What ``serving/`` holds is the run's own record (finished requests, their
   tokens, step times), reported per finished request; anything held elsewhere
   (planner, graphs, backends, models, torch) is a leak. RSS growth in the first
   window must be the record of the requests finished in it, within a small margin.
@@ -40,7 +40,8 @@ from serving.engine import DecodeEngine
 from tests.support import REPO
 from tests.support.engines import tiny_engine
 
-SERVING = os.sep + os.path.join("planner", "serving") + os.sep
+SERVING = str(REPO / "serving") + os.sep
+"""Where the run's own record lives (the application package); allocations elsewhere are leaks."""
 DECODE_STEPS_PER_REQUEST = 3.7
 """Decode steps the workload below yields per request (measured; the workload is seeded)."""
 
@@ -93,10 +94,10 @@ class SoakReport:
     """(decode step, RSS) over the RSS window: warm-up end to the start of tracing."""
     finished_in_rss_window: int = 0
     leaked_bytes: int = 0
-    """tracemalloc growth in the traced window outside planner/serving/."""
+    """tracemalloc growth in the traced window outside serving/."""
     leaked_top: list[str] = field(default_factory=list)
     record_bytes: int = 0
-    """tracemalloc growth in the traced window inside planner/serving/ (the run's record)."""
+    """tracemalloc growth in the traced window inside serving/ (the run's record)."""
     finished_in_traced_window: int = 0
     eager: dict = field(default_factory=dict)
     graph_warnings: list[str] = field(default_factory=list)
@@ -129,7 +130,7 @@ class SoakReport:
             f"{self.rss_growth / mib:.2f} MiB, {self.rss_unexplained / mib:.2f} MiB beyond the "
             f"record of the {self.finished_in_rss_window} requests finished meanwhile",
             f"tracemalloc steps {last}-{self.decode_steps}: {self.leaked_bytes} B kept outside "
-            f"planner/serving, {self.record_bytes} B run record "
+            f"serving/, {self.record_bytes} B run record "
             f"({self.finished_in_traced_window} requests, {self.record_per_request:.0f} B each)",
         ]
 
