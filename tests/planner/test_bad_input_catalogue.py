@@ -47,14 +47,12 @@ from tests.support.catalogue import (
     KV_SLOTS,
     NSA_PAGED_64,
     PAGED_16,
-    BatchCase,
     Case,
     Finding,
-    batch_params,
+    case_params,
     expect_finding_refused,
-    expect_refused,
     finding_params,
-    record_launches,
+    refuse,
 )
 
 pytestmark = pytest.mark.usefixtures("fresh_deep_gemm")  # a CUDA planner tries deep_gemm once
@@ -92,15 +90,19 @@ def _i32(*values: int) -> torch.Tensor:
 # ---- batches: types, ranks, shapes, values, devices, mode; in plan and in replay --------------
 
 
-def _door(kind: str, batch, field: str, where: str, **kw) -> BatchCase:
+BATCH = ("plan", "replay")
+
+
+def _door(kind: str, batch, field: str, where: str, **kw) -> Case:
     """A door check of the paged planner over 16-token pages: a PlanError naming ``field``."""
-    kw.setdefault("error", PlanError)
-    return BatchCase(kind, "batch", PAGED, batch, field=field, where=where, **kw)
+    kw = {"error": PlanError, "phases": BATCH, **kw}
+    return Case(kind, "batch", batch, field=field, where=where, setup=PAGED, **kw)
 
 
 def _nsa_case(kind: str, category: str, batch, field: str, limit: str, where: str, **kw):
     """A batch refused by the NSA and paged planner over 64-token pages: a BatchError."""
-    return BatchCase(kind, category, NSA, batch, BatchError, field, limit, where, **kw)
+    kw = {"phases": BATCH, **kw}
+    return Case(kind, category, batch, BatchError, field, limit, where, setup=NSA, **kw)
 
 
 BATCH_CASES = [
@@ -330,20 +332,6 @@ BATCH_CASES = [
 devices, dtypes and int64 values on the NSA and paged planner (BatchError, the limit too)."""
 
 
-@pytest.mark.parametrize(("case", "phase"), batch_params(BATCH_CASES))
-def test_bad_batch_is_refused_naming_the_field(case, phase, monkeypatch):
-    planner = case.make_planner()
-    if phase == "replay":
-        planner.capture(case.captured, req_to_token=case.setup.table)
-    launched = record_launches(monkeypatch)
-    batch = case.batch()
-    if phase == "plan":
-        expect_refused(case, lambda: planner.plan(batch))
-    else:
-        expect_refused(case, lambda: planner.replay(batch, case.replay_bs))
-    assert launched == [], f"a kernel ran before the batch was refused: {launched}"
-
-
 # ---- calls: plan and capture arguments, Limits, the planner's build ----------------------------
 
 LIMIT_CASES = [
@@ -479,10 +467,9 @@ CALL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CALL_CASES, ids=lambda c: c.kind)
-def test_bad_call_is_refused_naming_the_field(case, monkeypatch):
-    launched = record_launches(monkeypatch)
-    expect_refused(case)
+@pytest.mark.parametrize(("case", "phase"), case_params(BATCH_CASES + CALL_CASES))
+def test_bad_input_is_refused_naming_the_field(case, phase, monkeypatch):
+    launched = refuse(case, phase, monkeypatch)
     assert launched == [], f"an op ran before the input was refused: {launched}"
 
 
