@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from planner.batch import ForwardBatch
+from planner.batch import ForwardBatch, ForwardMode
 from planner.errors import ReplayError
 from planner.materialise import Handles, Tensors
 from planner.planset import PlanSet
@@ -46,3 +46,18 @@ class CapturedPlans:
                     expected=hex(ptr),
                     actual=hex(tensor.data_ptr()),
                 )
+
+
+def dummy_batch(
+    bs: int, mode: ForwardMode, next_n: int, req_to_token: torch.Tensor
+) -> ForwardBatch:
+    """What a capture runs its ops on: ``bs`` requests of the shortest legal length, all on the
+    null request (row 0 of the token table, slot 0), so nothing real is read or written."""
+    return ForwardBatch(
+        seq_lens_cpu=torch.full((bs,), next_n, dtype=torch.int32),
+        req_pool_indices=torch.zeros(bs, dtype=torch.int32),
+        req_to_token=req_to_token,
+        out_cache_loc=torch.zeros(bs * next_n, dtype=torch.int32),
+        mode=mode,
+        next_n=next_n,
+    )

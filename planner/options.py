@@ -8,10 +8,11 @@ that would have been read.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from planner.errors import SchemaError
+from planner.program import Program
 from planner.schema import Plan, Setting
 
 
@@ -59,3 +60,19 @@ def check_options(
                 actual=unread,
             )
     return out
+
+
+def check_forced(programs: Iterable[Program], forced: Mapping[str, str]) -> None:
+    """A provider override must name an op, or a ``backend.field``, that some program runs."""
+    known = set()
+    for program in programs:
+        for step in program.steps:
+            known |= {step.key, step.op_name}
+    unknown = set(forced) - known
+    if unknown:
+        raise SchemaError(
+            "provider override for an op no planned field uses",
+            field="providers",
+            expected=sorted(known),
+            actual=sorted(unknown),
+        )

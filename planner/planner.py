@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from planner.batch import ForwardBatch, ForwardMode
-from planner.captured import CapturedPlans
+from planner.captured import CapturedPlans, dummy_batch
 from planner.debug import MismatchHook, check_replay, debug_from_env, guard
 from planner.door import validate_batch
 from planner.errors import BatchError, ReplayError, SchemaError
@@ -36,34 +36,12 @@ from planner.materialise import (
     materialise,
 )
 from planner.ops import get_op
-from planner.options import check_options
+from planner.options import check_forced, check_options
 from planner.planset import PlannerStats, PlanSet
-from planner.program import Program, build_program
-from planner.registry import backend_plans
+from planner.program import Program, build_program, warm_up
 from planner.schema import Plan
+from planner.schema_sets import check_serves, schemas_by_mode
 from planner.storages import Storages
-
-
-def schemas_by_mode(
-    backends: Sequence[str | type[Plan]],
-) -> dict[ForwardMode, dict[str, type[Plan]]]:
-    """Each mode's schema per backend: a name brings all its schemas, a class just itself."""
-    out: dict[ForwardMode, dict[str, type[Plan]]] = {}
-    for item in backends:
-        classes = backend_plans(item) if isinstance(item, str) else [item]
-        for cls in classes:
-            for mode in cls.modes:
-                if mode is ForwardMode.IDLE:
-                    continue  # idle batches run decode's program, every row padding
-                taken = out.setdefault(mode, {}).get(cls.backend)
-                if taken is not None and taken is not cls:
-                    raise SchemaError(
-                        f"two schemas of backend {cls.backend!r} plan mode {mode.value}",
-                        field="backends",
-                        actual=[taken.__name__, cls.__name__],
-                    )
-                out[mode][cls.backend] = cls
-    return out
 
 
 class Planner:
@@ -114,7 +92,7 @@ class Planner:
         self.storages = Storages(self._programs, limits, self.device)
         self._captured: dict[tuple[ForwardMode, int], CapturedPlans] = {}
         self._warmed = False
-        self._check_forced_keys()
+        check_forced(self._programs.values(), self.forced)
 
     # ---- building -------------------------------------------------------------------------
 
@@ -156,75 +134,22 @@ class Planner:
             planned.add(ForwardMode.IDLE)
         return frozenset(planned)
 
-    def _check_forced_keys(self) -> None:
-        known = set()
-        for program in self._programs.values():
-            for step in program.steps:
-                known |= {step.key, step.op_name}
-        unknown = set(self.forced) - known
-        if unknown:
-            raise SchemaError(
-                "provider override for an op no planned field uses",
-                field="providers",
-                expected=sorted(known),
-                actual=sorted(unknown),
-            )
-
     def check_serves(
         self, needs: Mapping[str, type[Plan] | tuple[type[Plan], ...]], *, who: str = "the model"
     ) -> None:
-        """Refuse a consumer whose layers read plans this planner does not make.
-
-        Called once when an engine is built, so layers read typed fields with no
-        per-step guard. ``needs`` maps a backend to the plan classes (or bases)
-        the consumer's layers are typed with; every schema this planner makes
-        for that backend, in any mode, must be one of them.
-        """
-        for backend, wanted in needs.items():
-            accepted = wanted if isinstance(wanted, tuple) else (wanted,)
-            planned = {
-                mode: schemas[backend]
-                for mode, schemas in self.schemas_by_mode.items()
-                if backend in schemas
-            }
-            if not planned:
-                raise SchemaError(
-                    f"{who} reads a plan this planner does not make",
-                    field=backend,
-                    expected=sorted(
-                        {b for schemas in self.schemas_by_mode.values() for b in schemas}
-                    ),
-                )
-            for mode, cls in planned.items():
-                if not issubclass(cls, accepted):
-                    names = " or ".join(c.__name__ for c in accepted)
-                    raise SchemaError(
-                        f"{who} reads {names}, but the planner makes {cls.__name__} "
-                        f"for mode {mode.value}",
-                        field=backend,
-                        expected=names,
-                        actual=cls.__name__,
-                    )
+        """Refuse a consumer whose layers read plans this planner does not make (at engine
+        build, so layers read typed fields with no per-step guard); see ``schema_sets``."""
+        check_serves(self.schemas_by_mode, needs, who)
 
     def warm_up(self) -> None:
         """Run every chosen provider's warm-up hook once, before any graph is captured.
 
-        A JIT compile (deep_gemm compiles its schedule per 32-row bucket, 1-2 s
-        each) inside a capture or mid-serving would stall or break it. Marked
-        done before the hooks run: a failing warm-up is reported once (the
+        Marked done before the hooks run: a failing warm-up is reported once (the
         caller drops what it was capturing), not retried for every size.
         """
-        if self._warmed:
-            return
-        self._warmed = True
-        seen = set()
-        for program in self._programs.values():
-            for step in program.steps:
-                provider = step.provider
-                key = (step.op_name, provider.name, repr(sorted(step.params.items())))
-                if provider.warmup is not None and key not in seen:
-                    seen.add(key)
-                    provider.warmup(self.limits, step.params, self.device)
+        if not self._warmed:
+            self._warmed = True
+            warm_up(self._programs.values(), self.limits, self.device)
 
     def providers_chosen(self, mode: ForwardMode = ForwardMode.DECODE) -> dict[str, str]:
         """``backend.field`` -> provider name, for reports."""
@@ -328,15 +253,7 @@ class Planner:
 
     def dummy_batch(self, bs: int, mode: ForwardMode, req_to_token: torch.Tensor) -> ForwardBatch:
         """A valid batch of ``bs`` requests at the shortest legal length, all on the null request."""
-        next_n = self.program(mode).next_n
-        return ForwardBatch(
-            seq_lens_cpu=torch.full((bs,), next_n, dtype=torch.int32),
-            req_pool_indices=torch.zeros(bs, dtype=torch.int32),
-            req_to_token=req_to_token,
-            out_cache_loc=torch.zeros(bs * next_n, dtype=torch.int32),
-            mode=mode,
-            next_n=next_n,
-        )
+        return dummy_batch(bs, mode, self.program(mode).next_n, req_to_token)
 
     def capture(
         self, bs: int, mode: ForwardMode = ForwardMode.DECODE, *, req_to_token: torch.Tensor

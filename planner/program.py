@@ -9,7 +9,7 @@ provider that fails at run time is replaced right there, for good.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -287,3 +287,19 @@ def _hoist_host_dependencies(
         s if (s.key in outside) != s.in_graph else replace(s, in_graph=s.key not in outside)
         for s in steps
     ]
+
+
+def warm_up(programs: Iterable[Program], limits: Any, device: torch.device) -> None:
+    """Each chosen provider's warm-up hook, once per distinct op, provider and params.
+
+    A JIT compile (deep_gemm compiles its schedule per 32-row bucket, 1-2 s
+    each) inside a graph capture or mid-serving would stall or break it.
+    """
+    seen = set()
+    for program in programs:
+        for step in program.steps:
+            provider = step.provider
+            key = (step.op_name, provider.name, repr(sorted(step.params.items())))
+            if provider.warmup is not None and key not in seen:
+                seen.add(key)
+                provider.warmup(limits, step.params, device)

@@ -1,8 +1,10 @@
-"""Suite-wide settings: Triton interpreter and one torch thread on the CPU; GPU tests skip without CUDA."""
+"""Suite-wide settings (Triton interpreter and one torch thread on the CPU; GPU tests skip
+without CUDA) and the fixtures every folder uses."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Without a GPU, Triton kernels run under the interpreter. Triton decides at import time
 # (its own library functions are jitted then), so this must precede any triton import.
@@ -11,6 +13,10 @@ if not os.path.exists("/dev/nvidiactl"):
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+import backends.deepgemm._native as native  # noqa: E402
+from planner import PlanSet  # noqa: E402
+from tests.support.dumps import probe_dump  # noqa: E402
 
 # The CPU suite runs tiny tensors on 2 cores: one thread avoids OpenMP spin-waits
 # that make small matmuls tens of times slower under contention.
@@ -24,3 +30,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_deep_gemm():
+    """Forget deep_gemm's cached import before and after (the loader remembers failures)."""
+    native.reset()
+    yield
+    native.reset()
+
+
+@pytest.fixture
+def one_dump(tmp_path) -> tuple[Path, PlanSet]:
+    """A plan dump on disk (step 42, label 'probe') and the plans it holds."""
+    return probe_dump(tmp_path)

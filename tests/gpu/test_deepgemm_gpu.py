@@ -10,7 +10,6 @@ logits kernel on a cold cache.
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +21,9 @@ if not torch.cuda.is_available():
 
 from backends import deepgemm  # noqa: E402
 from backends.deepgemm import _native  # noqa: E402
+from tests.support import REPO  # noqa: E402
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_deepgemm.py"
+_SCRIPT = REPO / "benchmarks" / "verify_deepgemm.py"
 _spec = importlib.util.spec_from_file_location("verify_deepgemm", _SCRIPT)
 verify = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(verify)

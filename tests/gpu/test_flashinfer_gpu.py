@@ -14,10 +14,11 @@ from __future__ import annotations
 import importlib.util
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.support import REPO
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +27,7 @@ if not torch.cuda.is_available():
 if importlib.util.find_spec("flashinfer") is None:
     pytest.skip("needs flashinfer", allow_module_level=True)
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_flashinfer.py"
+_SCRIPT = REPO / "benchmarks" / "verify_flashinfer.py"
 _spec = importlib.util.spec_from_file_location("verify_flashinfer", _SCRIPT)
 verify = importlib.util.module_from_spec(_spec)
 sys.modules["verify_flashinfer"] = verify  # dataclasses look their module up while it executes

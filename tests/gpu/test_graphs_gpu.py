@@ -16,7 +16,8 @@ import torch
 
 from graphs import GraphRunner, GraphWarning, capture_ladder, is_capturing
 from planner import ForwardMode, Limits, Planner
-from tests.graph_helpers import Scheduler, TinyPagedModel, make_table
+from tests.support.batches import make_pool
+from tests.support.graph_model import Scheduler, TinyPagedModel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,7 +54,7 @@ def _setup(
     """
     pool = max_batch + 4
     if table is None:
-        table = make_table(pool, max_context, PAGE, seed=seed).cuda()
+        table = make_pool(pool, max_context, PAGE, seed=seed).cuda()
     slots = pool * (-(-max_context // PAGE)) * PAGE
     model = TinyPagedModel(
         slots, heads=4, kv_heads=2, dim=16, dtype=torch.float32, device="cuda", seed=seed

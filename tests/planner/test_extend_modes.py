@@ -19,7 +19,7 @@ from backends.nsa.extend_ops import ROW_ALIGN
 from planner import BatchError, ForwardBatch, ForwardMode, Limits, PlanError, Planner
 from planner.compare import diff_plans, padding_violations
 from planner.program import Step
-from tests.batches import make_pool, random_batch
+from tests.support.batches import make_pool, random_batch
 
 MAX_BATCH, MAX_CTX, PAGE, TOPK = 6, 256, 64, 16
 TABLE = make_pool(2 * MAX_BATCH + 1, MAX_CTX, PAGE, seed=5)

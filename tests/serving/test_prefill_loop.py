@@ -6,14 +6,12 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from serving.engine import DecodeEngine
 from serving.run_config import load_run_config
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import REPO
 
 
 @pytest.mark.parametrize("chunk", [5, 16, 256])
@@ -31,7 +29,7 @@ def test_each_prompt_takes_ceil_of_its_length_over_the_budget_in_prefill_steps(c
 def test_the_cli_default_run_reports_prefill_decode_and_ttft(tmp_path):
     out = tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "planner", "decode", "--quiet", "--json", str(out)]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
     for line in ("prefill tokens/s", "decode tokens/s", "time to first token", "steps by mode"):
         assert line in run.stdout, line
     summary = json.loads(out.read_text())["summary"]

@@ -6,7 +6,9 @@ import importlib.util
 import json
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_moe_topk.py"
+from tests.support import REPO
+
+BENCH = REPO / "benchmarks" / "bench_moe_topk.py"
 
 
 def test_bench_moe_topk_smoke(tmp_path: Path) -> None:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from serving.engine import DecodeEngine
 from serving.report import summarize
-from serving.run_config import load_run_config
+from tests.support import REPO
+from tests.support.engines import tiny_engine
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = {
     "loop.requests": 6,
     "loop.prompt_len": [3, 10],
@@ -25,9 +23,7 @@ SMALL = {
 
 
 def _run(**overrides):
-    engine = DecodeEngine(
-        load_run_config(ROOT / "configs" / "dsv32-tiny.yaml", {**SMALL, **overrides})
-    )
+    engine = tiny_engine({**SMALL, **overrides})
     result = engine.run(progress=False)
     return engine, result
 
@@ -88,7 +84,7 @@ def test_cli_prints_the_summary(tmp_path):
         ],
         capture_output=True,
         text=True,
-        cwd=ROOT,
+        cwd=REPO,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
@@ -104,7 +100,7 @@ def test_cli_config_errors_are_one_line(tmp_path):
         [sys.executable, "-m", "planner", "decode", "--config", str(bad)],
         capture_output=True,
         text=True,
-        cwd=ROOT,
+        cwd=REPO,
     )
     assert proc.returncode == 2
     assert "planner.max_batch" in proc.stderr and "Traceback" not in proc.stderr

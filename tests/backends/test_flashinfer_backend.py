@@ -20,7 +20,6 @@ if not torch.cuda.is_available():
 import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
@@ -46,16 +45,34 @@ from planner import (  # noqa: E402
     ProviderError,
     SchemaError,
 )
-from tests.batches import make_pool, random_batch  # noqa: E402
+from tests.support import REPO  # noqa: E402
+from tests.support.batches import mode_for, modes_for  # noqa: E402
+from tests.support.kernels import DEVICE, I32, garbage, ints  # noqa: E402
+from tests.support.planners import (  # noqa: E402
+    PlannerSetup,
+    capture_all,
+    pointers,
+    replay_smallest,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-I32 = torch.int32
 MAX_BATCH, MAX_CTX = 8, 150
 SIZES = [1, 2, 4, MAX_BATCH]
-TABLES = {ps: make_pool(24, MAX_CTX, ps, seed=ps) for ps in (1, 16, 64)}
 MLA_OPTIONS = {"num_heads": 2}
 DECODE_OPTIONS = {"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 64}
+SETUPS = {
+    ps: PlannerSetup(
+        ("flashinfer_decode", "flashinfer_mla"),
+        MAX_BATCH,
+        MAX_CTX,
+        ps,
+        pool=24,
+        seed=ps,
+        options={"flashinfer_decode": DECODE_OPTIONS, "flashinfer_mla": MLA_OPTIONS},
+    )
+    for ps in (1, 16, 64)
+}
+"""One setup per page size; a planner gets the options of the backends it plans."""
+TABLES = {ps: setup.table for ps, setup in SETUPS.items()}
 
 needs_triton = pytest.mark.skipif(
     not tri.triton_usable(DEVICE), reason=f"Triton cannot run on {DEVICE}"
@@ -70,46 +87,30 @@ def _fresh_pool():
     release_wrappers()
 
 
-def _t(values, dtype=I32) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=DEVICE)
-
-
-def _garbage(n: int) -> torch.Tensor:
-    return torch.full((n,), -7, dtype=I32, device=DEVICE)  # an unwritten element cannot pass as 0
-
-
-def _planner(
-    page_size: int, next_n: int = 1, backends=("flashinfer_decode", "flashinfer_mla"), **kw
-) -> Planner:
-    options = {"flashinfer_decode": DECODE_OPTIONS, "flashinfer_mla": MLA_OPTIONS}
-    limits = Limits(max_batch=MAX_BATCH, max_context=MAX_CTX, page_size=page_size, next_n=next_n)
-    return Planner(list(backends), limits, options={b: options[b] for b in backends}, **kw)
-
-
 # --- ops: hand-checked, and Triton equal to the reference ---------------------------
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_per_request_page_tables(impl):
-    out = _garbage(5)
-    impl.pages_per_request(out, _t([1, 16, 17, 32, 33]), 16)
+    out = garbage(5)
+    impl.pages_per_request(out, ints([1, 16, 17, 32, 33]), 16)
     assert out.tolist() == [1, 1, 2, 2, 3]
-    impl.last_page_len(out, _t([1, 16, 17, 32, 33]), 16)
+    impl.last_page_len(out, ints([1, 16, 17, 32, 33]), 16)
     assert out.tolist() == [1, 16, 1, 16, 1]
-    impl.last_page_len(out, _t([1, 2, 3, 4, 5]), 1)
+    impl.last_page_len(out, ints([1, 2, 3, 4, 5]), 1)
     assert out.tolist() == [1, 1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_paged_kv_indices_example(impl):
     # page_size 4; request 0 (pool row 2) has 6 tokens = 2 pages, request 1 (row 1) 1 token.
-    table = _t([[0] * 8, [40, 41, 42, 43, 44, 45, 46, 47], [12, 13, 14, 15, 28, 29, 30, 31]])
-    indptr = _t([0, 2, 3])
-    out = _garbage(2 * 3)  # capacity: 2 requests x 3 pages
-    impl.paged_kv_indices(out, table, _t([2, 1], torch.int64), indptr, 4)
+    table = ints([[0] * 8, [40, 41, 42, 43, 44, 45, 46, 47], [12, 13, 14, 15, 28, 29, 30, 31]])
+    indptr = ints([0, 2, 3])
+    out = garbage(2 * 3)  # capacity: 2 requests x 3 pages
+    impl.paged_kv_indices(out, table, ints([2, 1], torch.int64), indptr, 4)
     assert out.tolist() == [3, 7, 10, 0, 0, 0]
-    unit = _garbage(2 * 4)
-    impl.paged_kv_indices(unit, table[:, :4], _t([1, 2]), _t([0, 3, 4]), 1)
+    unit = garbage(2 * 4)
+    impl.paged_kv_indices(unit, table[:, :4], ints([1, 2]), ints([0, 3, 4]), 1)
     assert unit.tolist() == [40, 41, 42, 12, 0, 0, 0, 0]
 
 
@@ -132,7 +133,7 @@ def test_triton_kv_indices_equal_reference(seed, reqs, page_size, spare):
     table = torch.randint(0, 1 << 20, (reqs + 3, ctx), generator=g, dtype=I32)
     pool = torch.randint(0, reqs + 3, (reqs,), generator=g, dtype=torch.int64)
     args = (table.to(DEVICE), pool.to(DEVICE), indptr.to(DEVICE), page_size)
-    expected, actual = _garbage(reqs * width), _garbage(reqs * width)
+    expected, actual = garbage(reqs * width), garbage(reqs * width)
     ref.paged_kv_indices(expected, *args)
     tri.paged_kv_indices(actual, *args)
     assert torch.equal(expected.cpu(), actual.cpu())
@@ -151,7 +152,7 @@ def test_triton_page_split_equals_reference(seed, page_size):
         -5, 1 << 20, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g, dtype=I32
     )
     for name in ("pages_per_request", "last_page_len"):
-        expected, actual = _garbage(lens.shape[0]), _garbage(lens.shape[0])
+        expected, actual = garbage(lens.shape[0]), garbage(lens.shape[0])
         getattr(ref, name)(expected, lens.to(DEVICE), page_size)
         getattr(tri, name)(actual, lens.to(DEVICE), page_size)
         assert torch.equal(expected.cpu(), actual.cpu()), name
@@ -190,30 +191,17 @@ def _check_host_args(plans, real: int) -> None:
 )
 def test_replay_equals_eager_for_random_sequences(seed, page_size, next_n):
     rng = random.Random(seed)
-    table = TABLES[page_size]
-    planner = _planner(page_size, next_n)
-    modes = [ForwardMode.DECODE] + ([ForwardMode.TARGET_VERIFY] if next_n > 1 else [])
-    pointers = {}
-    for mode in modes:
-        for bs in SIZES:
-            plans = planner.capture(bs, mode, req_to_token=table)
-            pointers[(mode, bs)] = (
-                plans,
-                {f"{b}.{k}": t.data_ptr() for b in plans for k, t in plans[b].tensors().items()},
-            )
+    setup = SETUPS[page_size]
+    planner = setup.planner(next_n=next_n)
+    modes = modes_for(next_n)
+    captured_all = capture_all(planner, SIZES, modes, setup.table)
     for _ in range(6):
         mode = rng.choice(modes)
-        batch = random_batch(
-            rng, table, max_batch=MAX_BATCH, max_context=MAX_CTX, next_n=next_n, mode=mode
-        )
-        bs = min(s for s in SIZES if s >= batch.bs)
-        replayed = planner.replay(batch, bs)
-        planner.record(bs, mode)
-        captured, ptrs = pointers[(mode, bs)]
+        batch = setup.batch(rng, next_n=next_n, mode=mode)
+        bs, replayed = replay_smallest(planner, batch, SIZES)
+        captured, ptrs = captured_all[(mode, bs)]
         assert replayed is captured
-        assert {
-            f"{b}.{k}": t.data_ptr() for b in replayed for k, t in replayed[b].tensors().items()
-        } == ptrs
+        assert pointers(replayed) == ptrs
         _check_host_args(replayed, batch.bs)
         planner.verify(batch, replayed)  # eager padded to bs: bit-equal, padding holds pad values
         eager = planner.plan(batch)
@@ -236,17 +224,18 @@ def test_forced_triton_providers_plan_what_torch_plans():
         "pages_per_request": "triton",
         "last_page_len": "triton",
     }
-    table = TABLES[16]
+    setup = SETUPS[16]
+    table = setup.table
     a, b = (
-        _planner(16, backends=("flashinfer_decode",)),
-        _planner(16, backends=("flashinfer_decode",), providers=forced),
+        setup.planner(["flashinfer_decode"]),
+        setup.planner(["flashinfer_decode"], providers=forced),
     )
     assert b.providers_chosen()["flashinfer_decode.kv_indices"] == "triton"
     a.capture(4, req_to_token=table)
     b.capture(4, req_to_token=table)
     rng = random.Random(3)
     for _ in range(3):
-        batch = random_batch(rng, table, max_batch=4, max_context=MAX_CTX)
+        batch = setup.batch(rng, max_batch=4)
         pa, pb = a.replay(batch, 4)["flashinfer_decode"], b.replay(batch, 4)["flashinfer_decode"]
         a.record(4)  # what the graph runs on replay
         b.record(4)
@@ -255,13 +244,13 @@ def test_forced_triton_providers_plan_what_torch_plans():
 
 
 def test_host_op_runs_once_per_batch_outside_the_graph():
-    planner = _planner(1)
+    planner = SETUPS[1].planner()
     steps = planner.program(ForwardMode.DECODE).steps
     host = [s for s in steps if s.op_name == "flashinfer_plan"]
     assert len(host) == 2 and not any(s.in_graph for s in host)
     planner.capture(4, req_to_token=TABLES[1])
     planner.stats.reset()
-    batch = random_batch(random.Random(1), TABLES[1], max_batch=4, max_context=MAX_CTX)
+    batch = SETUPS[1].batch(random.Random(1), max_batch=4)
     planner.replay(batch, 4)
     assert planner.stats.op_calls["flashinfer_plan"] == 2  # one per backend, never per layer
 
@@ -269,14 +258,14 @@ def test_host_op_runs_once_per_batch_outside_the_graph():
 def test_without_flashinfer_the_host_op_is_bookkeeping_and_cannot_be_forced():
     if fi_ops.flashinfer_usable(DEVICE):
         pytest.skip("FlashInfer is usable here")
-    chosen = _planner(1).providers_chosen()
+    chosen = SETUPS[1].planner().providers_chosen()
     assert chosen["flashinfer_decode.plan_info"] == chosen["flashinfer_mla.plan_info"] == "torch"
     with pytest.raises(ProviderError):
-        _planner(1, providers={"flashinfer_plan": "flashinfer"})
+        SETUPS[1].planner(providers={"flashinfer_plan": "flashinfer"})
 
 
 def test_static_flat_page_list_is_sized_from_limits():
-    planner = _planner(16, backends=("flashinfer_decode",))
+    planner = SETUPS[16].planner(["flashinfer_decode"])
     plans = planner.capture(2, req_to_token=TABLES[16])
     plan = plans["flashinfer_decode"]
     pages = -(-MAX_CTX // 16)
@@ -326,19 +315,11 @@ def _dense(batch, kv_lens_of, q, keys, values, scale, next_n):
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("next_n", [1, 3])
 def test_reference_decode_through_plans_equals_dense(page_size, next_n):
-    table = TABLES[page_size]
+    setup, table = SETUPS[page_size], TABLES[page_size]
     g = torch.Generator().manual_seed(page_size * 10 + next_n)
-    planner = _planner(page_size, next_n, backends=("flashinfer_decode",))
-    mode = ForwardMode.TARGET_VERIFY if next_n > 1 else ForwardMode.DECODE
-    batch = random_batch(
-        random.Random(next_n),
-        table,
-        max_batch=5,
-        max_context=MAX_CTX,
-        next_n=next_n,
-        mode=mode,
-        bs=5,
-    )
+    planner = setup.planner(["flashinfer_decode"], next_n=next_n)
+    mode = mode_for(next_n)
+    batch = setup.batch(random.Random(next_n), next_n=next_n, mode=mode, bs=5)
     slots = int(table.max()) + 1
     pages = -(-slots // page_size)
     k = torch.randn(pages, page_size, 2, 64, generator=g)
@@ -370,19 +351,11 @@ def test_reference_decode_through_plans_equals_dense(page_size, next_n):
 @pytest.mark.parametrize("page_size", [1, 64])
 @pytest.mark.parametrize("next_n", [1, 2])
 def test_reference_mla_through_plans_equals_dense(page_size, next_n):
-    table = TABLES[page_size]
+    setup, table = SETUPS[page_size], TABLES[page_size]
     g = torch.Generator().manual_seed(page_size + next_n)
-    planner = _planner(page_size, next_n, backends=("flashinfer_mla",))
-    mode = ForwardMode.TARGET_VERIFY if next_n > 1 else ForwardMode.DECODE
-    batch = random_batch(
-        random.Random(page_size),
-        table,
-        max_batch=4,
-        max_context=MAX_CTX,
-        next_n=next_n,
-        mode=mode,
-        bs=4,
-    )
+    planner = setup.planner(["flashinfer_mla"], next_n=next_n)
+    mode = mode_for(next_n)
+    batch = setup.batch(random.Random(page_size), next_n=next_n, mode=mode, bs=4)
     pages = -(-(int(table.max()) + 1) // page_size)
     ckv = torch.randn(pages, page_size, 512, generator=g) * 0.1
     kpe = torch.randn(pages, page_size, 64, generator=g)
@@ -406,8 +379,8 @@ def test_reference_mla_through_plans_equals_dense(page_size, next_n):
 
 
 def test_attention_refuses_rows_that_do_not_match_the_plan():
-    planner = _planner(16, backends=("flashinfer_decode",))
-    batch = random_batch(random.Random(2), TABLES[16], max_batch=3, max_context=MAX_CTX, bs=3)
+    planner = SETUPS[16].planner(["flashinfer_decode"])
+    batch = SETUPS[16].batch(random.Random(2), bs=3)
     plan = planner.plan(batch)["flashinfer_decode"]
     cache = torch.zeros(200, 16, 2, 64)
     with pytest.raises(PlanError, match="rows"):
@@ -560,8 +533,8 @@ def fake_flashinfer(monkeypatch):
 
 
 def test_wrappers_per_size_bound_to_static_plans_and_planned_every_replay(fake_flashinfer):
-    table = TABLES[1]
-    planner = _planner(1, providers={"flashinfer_plan": "flashinfer"})
+    setup, table = SETUPS[1], TABLES[1]
+    planner = setup.planner(providers={"flashinfer_plan": "flashinfer"})
     g = torch.Generator().manual_seed(0)
     pages = int(table.max()) + 1
     k, v = torch.randn(pages, 1, 2, 64, generator=g), torch.randn(pages, 1, 2, 64, generator=g)
@@ -575,10 +548,7 @@ def test_wrappers_per_size_bound_to_static_plans_and_planned_every_replay(fake_f
         assert slot.wrapper.buffers["indices"] is plans["flashinfer_decode"].kv_indices
     rng = random.Random(4)
     for _ in range(5):
-        batch = random_batch(rng, table, max_batch=MAX_BATCH, max_context=MAX_CTX)
-        bs = min(s for s in SIZES if s >= batch.bs)
-        plans = planner.replay(batch, bs)
-        planner.record(bs)
+        bs, plans = replay_smallest(planner, setup.batch(rng), SIZES)
         assert plans is captured[bs]
         d, m = plans["flashinfer_decode"], plans["flashinfer_mla"]
         q = torch.randn(bs, 4, 64, generator=g)
@@ -597,31 +567,21 @@ def test_wrappers_per_size_bound_to_static_plans_and_planned_every_replay(fake_f
 
 
 def test_eager_wrapper_is_reused_and_a_superseded_plan_is_refused(fake_flashinfer):
-    table = TABLES[64]
-    planner = _planner(
-        64, next_n=2, providers={"flashinfer_plan": "flashinfer"}, backends=("flashinfer_mla",)
+    setup = SETUPS[64]
+    planner = setup.planner(
+        ["flashinfer_mla"], next_n=2, providers={"flashinfer_plan": "flashinfer"}
     )
     rng = random.Random(5)
     ckv, kpe = torch.randn(200, 64, 512) * 0.1, torch.randn(200, 64, 64)
-    first = planner.plan(
-        random_batch(
-            rng,
-            table,
-            max_batch=3,
-            max_context=MAX_CTX,
-            next_n=2,
-            mode=ForwardMode.TARGET_VERIFY,
-            bs=3,
-        )
-    )["flashinfer_mla"]
+    first = planner.plan(setup.batch(rng, next_n=2, mode=ForwardMode.TARGET_VERIFY, bs=3))[
+        "flashinfer_mla"
+    ]
     qn, qp = torch.randn(6, 2, 512) * 0.1, torch.randn(6, 2, 64)
     got = flashinfer_mla_attention(first, qn, qp, ckv, kpe)
     assert torch.allclose(got, reference_mla_attention(first, qn, qp, ckv, kpe), atol=1e-5)
-    second = planner.plan(random_batch(rng, table, max_batch=5, max_context=MAX_CTX, bs=5))[
-        "flashinfer_mla"
-    ]
+    second = planner.plan(setup.batch(rng, bs=5))["flashinfer_mla"]
     assert len(_FakeWrapper.made) == 2  # one eager wrapper per mode (next_n), reused across batches
-    planner.plan(random_batch(rng, table, max_batch=5, max_context=MAX_CTX, bs=2))
+    planner.plan(setup.batch(rng, bs=2))
     assert len(_FakeWrapper.made) == 2
     with pytest.raises(PlanError, match="newer eager plan"):
         flashinfer_mla_attention(
@@ -630,8 +590,8 @@ def test_eager_wrapper_is_reused_and_a_superseded_plan_is_refused(fake_flashinfe
 
 
 def test_decode_wrapper_refuses_target_verify(fake_flashinfer):
-    planner = _planner(
-        16, next_n=2, providers={"flashinfer_plan": "flashinfer"}, backends=("flashinfer_decode",)
+    planner = SETUPS[16].planner(
+        ["flashinfer_decode"], next_n=2, providers={"flashinfer_plan": "flashinfer"}
     )
     planner.capture(2, ForwardMode.DECODE, req_to_token=TABLES[16])
     with pytest.raises(PlanError, match="prefill wrapper"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import traceback
 import types
 from pathlib import Path
@@ -33,11 +34,14 @@ from models.layers.rope import (
     rope_cos_sin,
     yarn_inv_freq,
 )
-from models.model import DSV32Model
+from models.model import Block, DSV32Model
 from planner import Limits, Planner
 from planner.errors import ConfigError, PlanError, SchemaError
+from tests.support import REPO
+from tests.support.engines import tiny_model
+from tests.support.planners import PlannerSetup
 
-ROOT = str(Path(__file__).resolve().parents[1])
+ROOT = str(REPO)
 
 
 # --------------------------------------------------------------------- helpers
@@ -129,18 +133,9 @@ def greedy(model: DSV32Model, prompts: list[list[int]], steps: int) -> list[list
     return [q[len(p) :] for q, p in zip(seqs, prompts, strict=True)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls: one thread avoids OpenMP spin contention on a busy 2-core box (70x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model() -> DSV32Model:
-    return DSV32Model(DSV32Config.tiny(), seed=0, dtype=torch.float32)
+    return tiny_model()  # shared with the engine tests; layers only read it
 
 
 # ---------------------------------------------------------------------- config
@@ -458,6 +453,27 @@ def _expanded_attention(mla: MLA, xs: torch.Tensor, pos: torch.Tensor, inv: torc
     return mla.wo(torch.einsum("hn,nhd->hd", p, v).flatten())
 
 
+def _requests_on_pages(cfg: DSV32Config, *requests: tuple[int, list[int]]):
+    """Rope frequencies, a 6-page cache, and a request pool holding each (length, pages)."""
+    inv = yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, 163840)
+    cache = PagedKVCache(cfg, 6, dtype=torch.float32)
+    pool = RequestPool(4, 256, page_size=PAGE)
+    lengths = {pool.alloc(): n for n, _ in requests}
+    for r, (n, pages) in zip(lengths, requests, strict=True):
+        pool.assign(r, pages, n)
+    return inv, cache, pool, lengths
+
+
+def _token_steps(pool: RequestPool, lengths: dict[int, int], cfg, inv, *inputs):
+    """Feed every request one token a step: per step, the live requests, their plan, rope and
+    their rows of each of ``inputs`` (per-request ``[tokens, ...]`` tensors)."""
+    for step in range(max(lengths.values())):
+        live = [r for r, n in lengths.items() if step < n]
+        plan = make_plan(pool, live, [step + 1] * len(live), cfg.index_topk)
+        cos, sin = rope_cos_sin(plan.positions, inv)
+        yield step, live, plan, cos, sin, [torch.stack([x[r][step] for r in live]) for x in inputs]
+
+
 def test_mla_absorbed_decode_equals_expanded_attention() -> None:
     cfg = tiny(index_topk=128)  # top-k covers every length: sparse == dense
     torch.manual_seed(0)
@@ -465,19 +481,10 @@ def test_mla_absorbed_decode_equals_expanded_attention() -> None:
     with torch.no_grad():
         mla.q_norm.weight.uniform_(0.5, 1.5)
         mla.kv_norm.weight.uniform_(0.5, 1.5)
-    inv = yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, 163840)
-    cache = PagedKVCache(cfg, 6, dtype=torch.float32)
-    pool = RequestPool(4, 256, page_size=PAGE)
-    lengths = {pool.alloc(): 70, pool.alloc(): 5}  # 70 crosses a page boundary
-    pages = {r: p for r, p in zip(lengths, ([4, 2], [5]), strict=True)}  # out of order on purpose
+    # 70 tokens cross a page boundary; pages out of order on purpose
+    inv, cache, pool, lengths = _requests_on_pages(cfg, (70, [4, 2]), (5, [5]))
     xs = {r: torch.randn(n, cfg.hidden_size) for r, n in lengths.items()}
-    for r, n in lengths.items():
-        pool.assign(r, pages[r], n)
-    for step in range(70):
-        live = [r for r, n in lengths.items() if step < n]
-        plan = make_plan(pool, live, [step + 1] * len(live), cfg.index_topk)
-        cos, sin = rope_cos_sin(plan.positions, inv)
-        x = torch.stack([xs[r][step] for r in live])
+    for step, live, plan, cos, sin, (x,) in _token_steps(pool, lengths, cfg, inv, xs):
         out = mla(x, cos, sin, plan, cache.mla[0], cache.index[0])
         for row, r in enumerate(live):
             pos = torch.arange(step + 1, dtype=torch.int32)
@@ -498,20 +505,10 @@ def test_indexer_fp8_path_matches_float_reference() -> None:
     with torch.no_grad():
         idx.k_norm.weight.uniform_(0.5, 1.5)
         idx.k_norm.bias.normal_(0, 0.1)
-    inv = yarn_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, 163840)
-    cache = PagedKVCache(cfg, 6, dtype=torch.float32)
-    pool = RequestPool(4, 256, page_size=PAGE)
-    lengths = {pool.alloc(): 100, pool.alloc(): 9}
-    for r, p in zip(lengths, ([3, 1], [2]), strict=True):
-        pool.assign(r, p, lengths[r])
+    inv, cache, pool, lengths = _requests_on_pages(cfg, (100, [3, 1]), (9, [2]))
     xs = {r: torch.randn(n, cfg.hidden_size) for r, n in lengths.items()}
     qrs = {r: torch.randn(n, cfg.q_lora_rank) for r, n in lengths.items()}
-    for step in range(100):
-        live = [r for r, n in lengths.items() if step < n]
-        plan = make_plan(pool, live, [step + 1] * len(live), cfg.index_topk)
-        cos, sin = rope_cos_sin(plan.positions, inv)
-        x = torch.stack([xs[r][step] for r in live])
-        qr = torch.stack([qrs[r][step] for r in live])
+    for _, _, plan, cos, sin, (x, qr) in _token_steps(pool, lengths, cfg, inv, xs, qrs):
         topk = idx(x, qr, cos, sin, plan, cache.index[0])
     keys, scales = fp8.unpack_index_kv_cache(cache.index[0])
     for r, n in lengths.items():
@@ -746,3 +743,20 @@ def test_plans_from_the_real_planner(model: DSV32Model) -> None:
         plans = planner.replay(batch, 4)
         planner.record(4)  # what replaying the captured graph would run
         assert torch.equal(model(padded, plans, s.cache), eager)
+
+
+def test_plan_topk_other_than_the_models_is_refused_before_the_first_layer(
+    model: DSV32Model, monkeypatch
+) -> None:
+    """A plan built for another model: the model refuses it before any layer runs."""
+    cache = model.new_cache(4 * 256 // PAGE + 1)
+    setup = PlannerSetup(("nsa",), max_batch=4, max_context=256, page_size=PAGE, pool=5)
+    planner = setup.planner(kv_slots=cache.num_slots, options={"nsa": {"topk": 2048}})
+    batch = setup.batch(random.Random(0), bs=2)
+    layers: list[int] = []
+    original = Block.forward
+    monkeypatch.setattr(Block, "forward", lambda self, *a: layers.append(1) or original(self, *a))
+    with pytest.raises(PlanError) as info:
+        model(torch.zeros(2, dtype=torch.int64), planner.plan(batch), cache)
+    assert info.value.field == "topk" and "expected 16, got 2048" in str(info.value)
+    assert layers == []

@@ -16,20 +16,6 @@ from backends.paged import paged_attention
 from planner import ForwardBatch, ForwardMode, PlanSet
 
 
-def make_table(pool: int, max_context: int, page: int, seed: int = 0) -> torch.Tensor:
-    """req_to_token: row 0 is the null request (slot 0), other rows own shuffled whole pages."""
-    rng = random.Random(seed)
-    per_req = -(-max_context // page)
-    pages = list(range(1, 1 + (pool - 1) * per_req))
-    rng.shuffle(pages)
-    table = torch.zeros(pool, per_req * page, dtype=torch.int32)
-    offsets = torch.arange(page, dtype=torch.int32)
-    for req in range(1, pool):
-        ids = torch.tensor(pages[(req - 1) * per_req : req * per_req], dtype=torch.int32)
-        table[req] = (ids[:, None] * page + offsets).reshape(-1)
-    return table[:, :max_context].contiguous()
-
-
 class TinyPagedModel:
     """Embedding, ``layers`` x (paged attention + residual), and an integer digest of the plan."""
 

@@ -4,56 +4,36 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner import ForwardMode, Limits, Planner
-from tests.batches import make_pool, random_batch
+from planner import ForwardMode
+from tests.support.batches import modes_for
+from tests.support.planners import PlannerSetup, capture_all, pointers, replay_smallest
 
 PAGE = 16
 MAX_CTX = 200
 MAX_BATCH = 12
-
-
-@pytest.fixture(scope="module")
-def table() -> torch.Tensor:
-    return make_pool(40, MAX_CTX, PAGE, seed=1)
-
-
-def _planner(next_n: int) -> Planner:
-    return Planner(
-        ["paged"], Limits(max_batch=MAX_BATCH, max_context=MAX_CTX, page_size=PAGE, next_n=next_n)
-    )
+SETUP = PlannerSetup(("paged",), MAX_BATCH, MAX_CTX, PAGE, pool=40, seed=1)
+TABLE = SETUP.table
 
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31), next_n=st.integers(1, 3), steps=st.integers(1, 8))
-def test_replay_equals_eager_for_random_sequences(table, seed, next_n, steps):
+def test_replay_equals_eager_for_random_sequences(seed, next_n, steps):
     rng = random.Random(seed)
-    planner = _planner(next_n)
+    planner = SETUP.planner(next_n=next_n)
     sizes = [1, 2, 4, 8, MAX_BATCH]
-    modes = [ForwardMode.DECODE] + ([ForwardMode.TARGET_VERIFY] if next_n > 1 else [])
-    captured = {}
-    for mode in modes:
-        for bs in sizes:
-            plans = planner.capture(bs, mode, req_to_token=table)
-            captured[(mode, bs)] = (
-                plans,
-                {k: t.data_ptr() for k, t in plans["paged"].tensors().items()},
-            )
+    modes = modes_for(next_n)
+    captured = capture_all(planner, sizes, modes, TABLE)
     for _ in range(steps):
         mode = rng.choice(modes)
-        batch = random_batch(
-            rng, table, max_batch=MAX_BATCH, max_context=MAX_CTX, next_n=next_n, mode=mode
-        )
-        bs = min(s for s in sizes if s >= batch.bs)
-        replayed = planner.replay(batch, bs)
-        planner.record(bs, mode)  # what the graph does on replay
-        plans, pointers = captured[(mode, bs)]
+        batch = SETUP.batch(rng, next_n=next_n, mode=mode)
+        bs, replayed = replay_smallest(planner, batch, sizes)  # record(): what the graph does
+        plans, captured_pointers = captured[(mode, bs)]
         assert replayed is plans
-        assert {k: t.data_ptr() for k, t in replayed["paged"].tensors().items()} == pointers
+        assert pointers(replayed) == captured_pointers
         padded = planner.plan(batch, pad_to=bs)
         for name, tensor in padded["paged"].tensors().items():
             assert torch.equal(tensor, getattr(replayed["paged"], name)), name
@@ -75,52 +55,42 @@ def test_replay_equals_eager_for_random_sequences(table, seed, next_n, steps):
         planner.verify(batch, replayed)
 
 
-def test_eager_plan_values_match_a_direct_computation(table):
+def test_eager_plan_values_match_a_direct_computation():
     rng = random.Random(7)
-    planner = _planner(1)
-    batch = random_batch(rng, table, max_batch=MAX_BATCH, max_context=MAX_CTX, bs=5)
+    planner = SETUP.planner(next_n=1)
+    batch = SETUP.batch(rng, bs=5)
     plan = planner.plan(batch)["paged"]
     lens = batch.seq_lens_cpu.tolist()
     assert plan.cu_seqlens_k.tolist() == [0] + list(torch.tensor(lens).cumsum(0).tolist())
     assert plan.max_seq_len == max(lens)
     for r, (req, length) in enumerate(zip(batch.req_pool_indices.tolist(), lens)):
-        assert plan.token_slots[r, :length].tolist() == table[req, :length].tolist()
+        assert plan.token_slots[r, :length].tolist() == TABLE[req, :length].tolist()
         pages = -(-length // PAGE)
-        assert plan.page_table[r, :pages].tolist() == (table[req, :length:PAGE] // PAGE).tolist()
+        assert plan.page_table[r, :pages].tolist() == (TABLE[req, :length:PAGE] // PAGE).tolist()
         assert not plan.page_table[r, pages:].any()
 
 
-def test_verify_mode_causal_lengths(table):
-    planner = _planner(3)
-    batch = random_batch(
-        random.Random(3),
-        table,
-        max_batch=4,
-        max_context=MAX_CTX,
-        next_n=3,
-        mode=ForwardMode.TARGET_VERIFY,
-        bs=2,
-    )
+def test_verify_mode_causal_lengths():
+    planner = SETUP.planner(next_n=3)
+    batch = SETUP.batch(random.Random(3), next_n=3, mode=ForwardMode.TARGET_VERIFY, bs=2)
     plan = planner.plan(batch)["paged"]
     s0, s1 = batch.seq_lens_cpu.tolist()
     assert plan.kv_lens.tolist() == [s0 - 2, s0 - 1, s0, s1 - 2, s1 - 1, s1]
     assert plan.next_n == 3
 
 
-def test_ops_outside_graph_refresh_on_replay(table):
+def test_ops_outside_graph_refresh_on_replay():
     """With ops_in_graph=False (the seed's way), replay itself computes every op."""
-    planner = Planner(
-        ["paged"], Limits(max_batch=4, max_context=MAX_CTX, page_size=PAGE), ops_in_graph=False
-    )
-    planner.capture(4, req_to_token=table)
-    batch = random_batch(random.Random(5), table, max_batch=4, max_context=MAX_CTX, bs=3)
+    planner = SETUP.planner(max_batch=4, ops_in_graph=False)
+    planner.capture(4, req_to_token=TABLE)
+    batch = SETUP.batch(random.Random(5), bs=3)
     replayed = planner.replay(batch, 4)  # no record() needed
     planner.verify(batch, replayed)
 
 
-def test_static_buffers_are_sized_from_limits(table):
-    planner = _planner(1)
-    planner.capture(2, req_to_token=table)
+def test_static_buffers_are_sized_from_limits():
+    planner = SETUP.planner(next_n=1)
+    planner.capture(2, req_to_token=TABLE)
     pages = -(-MAX_CTX // PAGE)
     expected = MAX_BATCH * MAX_CTX + MAX_BATCH * pages + MAX_BATCH + (MAX_BATCH + 1)
     assert planner.static_bytes() >= expected * 4

@@ -13,7 +13,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,10 +29,10 @@ from backends.deepgemm import (
 )
 from backends.deepgemm import mqa_logits as mqa_mod
 from planner.errors import PlanError, ProviderError
+from tests.support import REPO
 
 E4M3 = torch.float8_e4m3fn
 I32 = torch.int32
-REPO = Path(__file__).resolve().parents[1]
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 KINDS = ["random", "causal", "full", "empty", "window"]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ from backends.nsa.sparse_mla_plan import (
 from backends.nsa.sparse_mla_ref import mask_past_plan, plain_reference, sparse_mla_split_reference
 from backends.nsa.sparse_mla_triton import sparse_mla_decode_triton
 from planner.errors import PlanError
+from tests.support import REPO
 
 I32 = torch.int32
 SCALE = 0.3
@@ -322,7 +322,7 @@ def test_argument_checks_name_the_field():
 
 def test_benchmark_smoke_runs_on_the_cpu(tmp_path):
     """benchmarks/bench_sparse_mla.py --smoke, so the GPU script cannot rot between sessions."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sparse_mla.py"
+    path = REPO / "benchmarks" / "bench_sparse_mla.py"
     spec = importlib.util.spec_from_file_location("bench_sparse_mla", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -31,18 +31,17 @@ import tracemalloc
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
 
 from graphs import GraphWarning
 from serving.engine import DecodeEngine
-from serving.run_config import load_run_config
+from tests.support import REPO
+from tests.support.engines import tiny_engine
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY_YAML = ROOT / "configs" / "dsv32-tiny.yaml"
-SERVING = os.sep + "serving" + os.sep
+SERVING = str(REPO / "serving") + os.sep
+"""Where the run's own record lives (the application package); allocations elsewhere are leaks."""
 DECODE_STEPS_PER_REQUEST = 3.7
 """Decode steps the workload below yields per request (measured; the workload is seeded)."""
 
@@ -131,7 +130,7 @@ class SoakReport:
             f"{self.rss_growth / mib:.2f} MiB, {self.rss_unexplained / mib:.2f} MiB beyond the "
             f"record of the {self.finished_in_rss_window} requests finished meanwhile",
             f"tracemalloc steps {last}-{self.decode_steps}: {self.leaked_bytes} B kept outside "
-            f"serving, {self.record_bytes} B run record "
+            f"serving/, {self.record_bytes} B run record "
             f"({self.finished_in_traced_window} requests, {self.record_per_request:.0f} B each)",
         ]
 
@@ -203,7 +202,7 @@ def soak(
     layers: int | None = None,
 ) -> tuple[SoakReport, DecodeEngine]:
     """Serve a workload of at least ``decode_steps`` decode steps; return the report and engine."""
-    engine = DecodeEngine(load_run_config(TINY_YAML, workload(decode_steps, seed, layers)))
+    engine = tiny_engine(workload(decode_steps, seed, layers))
     probe = Probe(engine, warmup, trace_from, every)
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
@@ -275,7 +274,7 @@ def test_gpu_soak_script_runs_on_emulated_graphs(tmp_path):
     import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("soak_gpu", ROOT / "benchmarks" / "soak_gpu.py")
+    spec = importlib.util.spec_from_file_location("soak_gpu", REPO / "benchmarks" / "soak_gpu.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path / "soak.json"

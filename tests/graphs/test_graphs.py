@@ -28,12 +28,13 @@ from planner import (
     BatchError,
     ConfigError,
     ForwardMode,
-    Limits,
-    Planner,
     PlanWriteError,
     ReplayError,
 )
-from tests.graph_helpers import Scheduler, TinyPagedModel, make_table
+from tests.support import REPO
+from tests.support.batches import make_pool
+from tests.support.graph_model import Scheduler, TinyPagedModel
+from tests.support.planners import PlannerSetup
 
 PAGE, MAX_CTX, MAX_BATCH, NEXT_N = 4, 32, 12, 3
 SIZES = [1, 2, 4, 8]  # batches of 9..12 exceed the largest size: eager fallbacks
@@ -41,36 +42,29 @@ POOL = 20
 SLOTS = POOL * (MAX_CTX // PAGE) * PAGE
 DECODE, VERIFY = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Shapes here are tiny: intra-op threads only add contention (10x slower on a busy host)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _planner(debug: bool = False, **kw) -> Planner:
-    limits = Limits(max_batch=MAX_BATCH, max_context=MAX_CTX, page_size=PAGE, next_n=NEXT_N)
-    return Planner(["paged"], limits, debug=debug, **kw)
+SETUP = PlannerSetup(("paged",), MAX_BATCH, MAX_CTX, PAGE, pool=POOL, limits={"next_n": NEXT_N})
 
 
 def _setup(seed: int = 0, *, debug: bool = False, planner_kw: dict | None = None, **runner_kw):
     """A runner over a tiny model, its eager twin (own KV cache, own planner) and a scheduler."""
-    table = make_table(POOL, MAX_CTX, PAGE, seed=seed)
+    table = make_pool(POOL, MAX_CTX, PAGE, seed=seed)
     model = TinyPagedModel(SLOTS, seed=seed)
     twin = model.clone_state()
     runner_kw.setdefault("sizes", SIZES)
     runner = GraphRunner(
-        _planner(debug, **(planner_kw or {})),
+        SETUP.planner(debug=debug, **(planner_kw or {})),
         model,
         req_to_token=table,
         static_inputs={"input_ids": torch.int64},
         **runner_kw,
     )
-    return runner, model, twin, _planner(), Scheduler(table, next_n=NEXT_N, seed=seed)
+    return (
+        runner,
+        model,
+        twin,
+        SETUP.planner(debug=False),
+        Scheduler(table, next_n=NEXT_N, seed=seed),
+    )
 
 
 def _check_equal(out: dict, want: dict, rows: int) -> None:
@@ -255,7 +249,7 @@ def test_outputs_are_graph_memory_sliced_to_real_rows():
 
 
 def test_failed_capture_is_dropped_once_and_others_keep_working():
-    table = make_table(POOL, MAX_CTX, PAGE)
+    table = SETUP.table
     model = TinyPagedModel(SLOTS)
     twin = model.clone_state()
 
@@ -269,7 +263,7 @@ def test_failed_capture_is_dropped_once_and_others_keep_working():
             raise RuntimeError("JIT warm-up failed")
 
     runner = GraphRunner(
-        _planner(),
+        SETUP.planner(debug=False),
         flaky,
         req_to_token=table,
         static_inputs={"input_ids": torch.int64},
@@ -286,7 +280,7 @@ def test_failed_capture_is_dropped_once_and_others_keep_working():
     )
     assert stats.dropped["target_verify"].keys() == {2}
     assert runner.captured_sizes(DECODE) == [1, 8] and runner.captured_sizes(VERIFY) == [1, 4, 8]
-    ref, sched = _planner(), Scheduler(table, next_n=NEXT_N, seed=1)
+    ref, sched = SETUP.planner(debug=False), Scheduler(table, next_n=NEXT_N, seed=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback, no repeated report
         for bs, mode in [
@@ -346,7 +340,7 @@ def test_fallback_reasons_are_counted_and_warned_once():
 
 
 def test_debug_mode_catches_a_layer_writing_a_plan():
-    table = make_table(POOL, MAX_CTX, PAGE)
+    table = SETUP.table
     model = TinyPagedModel(SLOTS)
 
     def vandal(inputs, plans):
@@ -355,7 +349,7 @@ def test_debug_mode_catches_a_layer_writing_a_plan():
         return out
 
     runner = GraphRunner(
-        _planner(debug=True),
+        SETUP.planner(debug=True),
         vandal,
         req_to_token=table,
         static_inputs={"input_ids": torch.int64},
@@ -384,23 +378,27 @@ def test_inputs_and_config_are_validated():
         assert err.value.field == field
     with pytest.raises(BatchError):
         runner.step("not a batch", inputs)
-    table = make_table(POOL, MAX_CTX, PAGE)
+    table = SETUP.table
     with pytest.raises(ConfigError) as err:
-        GraphRunner(_planner(), lambda i, p: i, req_to_token=table, use_cuda_graph=True)
+        GraphRunner(
+            SETUP.planner(debug=False), lambda i, p: i, req_to_token=table, use_cuda_graph=True
+        )
     assert err.value.field == "use_cuda_graph"
     with pytest.raises(ConfigError) as err:
-        GraphRunner(_planner(), lambda i, p: i, req_to_token=table, modes=["prefill"])
+        GraphRunner(
+            SETUP.planner(debug=False), lambda i, p: i, req_to_token=table, modes=["prefill"]
+        )
     assert err.value.field == "modes"
     with pytest.raises(ConfigError) as err:
-        GraphRunner(_planner(), lambda i, p: i, req_to_token=table, sizes=[16])
+        GraphRunner(SETUP.planner(debug=False), lambda i, p: i, req_to_token=table, sizes=[16])
     assert err.value.field == "capture_sizes"
 
 
 @pytest.mark.parametrize("result", [lambda: 3, lambda: torch.zeros(()), lambda: torch.zeros(5, 2)])
 def test_unsliceable_outputs_raise_instead_of_dropping_every_size(result):
-    table = make_table(POOL, MAX_CTX, PAGE)
+    table = SETUP.table
     runner = GraphRunner(
-        _planner(), lambda inputs, plans: result(), req_to_token=table, sizes=[2, 4]
+        SETUP.planner(debug=False), lambda inputs, plans: result(), req_to_token=table, sizes=[2, 4]
     )
     with pytest.raises(GraphOutputError):
         runner.capture()
@@ -509,9 +507,8 @@ def test_replay_overhead_benchmark_runs_on_emulated_graphs(tmp_path):
     """A smoke run on the CPU, so the GPU script cannot rot between GPU sessions."""
     import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "replay_overhead.py"
+    path = REPO / "benchmarks" / "replay_overhead.py"
     spec = importlib.util.spec_from_file_location("replay_overhead", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -31,7 +31,7 @@ import torch
 from planner import ForwardBatch, ForwardMode, Limits, Planner, PlanSet
 from planner.compare import diff_plans, padding_violations
 from planner.dims import parse_dim
-from tests.batches import make_pool
+from tests.support.batches import make_pool
 
 PAGE, MAX_CTX, MAX_BATCH, NEXT_N = 64, 320, 12, 2
 POOL = 2 * MAX_BATCH + 1

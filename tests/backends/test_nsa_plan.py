@@ -12,17 +12,21 @@ from hypothesis import strategies as st
 from backends.deepgemm import reference_paged_mqa_schedule
 from planner import ForwardMode, Limits, Planner, SchemaError
 from planner.ops import get_op
-from tests.batches import make_pool, random_batch
+from tests.support.batches import modes_for
+from tests.support.planners import PlannerSetup, replay_smallest
 
 MAX_CTX, MAX_BATCH = 700, 40
-TABLE = make_pool(60, MAX_CTX, 64, seed=3)
-
-
-def _planner(next_n: int, num_sms: int = 8, **kw) -> Planner:
-    limits = Limits(
-        max_batch=MAX_BATCH, max_context=MAX_CTX, page_size=64, next_n=next_n, num_sms=num_sms
-    )
-    return Planner(["nsa"], limits, options={"nsa": {"topk": 48}}, **kw)
+SETUP = PlannerSetup(
+    ("nsa",),
+    MAX_BATCH,
+    MAX_CTX,
+    64,
+    pool=60,
+    seed=3,
+    limits={"num_sms": 8},
+    options={"nsa": {"topk": 48}},
+)
+TABLE = SETUP.table
 
 
 @settings(max_examples=15, deadline=None)
@@ -31,20 +35,15 @@ def _planner(next_n: int, num_sms: int = 8, **kw) -> Planner:
 )
 def test_nsa_replay_equals_eager(seed, next_n, num_sms):
     rng = random.Random(seed)
-    planner = _planner(next_n, num_sms)
-    modes = [ForwardMode.DECODE] + ([ForwardMode.TARGET_VERIFY] if next_n == 2 else [])
+    planner = SETUP.planner(next_n=next_n, num_sms=num_sms)
+    modes = modes_for(next_n)
     sizes = [1, 8, 32, MAX_BATCH]
     for mode in modes:
         for bs in sizes:
             planner.capture(bs, mode, req_to_token=TABLE)
     for _ in range(6):
-        mode = rng.choice(modes)
-        batch = random_batch(
-            rng, TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX, next_n=next_n, mode=mode
-        )
-        bs = min(s for s in sizes if s >= batch.bs)
-        plans = planner.replay(batch, bs)
-        planner.record(bs, mode)
+        batch = SETUP.batch(rng, next_n=next_n, mode=rng.choice(modes))
+        bs, plans = replay_smallest(planner, batch, sizes)
         planner.verify(batch, plans)
         plan = plans["nsa"]
         n = plan.next_n
@@ -57,8 +56,8 @@ def test_nsa_replay_equals_eager(seed, next_n, num_sms):
 
 
 def test_eager_schedule_is_the_reference_of_the_batch():
-    planner = _planner(1)
-    batch = random_batch(random.Random(1), TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX, bs=13)
+    planner = SETUP.planner(next_n=1)
+    batch = SETUP.batch(random.Random(1), bs=13)
     plan = planner.plan(batch)["nsa"]
     assert plan.schedule.shape == (9, 2)
     assert torch.equal(
@@ -73,7 +72,7 @@ def test_the_schedule_never_sees_a_zero_length(monkeypatch):
     seen = []
     provider = get_op("paged_mqa_schedule").providers["torch"]
     original = provider.fn
-    planner = _planner(2)
+    planner = SETUP.planner(next_n=2)
     for step in (
         planner.program(ForwardMode.TARGET_VERIFY).steps + planner.program(ForwardMode.DECODE).steps
     ):
@@ -95,15 +94,7 @@ def test_the_schedule_never_sees_a_zero_length(monkeypatch):
         for bs in (1, 8, MAX_BATCH):
             planner.capture(bs, mode, req_to_token=TABLE)
             planner.record(bs, mode)
-            batch = random_batch(
-                random.Random(bs),
-                TABLE,
-                max_batch=bs,
-                max_context=MAX_CTX,
-                next_n=2,
-                mode=mode,
-                bs=1,
-            )
+            batch = SETUP.batch(random.Random(bs), next_n=2, mode=mode, bs=1)
             planner.replay(batch, bs)
             planner.record(bs, mode)
     assert seen and min(seen) >= 1
@@ -127,10 +118,10 @@ def test_settings_deep_gemm_rejects_are_refused_at_build(limits, options, field)
 
 
 def test_one_schedule_per_batch_for_a_61_layer_stack():
-    planner = _planner(1)
+    planner = SETUP.planner(next_n=1)
     rng = random.Random(9)
     for _ in range(3):
-        plans = planner.plan(random_batch(rng, TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX))
+        plans = planner.plan(SETUP.batch(rng))
         for _layer in range(61):
             assert plans["nsa"].schedule.shape == (9, 2)  # every layer reads the same tensor
     assert planner.stats.op_calls["paged_mqa_schedule"] == 3
@@ -138,9 +129,8 @@ def test_one_schedule_per_batch_for_a_61_layer_stack():
 
 def test_fields_two_backends_share_are_computed_once():
     """NSA extends the paged plan: in one planner their common fields are one computation."""
-    limits = Limits(max_batch=8, max_context=MAX_CTX, page_size=64, num_sms=8)
-    planner = Planner(["nsa", "paged"], limits, options={"nsa": {"topk": 48}})
-    batch = random_batch(random.Random(4), TABLE, max_batch=8, max_context=MAX_CTX, bs=5)
+    planner = SETUP.planner(["nsa", "paged"], max_batch=8)
+    batch = SETUP.batch(random.Random(4), bs=5)
     plans = planner.plan(batch)
     assert plans["paged"].token_slots is plans["nsa"].token_slots
     assert plans["paged"].page_table is plans["nsa"].page_table

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from backends.paged import paged_attention
-from planner import Limits, Planner, PlanWriteError, ReplayError
-from tests.batches import make_pool, random_batch
+from planner import PlanWriteError, ReplayError
+from tests.support.planners import PlannerSetup
 
 MAX_CTX, PAGE, HEADS, DIM = 96, 16, 2, 8
+SETUP = PlannerSetup(("paged",), max_batch=6, max_context=MAX_CTX, page_size=PAGE, pool=12)
 
 
 class Layer(torch.nn.Module):
@@ -34,11 +35,9 @@ class Layer(torch.nn.Module):
 
 
 def _setup(layers: int, debug: bool, bad_layer: int | None = None):
-    table = make_pool(12, MAX_CTX, PAGE)
+    table = SETUP.table
     slots = int(table.max()) + 1
-    planner = Planner(
-        ["paged"], Limits(max_batch=6, max_context=MAX_CTX, page_size=PAGE), debug=debug
-    )
+    planner = SETUP.planner(debug=debug)
     model = torch.nn.ModuleList(
         Layer(slots, i, writes_plan=(i == bad_layer)) for i in range(layers)
     )
@@ -51,7 +50,7 @@ def test_each_op_runs_once_per_batch_whatever_the_depth(layers):
     rng = random.Random(layers)
     batches = 5
     for _ in range(batches):
-        batch = random_batch(rng, table, max_batch=6, max_context=MAX_CTX)
+        batch = SETUP.batch(rng)
         plans = planner.plan(batch)
         x = torch.randn(batch.bs, DIM)
         for layer in model:
@@ -72,7 +71,7 @@ def test_replay_counts_once_per_batch_too():
     planner.capture(6, req_to_token=table)
     rng = random.Random(1)
     for _ in range(4):
-        batch = random_batch(rng, table, max_batch=6, max_context=MAX_CTX)
+        batch = SETUP.batch(rng)
         plans = planner.replay(batch, 6)
         planner.record(6)
         x = torch.randn(6, DIM)
@@ -83,7 +82,7 @@ def test_replay_counts_once_per_batch_too():
 
 def test_a_layer_writing_into_a_plan_is_caught_in_debug_mode():
     table, planner, model = _setup(4, debug=True, bad_layer=2)
-    batch = random_batch(random.Random(2), table, max_batch=6, max_context=MAX_CTX)
+    batch = SETUP.batch(random.Random(2))
     plans = planner.plan(batch)
     x = torch.randn(batch.bs, DIM)
     with pytest.raises(PlanWriteError) as info, planner.guard(plans):
@@ -94,7 +93,7 @@ def test_a_layer_writing_into_a_plan_is_caught_in_debug_mode():
 
 def test_guard_is_free_outside_debug_mode():
     table, planner, model = _setup(2, debug=False, bad_layer=0)
-    batch = random_batch(random.Random(2), table, max_batch=6, max_context=MAX_CTX)
+    batch = SETUP.batch(random.Random(2))
     plans = planner.plan(batch)
     with planner.guard(plans):
         model[0](torch.randn(batch.bs, DIM), plans)  # not caught: debug off, no cost paid
@@ -103,7 +102,7 @@ def test_guard_is_free_outside_debug_mode():
 def test_a_write_under_replay_is_caught_by_verify():
     table, planner, model = _setup(3, debug=True, bad_layer=1)
     planner.capture(6, req_to_token=table)
-    batch = random_batch(random.Random(3), table, max_batch=6, max_context=MAX_CTX)
+    batch = SETUP.batch(random.Random(3))
     plans = planner.replay(batch, 6)
     planner.record(6)
     x = torch.randn(6, DIM)
@@ -119,10 +118,10 @@ def test_a_stale_field_is_caught_by_verify():
     table, planner, _ = _setup(1, debug=True)
     planner.capture(6, req_to_token=table)
     rng = random.Random(4)
-    first = random_batch(rng, table, max_batch=6, max_context=MAX_CTX, bs=5)
+    first = SETUP.batch(rng, bs=5)
     planner.replay(first, 6)
     planner.record(6)
-    second = random_batch(rng, table, max_batch=6, max_context=MAX_CTX, bs=5)
+    second = SETUP.batch(rng, bs=5)
     plans = planner.replay(second, 6)  # record() not run: op fields are stale
     with pytest.raises(ReplayError, match="differs from eager"):
         planner.verify(second, plans)

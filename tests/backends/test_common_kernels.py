@@ -22,7 +22,6 @@ if not torch.cuda.is_available():
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
@@ -30,10 +29,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from backends.common import torch_ref as ref  # noqa: E402
 from backends.common import triton_kernels as tri  # noqa: E402
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-I32 = torch.int32
-REPO = Path(__file__).resolve().parents[1]
+from tests.support import REPO  # noqa: E402
+from tests.support.kernels import DEVICE, I32, garbage, ints  # noqa: E402
 
 needs_triton = pytest.mark.skipif(
     not tri.triton_available(DEVICE), reason=f"Triton cannot run on {DEVICE} here"
@@ -44,21 +41,12 @@ IMPLS = [
 ]
 
 
-def _t(values, dtype=I32) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=DEVICE)
-
-
-def _garbage(*shape: int) -> torch.Tensor:
-    # Pre-filled so an element a kernel forgets to write cannot pass as a zero.
-    return torch.full(shape, -7, dtype=I32, device=DEVICE)
-
-
 def _rand(gen: torch.Generator, lo: int, hi: int, *shape: int, dtype=I32) -> torch.Tensor:
     return torch.randint(lo, hi, shape, generator=gen, dtype=dtype).to(DEVICE)
 
 
 def _both(name: str, shape: tuple[int, ...], *args) -> tuple[torch.Tensor, torch.Tensor]:
-    expected, actual = _garbage(*shape), _garbage(*shape)
+    expected, actual = garbage(*shape), garbage(*shape)
     assert getattr(ref, name)(expected, *args) is None
     assert getattr(tri, name)(actual, *args) is None
     return expected, actual
@@ -74,14 +62,14 @@ def _assert_same(expected: torch.Tensor, actual: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_cumsum_with_zero_examples(impl):
-    out = _garbage(6)
-    impl.cumsum_with_zero(out, _t([3, 1, 4, 1, 5]))
+    out = garbage(6)
+    impl.cumsum_with_zero(out, ints([3, 1, 4, 1, 5]))
     assert out.tolist() == [0, 3, 4, 8, 9, 14]
-    out = _garbage(2)
-    impl.cumsum_with_zero(out, _t([-2]))
+    out = garbage(2)
+    impl.cumsum_with_zero(out, ints([-2]))
     assert out.tolist() == [0, -2]
-    out = _garbage(1)
-    impl.cumsum_with_zero(out, _t([]))
+    out = garbage(1)
+    impl.cumsum_with_zero(out, ints([]))
     assert out.tolist() == [0]
 
 
@@ -97,17 +85,17 @@ def test_cumsum_with_zero_examples(impl):
     ],
 )
 def test_clamp_into_examples(impl, lo, hi, expected):
-    out = _garbage(5)
-    impl.clamp_into(out, _t([-5, 0, 5, 10, 7]), lo, hi)
+    out = garbage(5)
+    impl.clamp_into(out, ints([-5, 0, 5, 10, 7]), lo, hi)
     assert out.tolist() == expected
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_uniform_offsets_examples(impl):
-    out = _garbage(5)
+    out = garbage(5)
     impl.uniform_offsets(out, 3)
     assert out.tolist() == [0, 3, 6, 9, 12]
-    out = _garbage(3)
+    out = garbage(3)
     impl.uniform_offsets(out, 0)
     assert out.tolist() == [0, 0, 0]
 
@@ -115,17 +103,17 @@ def test_uniform_offsets_examples(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_gather_token_slots_examples(impl, index_dtype):
-    req_to_token = _t([[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]])
-    pool = _t([2, 0, 2], dtype=index_dtype)
-    seq_lens = _t([3, 1, 4])
-    wide = _garbage(3, 6)  # wider than ctx: columns 4 and 5 are never read
+    req_to_token = ints([[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]])
+    pool = ints([2, 0, 2], dtype=index_dtype)
+    seq_lens = ints([3, 1, 4])
+    wide = garbage(3, 6)  # wider than ctx: columns 4 and 5 are never read
     impl.gather_token_slots(wide, req_to_token, pool, seq_lens)
     assert wide.tolist() == [
         [31, 32, 33, 0, 0, 0],
         [11, 0, 0, 0, 0, 0],
         [31, 32, 33, 34, 0, 0],
     ]
-    narrow = _garbage(3, 2)  # narrower than ctx and than some lengths: truncated
+    narrow = garbage(3, 2)  # narrower than ctx and than some lengths: truncated
     impl.gather_token_slots(narrow, req_to_token, pool, seq_lens)
     assert narrow.tolist() == [[31, 32], [11, 0], [31, 32]]
 
@@ -134,53 +122,53 @@ def test_gather_token_slots_examples(impl, index_dtype):
 def test_page_table_from_slots_examples(impl):
     # page_size 4, width 7: pages start at columns 0 and 4; a third page column is
     # past the width and a zero (null) slot maps to the null page.
-    slots = _t([[32, 33, 34, 35, 48, 49, 50], [0, 0, 0, 0, 0, 0, 0], [-1, 9, 9, 9, 7, 9, 9]])
-    out = _garbage(3, 3)
+    slots = ints([[32, 33, 34, 35, 48, 49, 50], [0, 0, 0, 0, 0, 0, 0], [-1, 9, 9, 9, 7, 9, 9]])
+    out = garbage(3, 3)
     impl.page_table_from_slots(out, slots, 4)
     assert out.tolist() == [[8, 12, 0], [0, 0, 0], [-1, 1, 0]]  # floor: -1 // 4 == -1
-    short = _garbage(3, 1)
+    short = garbage(3, 1)
     impl.page_table_from_slots(short, slots, 4)
     assert short.tolist() == [[8], [0], [-1]]
-    unit = _garbage(1, 4)
+    unit = garbage(1, 4)
     impl.page_table_from_slots(unit, slots[:1, :3], 1)
     assert unit.tolist() == [[32, 33, 34, 0]]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_causal_lengths_examples(impl):
-    out = _garbage(6)
-    impl.causal_lengths(out, _t([10, 7]), 3)
+    out = garbage(6)
+    impl.causal_lengths(out, ints([10, 7]), 3)
     assert out.tolist() == [8, 9, 10, 5, 6, 7]
-    out = _garbage(2)
-    impl.causal_lengths(out, _t([4, 9]), 1)
+    out = garbage(2)
+    impl.causal_lengths(out, ints([4, 9]), 1)
     assert out.tolist() == [4, 9]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_contract_violations_are_refused(impl):
-    x = _t([1, 2, 3])
+    x = ints([1, 2, 3])
     with pytest.raises(TypeError):
         impl.cumsum_with_zero(torch.zeros(4, dtype=torch.int64, device=DEVICE), x)
     with pytest.raises(ValueError):
-        impl.cumsum_with_zero(_garbage(3), x)
+        impl.cumsum_with_zero(garbage(3), x)
     with pytest.raises(ValueError):
-        impl.clamp_into(_garbage(3), x, 2**31, None)
+        impl.clamp_into(garbage(3), x, 2**31, None)
     with pytest.raises(ValueError):
-        impl.page_table_from_slots(_garbage(1, 2), _t([[1, 2]]), 0)
+        impl.page_table_from_slots(garbage(1, 2), ints([[1, 2]]), 0)
     with pytest.raises(ValueError):
-        impl.causal_lengths(_garbage(6), x, 0)
+        impl.causal_lengths(garbage(6), x, 0)
     with pytest.raises(ValueError):
-        impl.causal_lengths(_garbage(5), x, 2)
+        impl.causal_lengths(garbage(5), x, 2)
     with pytest.raises(ValueError):
-        impl.gather_token_slots(_garbage(2, 4), _t([[1, 2, 3, 4]]), _t([0]), _t([1]))
+        impl.gather_token_slots(garbage(2, 4), ints([[1, 2, 3, 4]]), ints([0]), ints([1]))
     with pytest.raises(TypeError):
         impl.gather_token_slots(
-            _garbage(1, 4), _t([[1, 2, 3, 4]]), _t([0.0], torch.float32), _t([1])
+            garbage(1, 4), ints([[1, 2, 3, 4]]), ints([0.0], torch.float32), ints([1])
         )
     with pytest.raises(ValueError):
-        impl.uniform_offsets(_garbage(4, 2)[:, 0], 1)  # strided
+        impl.uniform_offsets(garbage(4, 2)[:, 0], 1)  # strided
     with pytest.raises(ValueError):
-        impl.clamp_into(_garbage(4, 2)[:, 0], _garbage(4, 2)[:, 1], 0, 1)
+        impl.clamp_into(garbage(4, 2)[:, 0], garbage(4, 2)[:, 1], 0, 1)
 
 
 # --- references against a naive model of the spec ---------------------------------
@@ -223,24 +211,26 @@ def _naive(name: str, *args) -> list:
     step=st.integers(-1000, 1000),
 )
 def test_reference_1d_matches_naive_model(x, lo, hi, step):
-    out = _garbage(len(x) + 1)
-    ref.cumsum_with_zero(out, _t(x))
+    out = garbage(len(x) + 1)
+    ref.cumsum_with_zero(out, ints(x))
     assert out.tolist() == _naive("cumsum_with_zero", x)
-    out = _garbage(len(x))
-    ref.clamp_into(out, _t(x), lo, hi)
+    out = garbage(len(x))
+    ref.clamp_into(out, ints(x), lo, hi)
     clamped = [max(v, lo) if lo is not None else v for v in x]
     assert out.tolist() == [min(v, hi) if hi is not None else v for v in clamped]
     ref.uniform_offsets(out, step)
     assert out.tolist() == [i * step for i in range(len(x))]
 
 
+def _draw_sizes(data, *highs: int) -> list[int]:
+    """One integer in [1, high] for each of ``highs``, drawn in order."""
+    return [data.draw(st.integers(1, high)) for high in highs]
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_reference_2d_matches_naive_model(data):
-    reqs = data.draw(st.integers(1, 5))
-    ctx = data.draw(st.integers(1, 12))
-    pool_size = data.draw(st.integers(1, 4))
-    width = data.draw(st.integers(1, 16))
+    reqs, ctx, pool_size, width = _draw_sizes(data, 5, 12, 4, 16)
     table = data.draw(
         st.lists(
             st.lists(st.integers(0, 500), min_size=ctx, max_size=ctx),
@@ -250,8 +240,8 @@ def test_reference_2d_matches_naive_model(data):
     )
     pool = data.draw(st.lists(st.integers(0, pool_size - 1), min_size=reqs, max_size=reqs))
     seq_lens = data.draw(st.lists(st.integers(1, ctx), min_size=reqs, max_size=reqs))
-    out = _garbage(reqs, width)
-    ref.gather_token_slots(out, _t(table), _t(pool, torch.int64), _t(seq_lens))
+    out = garbage(reqs, width)
+    ref.gather_token_slots(out, ints(table), ints(pool, torch.int64), ints(seq_lens))
     assert out.tolist() == _naive("gather_token_slots", table, pool, seq_lens, width)
 
     page_size = data.draw(st.integers(1, 5))
@@ -263,13 +253,13 @@ def test_reference_2d_matches_naive_model(data):
             max_size=reqs,
         )
     )
-    out = _garbage(reqs, pages)
-    ref.page_table_from_slots(out, _t(slots), page_size)
+    out = garbage(reqs, pages)
+    ref.page_table_from_slots(out, ints(slots), page_size)
     assert out.tolist() == _naive("page_table_from_slots", slots, page_size, pages)
 
     next_n = data.draw(st.integers(1, 4))
-    out = _garbage(reqs * next_n)
-    ref.causal_lengths(out, _t(seq_lens), next_n)
+    out = garbage(reqs * next_n)
+    ref.causal_lengths(out, ints(seq_lens), next_n)
     assert out.tolist() == _naive("causal_lengths", seq_lens, next_n)
 
 
@@ -386,10 +376,7 @@ def test_causal_lengths_parity(reqs, next_n):
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_2d_kernels_parity_on_random_shapes(data):
-    reqs = data.draw(st.integers(1, 9))
-    ctx = data.draw(st.integers(1, 300))
-    pool = data.draw(st.integers(1, 6))
-    width = data.draw(st.integers(1, 1300))
+    reqs, ctx, pool, width = _draw_sizes(data, 9, 300, 6, 1300)
     seed = data.draw(st.integers(0, 2**32 - 1))
     dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
     gen = torch.Generator().manual_seed(seed)

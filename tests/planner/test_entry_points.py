@@ -7,12 +7,12 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = Path(__file__).parent / "fixtures" / "example_backend"
+from tests.support import REPO
+
+EXAMPLE = REPO / "tests" / "fixtures" / "example_backend"
 
 PLAN_IT = """
 import torch
@@ -50,18 +50,23 @@ def installed(tmp_path_factory) -> dict[str, str]:
         capture_output=True,
         cwd=target,
     )
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(ROOT)])}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(REPO)])}
 
 
-def test_third_party_backend_is_listed(installed):
+def _listed_backends(env: dict[str, str]) -> list[dict]:
+    """The rows of ``python -m planner backends --json`` run with ``env``."""
     out = subprocess.run(
         [sys.executable, "-m", "planner", "backends", "--json"],
-        env=installed,
+        env=env,
         check=True,
         capture_output=True,
         text=True,
     )
-    rows = json.loads(out.stdout)
+    return json.loads(out.stdout)
+
+
+def test_third_party_backend_is_listed(installed):
+    rows = _listed_backends(installed)
     assert {"backend": "example-window", "field": "window_lens"}.items() <= next(
         r for r in rows if r["backend"] == "example-window" and r["field"] == "window_lens"
     ).items()
@@ -75,12 +80,5 @@ def test_third_party_backend_is_planned(installed):
 
 
 def test_not_listed_without_the_package():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(
-        [sys.executable, "-m", "planner", "backends", "--json"],
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    assert all(r["backend"] != "example-window" for r in json.loads(out.stdout))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    assert all(r["backend"] != "example-window" for r in _listed_backends(env))

@@ -56,3 +56,13 @@ def random_batch(
         mode=mode,
         next_n=n,
     )
+
+
+def mode_for(next_n: int) -> ForwardMode:
+    """Target verify for ``next_n`` > 1 (speculative tokens), decode otherwise."""
+    return ForwardMode.TARGET_VERIFY if next_n > 1 else ForwardMode.DECODE
+
+
+def modes_for(next_n: int) -> list[ForwardMode]:
+    """The modes a planner of ``next_n`` serves: decode, and target verify when ``next_n`` > 1."""
+    return [ForwardMode.DECODE] + ([ForwardMode.TARGET_VERIFY] if next_n > 1 else [])

@@ -1,0 +1,356 @@
+"""The bad-input catalogue's run-config part: what a run refuses as it builds itself.
+
+Config kinds go through ``load_run_config``, ``DecodeEngine``, ``GraphRunner`` and
+``DumpRing.from_env`` as a run builds them, and are refused with a ``PlanError`` subclass
+(``ConfigError`` for configs and environment variables) naming the field and the limit,
+before any metadata op has launched. The batches, limits, planner builds and dumps are in
+``tests/planner/test_bad_input_catalogue.py``; the test at the end keeps both catalogues
+and the table in ``docs/reliability.md`` in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from graphs import GraphRunner
+from planner import ConfigError, ProviderError, SchemaError
+from serving.dump_ring import DumpRing
+from serving.run_config import load_run_config
+from tests.planner import test_bad_input_catalogue as planner_catalogue
+from tests.support import REPO, TINY_YAML
+from tests.support.catalogue import (
+    NSA_PAGED_64,
+    Case,
+    Finding,
+    expect_finding_refused,
+    finding_params,
+    refuse,
+)
+from tests.support.engines import tiny_engine
+
+
+def _engine(**overrides):
+    """An engine over the tiny YAML, on the session's tiny model where the config asks for it."""
+    return tiny_engine(overrides, share_model=True)
+
+
+def _yaml(tmp: Path, text: str) -> Callable[[], object]:
+    def load() -> object:
+        path = tmp / "bad.yaml"
+        path.write_text(text)
+        return load_run_config(path)
+
+    return load
+
+
+LOAD = "serving/run_config.py load_run_config"
+
+
+def config_cases(tmp: Path) -> list[Case]:
+    return [
+        Case(
+            "unknown key in a section",
+            "config",
+            lambda: load_run_config(TINY_YAML, {"planner.max_bacth": 8}),
+            ConfigError,
+            "planner.max_bacth",
+            "Extra inputs are not permitted",
+            LOAD,
+        ),
+        Case(
+            "unknown section",
+            "config",
+            lambda: load_run_config(TINY_YAML, {"plannr.max_batch": 8}),
+            ConfigError,
+            "plannr",
+            "Extra inputs are not permitted",
+            LOAD,
+        ),
+        Case(
+            "max_batch out of range",
+            "config",
+            lambda: load_run_config(TINY_YAML, {"planner.max_batch": 0}),
+            ConfigError,
+            "planner.max_batch",
+            "greater than or equal to 1",
+            LOAD,
+        ),
+        Case(
+            "max_context below one page",
+            "config",
+            lambda: load_run_config(TINY_YAML, {"planner.max_context": 32}),
+            ConfigError,
+            "planner.max_context",
+            "greater than or equal to 64",
+            LOAD,
+        ),
+        Case(
+            "max_context below the longest request",
+            "config",
+            lambda: load_run_config(TINY_YAML, {"planner.max_context": 64}),
+            ConfigError,
+            "planner.max_context",
+            "below the longest request",
+            "serving/run_config.py RunConfig.check_fits",
+        ),
+        Case(
+            "next_n outside deep_gemm's 1 or 2 (YAML)",
+            "config",
+            lambda: load_run_config(TINY_YAML, {"planner.next_n": 3}),
+            ConfigError,
+            "planner.next_n",
+            "1 or 2",
+            LOAD,
+        ),
+        Case(
+            "NaN arrival rate",
+            "config",
+            lambda: load_run_config(TINY_YAML, {"loop.arrival_rate": float("nan")}),
+            ConfigError,
+            "loop.arrival_rate",
+            "greater than 0",
+            LOAD,
+        ),
+        Case(
+            "reversed range",
+            "config",
+            lambda: load_run_config(TINY_YAML, {"loop.prompt_len": [40, 8]}),
+            ConfigError,
+            "loop.prompt_len",
+            "must be [lo, hi]",
+            "serving/run_config.py LoopSection._range",
+        ),
+        Case(
+            "unknown schedule layout (YAML)",
+            "config",
+            lambda: load_run_config(TINY_YAML, {"planner.schedule_layout": "0.2"}),
+            ConfigError,
+            "planner.schedule_layout",
+            "'0.1.0' or 'new'",
+            LOAD,
+        ),
+        Case(
+            "unknown model dtype",
+            "config",
+            lambda: load_run_config(TINY_YAML, {"model.dtype": "fp8"}),
+            ConfigError,
+            "model.dtype",
+            "'float32' or 'bfloat16'",
+            LOAD,
+        ),
+        Case(
+            "not YAML",
+            "config",
+            _yaml(tmp, "planner: [1\n"),
+            ConfigError,
+            "--config",
+            "not valid YAML",
+            LOAD,
+        ),
+        Case(
+            "YAML that is not a mapping",
+            "config",
+            _yaml(tmp, "- planner\n"),
+            ConfigError,
+            "<root>",
+            "top level must be a mapping",
+            LOAD,
+        ),
+        Case(
+            "missing config file",
+            "config",
+            lambda: load_run_config(tmp / "nowhere.yaml"),
+            ConfigError,
+            "--config",
+            "No such file",
+            LOAD,
+        ),
+        Case(
+            "unknown model preset",
+            "config",
+            lambda: _engine(**{"model.preset": "huge"}),
+            ConfigError,
+            "model.preset",
+            "'tiny'",
+            "serving/model_setup.py model_config",
+        ),
+        Case(
+            "unknown provider for an op (YAML)",
+            "provider",
+            lambda: _engine(**{"planner.providers": {"page_table": "cutlass"}}),
+            ProviderError,
+            "page_table",
+            "['torch', 'triton']",
+            "planner/ops.py MetadataOp.select (Planner build)",
+        ),
+        Case(
+            "provider for an op no field uses",
+            "provider",
+            lambda: _engine(**{"planner.providers": {"pages_per_requst": "torch"}}),
+            SchemaError,
+            "providers",
+            "paged_mqa_schedule",
+            "planner/options.py check_forced (Planner build)",
+        ),
+        Case(
+            "forced provider unavailable here",
+            "provider",
+            lambda: _engine(**{"planner.providers": {"paged_mqa_schedule": "deep_gemm"}}),
+            ProviderError,
+            "paged_mqa_schedule",
+            "not available on cpu",
+            "planner/ops.py MetadataOp.select (Planner build)",
+        ),
+        Case(
+            "capture size past max_batch (YAML)",
+            "config",
+            lambda: _engine(**{"graphs.sizes": [1, 32]}),
+            ConfigError,
+            "capture_sizes",
+            "<= 16",
+            "graphs/sizes.py capture_ladder (GraphRunner build)",
+        ),
+        Case(
+            "unknown graph mode",
+            "config",
+            lambda: GraphRunner(
+                NSA_PAGED_64.planner(["paged"]),
+                lambda i, p: i,
+                req_to_token=NSA_PAGED_64.table,
+                modes=["prefill"],
+            ),
+            ConfigError,
+            "modes",
+            "'target_verify'",
+            "graphs/runner.py GraphRunner.__init__",
+        ),
+        Case(
+            "dump env value not a count",
+            "dump",
+            lambda: DumpRing.from_env({"PLANNER_DUMP_DIR": str(tmp), "PLANNER_DUMP_KEEP": "0"}),
+            ConfigError,
+            "PLANNER_DUMP_KEEP",
+            ">= 1",
+            "serving/dump_ring.py DumpRing.from_env",
+        ),
+    ]
+
+
+CONFIG_KINDS = [c.kind for c in config_cases(Path("/nonexistent"))]
+
+
+@pytest.mark.parametrize("kind", CONFIG_KINDS)
+def test_bad_config_refused_naming_the_field(kind, tmp_path, monkeypatch):
+    (case,) = [c for c in config_cases(tmp_path) if c.kind == kind]
+    assert refuse(case, "call", monkeypatch) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_run_config_on_a_cpu_machine():
+    with pytest.raises(ConfigError) as info:
+        _engine(device="cuda")
+    assert info.value.field == "device" and "not available" in str(info.value)
+
+
+# ---- not refused before: each was a finding (see docs/reliability.md) --------------------------
+
+
+def _kv_pages_too_small(tmp: Path) -> object:
+    engine = _engine(
+        **{
+            "loop.kv_pages": 2,
+            "loop.requests": 2,
+            "loop.prompt_len": [60, 60],
+            "loop.max_new_tokens": [10, 10],
+            "loop.max_steps": 30,
+        }
+    )
+    return engine.run(progress=False)
+
+
+def _missing_weights(tmp: Path) -> object:
+    return _engine(**{"model.weights": str(tmp / "none.safetensors")})
+
+
+NOT_REFUSED = [
+    Finding(
+        "model override of the page size",
+        "model.overrides is validated by DSV32Config directly: page_size 32 raises a raw "
+        "pydantic ValidationError from DecodeEngine, not a ConfigError",
+        lambda tmp: _engine(**{"model.overrides": {"page_size": 32}}),
+        ("model.overrides.page_size", "model.overrides", "page_size"),
+        fixed=True,
+    ),
+    Finding(
+        "unknown model override key",
+        "a typo in model.overrides raises a raw pydantic ValidationError, not a ConfigError",
+        lambda tmp: _engine(**{"model.overrides": {"index_topkk": 8}}),
+        ("model.overrides.index_topkk", "model.overrides", "index_topkk"),
+        fixed=True,
+    ),
+    Finding(
+        "NaN model override",
+        "model.overrides rope_theta NaN raises a raw pydantic ValidationError, not a ConfigError",
+        lambda tmp: _engine(**{"model.overrides": {"rope_theta": float("nan")}}),
+        ("model.overrides.rope_theta", "model.overrides", "rope_theta"),
+        fixed=True,
+    ),
+    Finding(
+        "context past the model's positions",
+        "planner.max_context 256 over a model with max_position_embeddings 128 is accepted",
+        lambda tmp: _engine(**{"model.overrides": {"max_position_embeddings": 128}}),
+        ("planner.max_context", "max_position_embeddings", "model.overrides"),
+        fixed=True,
+    ),
+    Finding(
+        "missing weights file",
+        "model.weights naming a missing file raises a raw FileNotFoundError from safetensors",
+        _missing_weights,
+        ("model.weights",),
+        fixed=True,
+    ),
+    Finding(
+        "device name torch does not know",
+        "device: tpu passes RunConfig and raises a raw RuntimeError from torch.device in "
+        "DecodeEngine",
+        lambda tmp: _engine(device="tpu"),
+        ("device",),
+        fixed=True,
+    ),
+    Finding(
+        "KV cache smaller than one request",
+        "loop.kv_pages 2 (one usable page) cannot hold a 71-token request: it is never "
+        "admitted and the loop spins to max_steps, returning no tokens and no error",
+        _kv_pages_too_small,
+        ("loop.kv_pages",),
+        fixed=True,
+    ),
+    Finding(
+        "config error on the root",
+        "max_context below the longest request is a ConfigError whose field is '<root>' (the "
+        "message names planner.max_context); reversed ranges say 'loop', not 'loop.prompt_len'",
+        lambda tmp: load_run_config(TINY_YAML, {"planner.max_context": 64}),
+        ("planner.max_context",),
+        fixed=True,
+    ),
+]
+"""The run config's and the engine's findings; the planner's are in the planner catalogue."""
+
+
+@pytest.mark.parametrize("finding", finding_params(NOT_REFUSED))
+def test_not_refused_today(finding, tmp_path):
+    expect_finding_refused(finding, tmp_path)
+
+
+# ---- the table in docs/reliability.md ----------------------------------------------------------
+
+
+def test_every_kind_is_in_the_reliability_table():
+    text = (REPO / "docs" / "reliability.md").read_text()
+    kinds = planner_catalogue.KINDS + CONFIG_KINDS + [f.kind for f in NOT_REFUSED]
+    missing = [k for k in kinds if f"| {k} |" not in text]
+    assert not missing, f"docs/reliability.md lacks rows for {missing}"

@@ -1,0 +1,147 @@
+"""The bad-input catalogue's case types and the checks every case goes through.
+
+A case is data: its kind (the row of ``docs/reliability.md``), a category, how to make the
+input, the ``PlanError`` class it must raise, the field that error names (``err.field``
+and the message), the limit the message states, and where it is refused: the code, and
+the phases. A bad batch runs in every phase it applies to (``plan``, and ``replay`` after
+a capture); any other case is one call. Inputs that are not refused today are
+``Finding``s, strict xfails until fixed. Both catalogues build planners of the two setups
+at the top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from planner import PlanError
+from planner.program import Step
+from tests.support.planners import PlannerSetup
+
+PAGED_16 = PlannerSetup(
+    ("paged",), max_batch=4, max_context=128, page_size=16, limits={"kv_slots": 10**5}
+)
+"""The door checks' planner: paged over 16-token pages, slots below 10**5."""
+KV_SLOTS = 20 * 256
+NSA_PAGED_64 = PlannerSetup(
+    ("nsa", "paged"), max_batch=4, max_context=256, page_size=64, limits={"kv_slots": KV_SLOTS}
+)
+"""The catalogue's planner: NSA and paged over 64-token pages; every table slot is below
+``KV_SLOTS``."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kind of bad input: how to make it, and how and where it must be refused."""
+
+    kind: str
+    """Its row in docs/reliability.md."""
+    category: str
+    make: Callable[[], Any]
+    """How to make it: the bad batch of a batch case, or else the call that must be refused."""
+    error: type[PlanError]
+    field: str
+    limit: str | None = None
+    where: str = ""
+    """The code that refuses it."""
+    phases: tuple[str, ...] = ("call",)
+    """``call`` (``make()`` is refused), or ``plan`` / ``replay`` of the batch ``make()``
+    returns, by a planner of ``setup``; replay captures ``captured`` requests first and
+    replays at ``replay_bs``."""
+    setup: PlannerSetup | None = None
+    planner: Mapping[str, Any] = field(default_factory=dict)
+    """``PlannerSetup.planner`` keywords: other backends, limits."""
+    captured: int = 4
+    replay_bs: int = 4
+    skip: Mapping[str, str] = field(default_factory=dict)
+    """Phases listed but not run, with the reason (a check that phase does not make)."""
+
+
+def record_launches(monkeypatch) -> list[str]:
+    """From now on, every metadata op a planner launches is recorded here instead of run."""
+    launched: list[str] = []
+    monkeypatch.setattr(Step, "run", lambda step, *a, **k: launched.append(step.key))
+    return launched
+
+
+def refuse(case: Case, phase: str, monkeypatch) -> list[str]:
+    """Check that ``case`` is refused in ``phase``; the ops that launched before it was
+    (recorded from the moment the input is handed over: after any capture)."""
+    if phase == "call":
+        launched = record_launches(monkeypatch)
+        expect_refused(case, case.make)
+        return launched
+    kwargs = dict(case.planner)
+    planner = case.setup.planner(kwargs.pop("backends", None), **kwargs)
+    if phase == "replay":
+        planner.capture(case.captured, req_to_token=case.setup.table)
+    launched = record_launches(monkeypatch)
+    batch = case.make()
+    if phase == "plan":
+        expect_refused(case, lambda: planner.plan(batch))
+    else:
+        expect_refused(case, lambda: planner.replay(batch, case.replay_bs))
+    return launched
+
+
+def expect_refused(case: Case, run: Callable[[], object]) -> PlanError:
+    """``run()`` raises ``case.error`` naming ``case.field`` (in ``err.field`` and the
+    message) and stating ``case.limit``."""
+    with pytest.raises(PlanError) as info:
+        run()
+    err = info.value
+    assert isinstance(err, case.error), f"{type(err).__name__}: {err}"
+    assert err.field == case.field, str(err)
+    assert case.field in str(err)
+    if case.limit is not None:
+        assert case.limit in str(err), str(err)
+    return err
+
+
+def case_params(cases: Sequence[Case]) -> list:
+    """One ``(case, phase)`` param per phase of each case, id ``phase-kind``."""
+    return [
+        pytest.param(
+            case,
+            phase,
+            id=f"{phase}-{case.kind}",
+            marks=[pytest.mark.skip(reason=case.skip[phase])] if phase in case.skip else [],
+        )
+        for case in cases
+        for phase in case.phases
+    ]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """An input not refused today (or refused without a ``PlanError``): see docs/reliability.md."""
+
+    kind: str
+    reason: str
+    run: Callable[[Path], object]
+    fields: tuple[str, ...]
+    """``err.field`` values a fix may reasonably choose."""
+    fixed: bool = False
+    """Refused now: stays as a regression test; open findings are strict xfails."""
+
+
+def finding_params(findings: Sequence[Finding]) -> list:
+    """Fixed findings as plain params, open ones as ``xfail(strict=True)``, id the kind."""
+    return [
+        pytest.param(
+            f,
+            id=f.kind,
+            marks=[] if f.fixed else [pytest.mark.xfail(strict=True, reason=f.reason)],
+        )
+        for f in findings
+    ]
+
+
+def expect_finding_refused(finding: Finding, tmp: Path) -> None:
+    with pytest.raises(PlanError) as info:
+        finding.run(tmp)
+    assert info.value.field in finding.fields, str(info.value)

@@ -1,0 +1,191 @@
+"""The source tree's layers only point down, and its modules stay small.
+
+``planner/`` is the core: it imports nothing else of the project (the one exception is
+``planner/__main__.py``, which only dispatches ``python -m planner`` to the CLI).
+``backends/`` and ``graphs/`` build on the core, ``models/`` on the core and the backends,
+and ``serving/`` on anything below it. Every ``.py`` file of those packages is read with
+``ast``: its imports (at module level and inside functions, relative ones resolved) must
+point down, no function imports a project module (a lazy import hides a dependency, and
+a cycle, from this check; optional GPU libraries such as ``deep_gemm`` or ``flashinfer``
+may still be imported lazily through ``importlib``), and no module is over 400 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support import REPO
+
+LAYERS = {
+    "planner": set(),
+    "backends": {"planner"},
+    "graphs": {"planner"},
+    "models": {"planner", "backends"},
+    "serving": {"planner", "backends", "graphs", "models"},
+}
+"""Each top-level package and the project packages it may import (besides itself)."""
+EXCEPTIONS = {"planner/__main__.py": {"serving"}}
+"""Modules allowed one more package: ``python -m planner`` only calls ``serving.cli.main``."""
+DISPATCH = {"serving/cli.py"}
+"""Modules that import their commands by name (``"module:function"`` strings, so that
+``--help`` needs no torch): those names are checked below as the imports they are."""
+MAX_LINES = 400
+_COMMAND = re.compile(r"^([A-Za-z_][\w.]*):[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True)
+class Import:
+    path: str
+    """The importing file, relative to the root (posix)."""
+    line: int
+    module: str
+    """The imported module, absolute."""
+    text: str
+    """What the source says, for the message."""
+    in_function: bool = False
+    dynamic: bool = False
+    """Through ``importlib.import_module`` / ``__import__`` (or a dispatch string)."""
+
+
+def _module_name(rel: Path) -> tuple[str, str]:
+    """(dotted module name, the package its relative imports start from)."""
+    parts = list(rel.with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+        return ".".join(parts), ".".join(parts)
+    return ".".join(parts), ".".join(parts[:-1])
+
+
+def _resolve(package: str, level: int, module: str | None) -> str:
+    base = package.split(".") if package else []
+    base = base[: len(base) - (level - 1)] if level > 1 else base
+    return ".".join([*base, *([module] if module else [])])
+
+
+def _is_dynamic_import(call: ast.Call) -> bool:
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return name in ("import_module", "__import__")
+
+
+def imports_of(root: Path, rel: Path) -> list[Import]:
+    """Every import in ``root / rel``: statements, dynamic imports and dispatch strings."""
+    source = (root / rel).read_text()
+    tree = ast.parse(source, filename=str(rel))
+    _, package = _module_name(rel)
+    path = rel.as_posix()
+    found: list[Import] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.append(Import(path, node.lineno, alias.name, ast.unparse(node), in_function))
+        elif isinstance(node, ast.ImportFrom):
+            module = _resolve(package, node.level, node.module) if node.level else node.module
+            # ``from .. import x`` from a top-level package: the names are the modules
+            for name in [module] if module else [a.name for a in node.names]:
+                found.append(Import(path, node.lineno, name, ast.unparse(node), in_function))
+        elif isinstance(node, ast.Call) and _is_dynamic_import(node):
+            arg = node.args[0] if node.args else None
+            name = arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else ""
+            found.append(
+                Import(path, node.lineno, name, ast.unparse(node), in_function, dynamic=True)
+            )
+        elif path in DISPATCH and isinstance(node, ast.Constant) and isinstance(node.value, str):
+            match = _COMMAND.match(node.value)
+            if match:
+                found.append(Import(path, node.lineno, match[1], repr(node.value), True, True))
+        inner = in_function or isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+def _exists(root: Path, module: str) -> bool:
+    base = root.joinpath(*module.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def source_files(root: Path) -> list[Path]:
+    return sorted(p.relative_to(root) for top in LAYERS for p in (root / top).rglob("*.py"))
+
+
+def violations(root: Path) -> list[str]:
+    """``file:line: what`` for every import pointing up or sideways, every function-local
+    import of a project module, and every module over ``MAX_LINES`` lines."""
+    found = []
+    for rel in source_files(root):
+        path, top = rel.as_posix(), rel.parts[0]
+        lines = len((root / rel).read_text().splitlines())
+        if lines > MAX_LINES:
+            found.append(f"{path}: {lines} lines, more than {MAX_LINES}")
+        allowed = {top} | LAYERS[top] | EXCEPTIONS.get(path, set())
+        for imp in imports_of(root, rel):
+            target = imp.module.split(".")[0]
+            where = f"{path}:{imp.line}: `{imp.text}`"
+            if imp.dynamic and not imp.module and path not in DISPATCH:
+                found.append(f"{where} imports a module it computes: name it, or import it")
+            if imp.dynamic and path in DISPATCH and imp.module and not _exists(root, imp.module):
+                found.append(f"{where} names a module that does not exist")
+            if target not in LAYERS:
+                continue  # the standard library, torch, an optional GPU library
+            if target not in allowed:
+                found.append(f"{where}: {top} may import {sorted(allowed - {top}) or 'nothing'}")
+            if imp.in_function and not (imp.dynamic and path in DISPATCH):
+                found.append(f"{where}: a project module imported inside a function")
+    return found
+
+
+def test_every_import_points_down_and_no_module_is_long():
+    found = violations(REPO)
+    assert not found, "layering violations:\n" + "\n".join(found)
+
+
+def test_every_top_level_package_has_a_layer():
+    """A new top-level package must be given its place in ``LAYERS`` to be checked at all."""
+    packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests"}
+    assert packages == set(LAYERS)
+
+
+def test_the_check_finds_what_it_is_for(tmp_path):
+    """A tree with one violation of each kind: each is named by file, line and import."""
+    files = {
+        "planner/__init__.py": "",
+        "planner/core.py": "import torch\nfrom backends.paged import plan\n",
+        "planner/late.py": "def f():\n    from planner import core\n    return core\n",
+        "planner/__main__.py": "from serving.cli import main\n",
+        "backends/__init__.py": "from . import kernels\nfrom .. import serving\n",
+        "graphs/__init__.py": "",
+        "graphs/long.py": "x = 1\n" * (MAX_LINES + 1),
+        "models/__init__.py": "import importlib\n\ndef load():\n"
+        "    importlib.import_module('flashinfer')\n"
+        "    return importlib.import_module('serving.engine')\n",
+        "serving/__init__.py": "import models, graphs, backends, planner\n",
+        "serving/cli.py": "import importlib\nRUN = 'serving.commands.decode:run'\n"
+        "GONE = 'serving.commands.gone:run'\n\n"
+        "def dispatch(module):\n    return importlib.import_module(module)\n",
+        "serving/commands/decode.py": "",
+        "serving/other.py": "import importlib\nNAME = 'x'\nimportlib.import_module(NAME)\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = violations(tmp_path)
+    expected = [
+        "planner/core.py:2: `from backends.paged import plan`",
+        "planner/late.py:2: `from planner import core`: a project module imported inside",
+        "backends/__init__.py:2: `from .. import serving`",
+        f"graphs/long.py: {MAX_LINES + 1} lines",
+        "models/__init__.py:5: `importlib.import_module('serving.engine')`: models may import",
+        "models/__init__.py:5: `importlib.import_module('serving.engine')`: a project module",
+        "serving/other.py:3: `importlib.import_module(NAME)` imports a module it computes",
+        "serving/cli.py:3: `'serving.commands.gone:run'` names a module that does not exist",
+    ]
+    for want in expected:
+        assert any(v.startswith(want) for v in found), (want, found)
+    assert len(found) == len(expected), found  # nothing else: the allowed imports pass
