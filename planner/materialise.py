@@ -55,6 +55,16 @@ def batch_dims(
         sms=num_sms,
         next_n=program.next_n,
     )
+    for backend, cls in program.schemas.items():
+        extra = cls.derived_dims(dims, program.backend_settings[backend])
+        clash = set(extra) & set(dims)
+        if clash:
+            raise SchemaError(
+                "a derived dimension takes a name already in use",
+                field=f"{backend}.derived_dims",
+                actual=sorted(clash),
+            )
+        dims.update(extra)
     return dims
 
 
@@ -153,11 +163,11 @@ class StaticStorage:
         if views is None:
             outputs = {}
             for step in self.program.steps:
-                buffer = self.buffers[step.output]
-                if step.spec.batch_dim:
-                    rows = resolve_shape(step.spec.shape[:1], dims, field=step.key)[0]
-                    buffer = buffer[:rows]
-                outputs[step.output] = buffer
+                # The leading dimension is the only one that may follow the batch (a
+                # batch dimension, or a backend's derived one): slicing it keeps views
+                # contiguous, and a static leading dimension slices to the whole.
+                rows = resolve_shape(step.spec.shape[:1], dims, field=step.key)[0]
+                outputs[step.output] = self.buffers[step.output][:rows]
             views = _lay_out(self.program, self.segments, staged, outputs, reqs, dims["tokens"])
             self._views[reqs] = views
         return views

@@ -309,6 +309,19 @@ class Plan(BaseModel):
         return {name: getattr(self, name) for name in self.scalar_specs}
 
     @classmethod
+    def derived_dims(cls, dims: Mapping[str, int], settings: Mapping[str, Any]) -> dict[str, int]:
+        """Dimensions of this backend's own that follow from the batch's (none by default).
+
+        For a kernel whose launch shape depends on the batch size through a
+        heuristic (a split count chosen to fill the SMs): it is a pure function
+        of the batch's dimensions and the settings, so the planner resolves it
+        like any dimension, static buffers are sized for the largest value over
+        every batch size, and plans carry it as a scalar. Names are the
+        backend's to choose, distinct from the planner's dimensions.
+        """
+        return {}
+
+    @classmethod
     def required_dims(cls) -> set[str]:
         """Every symbolic dimension this schema's shapes use."""
         names: set[str] = set()

@@ -90,17 +90,28 @@ class Storages:
             layout = self.layout(mode, limits.max_batch)
             segments = source_segments(program, layout)
             stager = Stager(layout, self.device, static=True)
-            max_dims = batch_dims(
+            max_dims = self.max_dims(mode)
+            storage = self._static[mode] = StaticStorage(program, segments, stager, max_dims)
+        return storage
+
+    def max_dims(self, mode: ForwardMode) -> dict[str, int]:
+        """The dimensions static buffers are sized for: the largest batch's, and for a
+        backend's derived dimensions the largest value over every batch size (a split
+        count shrinks as the batch grows)."""
+        limits, program = self.limits, self.programs[mode]
+        sizes = [
+            batch_dims(
                 program,
                 limits.page_size,
                 limits.num_sms,
-                reqs=limits.max_batch,
+                reqs=reqs,
                 max_len=limits.max_context,
-                tokens=self.token_capacity(mode, limits.max_batch),
-                kv_tokens=limits.max_batch * limits.max_context,
+                tokens=self.token_capacity(mode, reqs),
+                kv_tokens=reqs * limits.max_context,
             )
-            storage = self._static[mode] = StaticStorage(program, segments, stager, max_dims)
-        return storage
+            for reqs in range(1, limits.max_batch + 1)
+        ]
+        return {name: max(dims[name] for dims in sizes) for name in sizes[-1]}
 
     def nbytes(self) -> int:
         """Bytes held in static buffers (plans and staging) for every captured mode."""

@@ -101,7 +101,12 @@ class DecodeEngine:
             [NSAPlan, NSAExtendPlan],
             self.limits,
             options={
-                "nsa": {"topk": self.model_config.index_topk, "schedule_layout": p.schedule_layout}
+                "nsa": {
+                    "topk": self.model_config.index_topk,
+                    "schedule_layout": p.schedule_layout,
+                    "mla_heads": self.model_config.num_attention_heads,
+                    "mla_kernel": p.mla_kernel,
+                }
             },
             providers=p.providers,
             debug=p.debug or None,

@@ -48,6 +48,9 @@ class PlannerSection(_Section):
     debug: bool = False
     ops_in_graph: bool = True
     schedule_layout: Literal["0.1.0", "new"] = "0.1.0"
+    mla_kernel: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="sparse MLA: auto (the Triton kernel on CUDA), triton, torch"
+    )
 
 
 class GraphsSection(_Section):

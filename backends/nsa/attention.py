@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import torch
 
+from backends.common.triton_kernels import triton_available
 from backends.deepgemm import fp8_paged_mqa_logits
+from backends.nsa.extend_plan import NSAExtendPlan
 from backends.nsa.plan import NSAPlan
+from backends.nsa.sparse_mla_triton import sparse_mla_decode_triton
+from backends.nsa.topk import row_topk
 from planner.errors import PlanError
 
-__all__ = ["indexer_topk", "sparse_mla_decode", "dense_mla_decode"]
+__all__ = ["indexer_topk", "sparse_mla", "sparse_mla_decode", "dense_mla_decode"]
 
 
 def _rows_of(kv_lens: torch.Tensor, next_n: int) -> tuple[int, int]:
@@ -51,14 +55,13 @@ def indexer_topk(
     float32 ``[rows, H]`` with the query scales already folded in; ``index_cache``: the
     deep_gemm page layout (see ``backends.deepgemm.fp8``).
 
-    Scores come from ``fp8_paged_mqa_logits`` over width ``plan.max_seq_len``; positions
-    ``>= kv_lens[row]`` are set to ``-inf`` (deep_gemm leaves them undefined), the best
-    ``plan.topk`` positions are taken with ``torch.topk`` (sorted, best first) and mapped
-    through ``token_slots`` of the row's request. Entries beyond a row's valid length are
-    ``-1``. Ties: ``torch.topk`` does not promise which of equal scores wins, and CPU and
-    CUDA may differ, so only distinct scores give a deterministic set. ``max_seq_len`` must
-    cover every ``kv_lens`` entry (positions past it can never be chosen; checking would
-    need a host sync).
+    Scores come from ``fp8_paged_mqa_logits`` over width ``plan.max_seq_len``; each row's
+    best ``plan.topk`` of its own positions ``< kv_lens[row]`` are taken by ``row_topk``
+    (length-aware: nothing past a row's length is read, deep_gemm leaves it undefined;
+    a row that fits takes all its positions unscored; ties go to the lowest position) and
+    mapped through ``token_slots`` of the row's request, ascending by position, ``-1``
+    after. ``max_seq_len`` must cover every ``kv_lens`` entry (positions past it can never
+    be chosen; checking would need a host sync).
     """
     next_n = plan.next_n
     topk = plan.topk
@@ -73,19 +76,15 @@ def indexer_topk(
     logits = fp8_paged_mqa_logits(
         q4, index_cache, weights, kv_lens.view(reqs, next_n), page_table, schedule, width
     )
-    pos = torch.arange(width, device=logits.device)
-    lens = kv_lens.to(torch.int64).unsqueeze(1)
-    with torch.no_grad():  # selection is not differentiable; in place even if inputs need grad
-        logits.masked_fill_(pos >= lens, float("-inf"))  # a fresh tensor: no second [rows, W]
-    if width < topk:  # topk wider than the row: pad with never-valid positions
-        logits = torch.nn.functional.pad(logits, (0, topk - width), value=float("-inf"))
-    _, idx = torch.topk(logits, topk, dim=-1, largest=True, sorted=True)
-    valid = idx < lens
-
+    # Length-aware: each row's top-k over its own valid positions only (deep_gemm leaves the
+    # rest undefined, so nothing past kv_lens is read), rows that fit take all theirs
+    # unscored. Positions come out ascending with -1 after, ties to the lowest position.
+    idx = torch.empty(rows, topk, dtype=torch.int32, device=logits.device)
+    row_topk(logits, kv_lens, topk, idx)
     req_of_row = torch.arange(rows, device=idx.device) // next_n
-    col = idx.clamp(max=token_slots.shape[1] - 1)
+    col = idx.clamp(min=0, max=token_slots.shape[1] - 1).long()
     slots = token_slots[req_of_row.unsqueeze(1), col]
-    return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)
+    return torch.where(idx >= 0, slots, torch.full_like(slots, -1)).to(torch.int32)
 
 
 def _check_mla_inputs(
@@ -151,6 +150,32 @@ def sparse_mla_decode(
     p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
     out = torch.einsum("rhk,rkd->rhd", p, lat)
     return out.to(q_nope_abs.dtype)
+
+
+def sparse_mla(
+    plan: NSAPlan | NSAExtendPlan,
+    q_nope_abs: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    topk_slots: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Sparse MLA over the plan's rows with the kernel the plan names (``mla_kernel``).
+
+    ``auto``: the Triton split-KV kernel on CUDA, reading the plan's split table
+    (one per batch, every layer), the torch reference elsewhere. Same semantics
+    as :func:`sparse_mla_decode`; bf16 results within ~1e-2 of it.
+    """
+    kernel = plan.mla_kernel
+    if kernel == "auto":
+        kernel = "triton" if q_nope_abs.is_cuda and triton_available(q_nope_abs.device) else "torch"
+    if kernel == "torch":
+        return sparse_mla_decode(q_nope_abs, q_rope, kv_cache, topk_slots, softmax_scale)
+    rows = q_nope_abs.shape[0]
+    table = plan.mla_split_plan.view(rows, plan.mla_splits + 1)
+    return sparse_mla_decode_triton(
+        q_nope_abs, q_rope, kv_cache, topk_slots, softmax_scale, split_plan=table
+    )
 
 
 def dense_mla_decode(

@@ -15,6 +15,7 @@ import torch
 
 from backends.deepgemm import fp8_mqa_logits, gather_index_cache
 from backends.nsa.extend_plan import NSAExtendPlan
+from backends.nsa.topk import row_topk
 from planner.errors import PlanError
 
 
@@ -25,8 +26,8 @@ def indexer_topk_extend(
 
     ``q_fp8 [tokens, H, D]`` and ``weights [tokens, H]`` (query scales folded in)
     as for the decode indexer; this step's keys must already be in the cache.
-    Scored tokens keep their ``topk`` best KV tokens (``torch.topk``: ties among
-    exactly equal scores may go either way); the others take all of theirs.
+    Scored tokens keep their ``topk`` best KV tokens (``row_topk``, the decode indexer's
+    rules: ties to the lowest position); the others take all of theirs.
     """
     tokens = plan.positions.shape[0]
     if q_fp8.shape[0] != tokens or weights.shape[0] != tokens:
@@ -57,12 +58,13 @@ def indexer_topk_extend(
             ke[first:end].contiguous(),
             max_seqlen_k=width,
         )
-        count = (ke[first:end] - ks[first:end]).unsqueeze(1)
-        with torch.no_grad():  # in place even when the inputs require grad: selection only
-            logits.masked_fill_(torch.arange(width, device=logits.device) >= count, float("-inf"))
-        k = min(topk, width)
-        best = torch.topk(logits, k, dim=-1, sorted=True).indices
-        picked = slots[(ks[first:end, None] + best).clamp(max=slots.shape[0] - 1).long()]
-        whole[first:end, :k] = torch.where(best < count, picked, -1)
-        whole[first:end, k:] = -1
+        # The decode indexer's selection, rules and all (length-aware, ties to the lowest
+        # position): a prompt fed in chunks keeps what feeding it token by token keeps.
+        count = (ke[first:end] - ks[first:end]).contiguous()
+        best = torch.empty(end - first, topk, dtype=torch.int32, device=logits.device)
+        row_topk(logits, count, topk, best)
+        picked = slots[
+            (ks[first:end, None] + best.clamp(min=0)).clamp(max=slots.shape[0] - 1).long()
+        ]
+        whole[first:end] = torch.where(best >= 0, picked, -1)
     return whole.to(torch.int32)

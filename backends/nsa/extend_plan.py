@@ -11,12 +11,14 @@ one token) use the same plan; both run eagerly.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
 from backends.common.inputs import RaggedInputsPlan
 from backends.nsa import extend_ops as _ops  # noqa: F401  (registers indexer_chunks)
+from backends.nsa import mla_split
 from planner.errors import SchemaError
 from planner.schema import (
     PAD_DERIVED,
@@ -37,7 +39,11 @@ LOGITS_BUDGET = 512 << 20
 class NSAExtendPlan(RaggedInputsPlan, backend="nsa"):
     """What the indexer and sparse MLA read for extend and mixed batches, in every layer."""
 
-    defaults: ClassVar[dict[str, Any]] = {"topk": 2048, "indexer_logits_bytes": LOGITS_BUDGET}
+    defaults: ClassVar[dict[str, Any]] = {
+        "topk": 2048,
+        "indexer_logits_bytes": LOGITS_BUDGET,
+        **mla_split.DEFAULTS,
+    }
 
     qo_indptr: Tensor = tensor_field(
         I32,
@@ -126,12 +132,21 @@ class NSAExtendPlan(RaggedInputsPlan, backend="nsa"):
     indexer_chunks: Handle = handle_field(
         "indexer_plan", doc="the chunks every indexer layer scores, in token order"
     )
+    mla_split_plan: Tensor = mla_split.split_table_field("tokens")
     topk: int = scalar_field("topk", doc="tokens each query token attends to, at most")
     max_seq_len: int = scalar_field("max_len", doc="longest KV length of a request")
+    mla_splits: int = mla_split.splits_field()
+    mla_kernel: str = mla_split.kernel_field()
+
+    @classmethod
+    def derived_dims(cls, dims: Mapping[str, int], settings: Mapping[str, Any]) -> dict[str, int]:
+        """The sparse MLA kernel's split count for this many query tokens (see ``mla_split``)."""
+        return mla_split.split_dims(dims["tokens"], dims, settings)
 
     @classmethod
     def check_settings(cls, settings: dict[str, Any]) -> None:
         """Refused at planner build, naming the option, not at the first prefill."""
+        mla_split.check_settings(settings)
         for name in ("topk", "indexer_logits_bytes"):
             value = settings[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

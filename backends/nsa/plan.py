@@ -6,11 +6,13 @@ deep_gemm schedule, over a 64-token page table.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
 from backends.deepgemm import BLOCK_KV, LAYOUTS
+from backends.nsa import mla_split
 from backends.nsa import ops as _ops  # noqa: F401  (registers paged_mqa_schedule)
 from backends.paged.plan import PagedPlan
 from planner.errors import SchemaError
@@ -32,6 +34,7 @@ class NSAPlan(PagedPlan, backend="nsa"):
         "topk": 2048,
         "block_kv": BLOCK_KV,
         "schedule_layout": "0.1.0",
+        **mla_split.DEFAULTS,
     }
 
     cu_seqlens_q: Tensor = tensor_field(
@@ -65,11 +68,20 @@ class NSAPlan(PagedPlan, backend="nsa"):
         pad=PAD_DERIVED,
         doc="deep_gemm paged MQA schedule: (request, split) each SM starts at; last row the end",
     )
+    mla_split_plan: Tensor = mla_split.split_table_field("rows")
     topk: int = scalar_field("topk", doc="tokens each query row attends to, at most")
+    mla_splits: int = mla_split.splits_field()
+    mla_kernel: str = mla_split.kernel_field()
+
+    @classmethod
+    def derived_dims(cls, dims: Mapping[str, int], settings: Mapping[str, Any]) -> dict[str, int]:
+        """The sparse MLA kernel's split count for this batch size (see ``mla_split``)."""
+        return mla_split.split_dims(dims["rows"], dims, settings)
 
     @classmethod
     def check_settings(cls, settings: dict[str, Any]) -> None:
         """What deep_gemm's kernels accept; refused at planner build, not at the first batch."""
+        mla_split.check_settings(settings)
         if settings["block_kv"] != BLOCK_KV:
             raise SchemaError(
                 "deep_gemm on Hopper needs 64-token blocks",

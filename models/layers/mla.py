@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from backends.nsa import NSAExtendPlan, NSAPlan
-from backends.nsa.attention import sparse_mla_decode
+from backends.nsa.attention import sparse_mla
 from models.config import DSV32Config
 from models.layers.exact import Linear, contract
 from models.layers.indexer import Indexer
@@ -97,5 +97,5 @@ class MLA(nn.Module):
         kv_cache[loc] = torch.cat([latent, k_rope], dim=-1).to(kv_cache.dtype)
         topk_slots = self.indexer(x, qr, cos, sin, plan, index_cache)
         q_abs = self.absorb_q(q_nope)
-        o = sparse_mla_decode(q_abs, q_rope, kv_cache, topk_slots, self.softmax_scale)
+        o = sparse_mla(plan, q_abs, q_rope, kv_cache, topk_slots, self.softmax_scale)
         return self.output(o)

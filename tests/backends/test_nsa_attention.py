@@ -87,7 +87,7 @@ def brute_force_topk(plan, q_fp8, weights, cache):
         length = min(int(plan.kv_lens[r]), plan.max_seq_len)
         scores = logits[r, :length]
         assert scores.unique().numel() == length, "test data must give distinct scores"
-        order = torch.argsort(scores, descending=True)[: plan.topk]
+        order = torch.argsort(scores, descending=True)[: plan.topk].sort().values  # by position
         out[r, : order.numel()] = plan.token_slots[r // n, order]
     return out
 

@@ -79,6 +79,7 @@ def make_plan(
         schedule=reference_paged_mqa_schedule(kv_lens.view(reqs, next_n), num_sms=8),
         next_n=next_n,
         topk=topk,
+        mla_kernel="torch",  # the reference attention: these plans carry no split table
         max_seq_len=max_len,
     )
 
