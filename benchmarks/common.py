@@ -47,6 +47,7 @@ def time_calls(
         "median_ms": statistics.median(samples),
         "p10_ms": samples[len(samples) // 10],
         "p90_ms": samples[(len(samples) * 9) // 10],
+        "p99_ms": samples[min(len(samples) - 1, (len(samples) * 99) // 100)],
         "iters": iters,
     }
 

@@ -19,4 +19,16 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || return 1
 _dp_log="$(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target /tmp/site .whl/*.whl 2>&1)" || { printf '%s\n' "$_dp_log" >&2; return 1; }
 unset _dp_log
+# The backends register through entry points (pyproject.toml); a work tree on PYTHONPATH has
+# no installed metadata, so write the entry points where importlib.metadata finds them.
+python3 - <<'PY' || return 1
+import pathlib, tomllib
+eps = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]["entry-points"]
+info = pathlib.Path("/tmp/site/forward_planner-0.0.dist-info")
+info.mkdir(parents=True, exist_ok=True)
+(info / "METADATA").write_text("Metadata-Version: 2.1\nName: forward-planner\nVersion: 0.0\n")
+(info / "entry_points.txt").write_text(
+    "".join(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in items.items()) for group, items in eps.items())
+)
+PY
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"

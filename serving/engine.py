@@ -24,7 +24,7 @@ from planner.limits import Limits
 from planner.planner import Planner
 from planner.planset import PlanSet
 from serving.dump_ring import DumpRing, MismatchDumper
-from serving.model_setup import build_model, model_config, resolve_device
+from serving.model_setup import build_model, kv_pages, model_config, resolve_device
 from serving.requests import Request, make_workload
 from serving.run_config import RunConfig
 from serving.scheduler import Scheduler
@@ -77,8 +77,7 @@ class DecodeEngine:
         self.model_config = model.config
         page = self.model_config.page_size
         p = config.planner
-        pages = config.loop.kv_pages or p.max_batch * -(-p.max_context // page) + 1
-        self.cache: PagedKVCache = model.new_cache(pages)
+        self.cache: PagedKVCache = model.new_cache(kv_pages(config, model, self.device))
         self.pool = RequestPool(p.max_batch + 1, p.max_context, page_size=page, device=self.device)
         num_sms = p.num_sms
         if num_sms is None:

@@ -76,3 +76,36 @@ def build_model(config: RunConfig, model_cfg: DSV32Config, device: torch.device)
         return DSV32Model.from_file(weights, device=device)
     dtype = torch.float32 if config.model.dtype == "float32" else torch.bfloat16
     return DSV32Model(model_cfg, seed=config.model.seed, device=device, dtype=dtype)
+
+
+def kv_pages(config: RunConfig, model: DSV32Model, device: torch.device) -> int:
+    """KV (and index-cache) pages for the run, page 0 (the null page) included.
+
+    Given (``loop.kv_pages``) it is used as is; on the CPU enough for every
+    request at ``max_context``; on a GPU as many as fit in ``kv_memory_fraction``
+    of the memory free after the weights, less ``graph_reserve_mb`` for graph
+    pools and activations, but never more than that maximum. Refused when not one
+    request of ``max_context`` fits: the run could never serve it.
+    """
+    loop, planner = config.loop, config.planner
+    page = model.config.page_size
+    per_request = -(-planner.max_context // page)
+    wanted = planner.max_batch * per_request + 1
+    if loop.kv_pages is not None:
+        return loop.kv_pages
+    if device.type != "cuda":
+        return wanted
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = int(free * loop.kv_memory_fraction) - (loop.graph_reserve_mb << 20)
+    fits = max(0, budget // model.page_bytes())
+    if fits - 1 < per_request:
+        raise ConfigError(
+            f"the KV cache cannot hold one request of max_context: {max(fits - 1, 0) * page} "
+            f"tokens fit in {budget / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free after the "
+            f"weights); lower planner.max_context, raise loop.kv_memory_fraction, or use a "
+            f"smaller model",
+            field="planner.max_context",
+            expected=f"<= {max(fits - 1, 0) * page}",
+            actual=planner.max_context,
+        )
+    return min(wanted, fits)

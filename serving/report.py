@@ -73,6 +73,8 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         },
         "schedule_calls_per_step": decode_calls.get("paged_mqa_schedule") if decode_calls else None,
         "static_bytes": graph["static_bytes"],
+        "kv_tokens_capacity": (engine.cache.num_pages - 1) * engine.cache.page_size,
+        "kv_cache_bytes": engine.cache.nbytes(),
     }
 
 
@@ -83,6 +85,10 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
     table.add_column("value", justify="right")
     schedule = summary["schedule_calls_per_step"]
     rows = [
+        (
+            "KV cache: tokens that fit (bytes)",
+            f"{summary['kv_tokens_capacity']} ({summary['kv_cache_bytes'] / 2**30:.2f} GiB)",
+        ),
         ("requests finished", f"{summary['requests_finished']}"),
         ("generated tokens", f"{summary['generated_tokens']}"),
         ("tokens/s", f"{summary['tokens_per_second']:.1f}"),

@@ -70,7 +70,20 @@ class LoopSection(_Section):
     seed: int = Field(0, ge=0)
     max_steps: int = Field(100_000, ge=1)
     kv_pages: int | None = Field(
-        None, ge=2, description="KV cache pages; None: enough for max_batch"
+        None,
+        ge=2,
+        description="KV cache pages; None: sized from memory on a GPU (kv_memory_fraction), "
+        "enough for max_batch requests of max_context on the CPU",
+    )
+    kv_memory_fraction: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="share of the GPU memory free after the weights that KV and index caches "
+        "may take (SGLang's mem_fraction_static)",
+    )
+    graph_reserve_mb: int = Field(
+        4096, ge=0, description="GPU memory kept back for CUDA-graph pools and activations"
     )
     chunk_tokens: int = Field(
         256, ge=1, le=1 << 20, description="prompt tokens one step prefills (chunked prefill)"

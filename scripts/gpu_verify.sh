@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Run GPU verifications and measurements in one device call, results under $OUT.
+#
+#   bash scripts/gpu_verify.sh STEP...      (on the H200, from the repo root, .whl carried)
+#
+# Steps (each bounded by STEP_TIMEOUT seconds, default 300; one log, $OUT/log.txt, keeps
+# everything printed, and each step's JSON lands in $OUT, so a device call returns at most
+# a handful of files):
+#   mqa         fp8_mqa_logits drop-in vs the real kernel         -> verify_mqa_logits.json
+#   deepgemm    paged MQA schedule and logits vs the real kernel  -> verify_deepgemm.json
+#   sparse_mla  Triton sparse MLA vs the reference and FlashInfer -> bench_sparse_mla.json
+#   moe_topk    routed MoE and length-aware top-k                 -> bench_moe_topk.json
+#   gpu_tests   pytest -m gpu (real CUDA graphs, kernels)
+#   small       dsv32-small decode, 16 requests                   -> small.json
+#   shapes      dsv32-shapes decode, 64 requests                  -> shapes.json
+#   floor       dsv32-shapes step under graphs vs its HBM floor   -> model_floor.json
+set -u
+cd "$(dirname "$0")/.." || exit 1
+source scripts/device_prelude.sh || exit 1
+export PYTHONUNBUFFERED=1
+: "${OUT:?set OUT to the results folder}"
+LOG="$OUT/log.txt"
+STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
+failed=0
+
+run() {
+    local name=$1
+    shift
+    echo "=== $name: $*" | tee -a "$LOG"
+    local start=$SECONDS
+    timeout "$STEP_TIMEOUT" "$@" >>"$LOG" 2>&1
+    local rc=$?
+    echo "=== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$LOG"
+    [ "$rc" -eq 0 ] || failed=1
+}
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} >>"$LOG" 2>&1
+
+for step in "$@"; do
+    case "$step" in
+    mqa) run mqa python3 benchmarks/verify_mqa_logits.py --out "$OUT" ;;
+    deepgemm) run deepgemm python3 benchmarks/verify_deepgemm.py --out "$OUT/verify_deepgemm.json" ;;
+    sparse_mla) run sparse_mla python3 benchmarks/bench_sparse_mla.py --out "$OUT" --iters 50 ;;
+    moe_topk) run moe_topk python3 benchmarks/bench_moe_topk.py --out "$OUT" --iters 30 ;;
+    gpu_tests) run gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu ;;
+    small) run small python3 -m planner decode --config configs/dsv32-small.yaml --requests 16 \
+        --quiet --json "$OUT/small.json" ;;
+    shapes) run shapes python3 -m planner decode --config configs/dsv32-shapes.yaml --requests 64 \
+        --quiet --json "$OUT/shapes.json" ;;
+    floor) run floor python3 -m benchmarks.model_floor --out "$OUT/model_floor.json" ;;
+    *) echo "unknown step $step" | tee -a "$LOG"; failed=1 ;;
+    esac
+done
+exit "$failed"
