@@ -130,6 +130,7 @@ class DecodeEngine:
         self.scheduler = Scheduler(self.cache, self.pool, p.max_batch, page)
         self.decode_mode = ForwardMode.TARGET_VERIFY if p.next_n > 1 else ForwardMode.DECODE
         self.forward_steps = 0
+        self._warmed_up = False
 
     def _forward(self, inputs: dict[str, torch.Tensor], plans: PlanSet) -> torch.Tensor:
         return self.model(inputs["input_ids"], plans, self.cache)
@@ -240,6 +241,33 @@ class DecodeEngine:
             self._forward_step(batch, ids, result)
         return [r for r in sched.running if r.done]
 
+    def warm_up(self) -> None:
+        """Compile what serving would otherwise compile on its first steps, before the clock.
+
+        Decode programs and kernels warm up in graph capture. An extend batch runs
+        other metadata kernels, and the prefill indexer (scored rows only exist past
+        ``topk`` tokens of context) and the attention kernels at other shapes: one
+        extend of a single token on the null request (row 0, slot 0: nothing real is
+        read or written) at a position past ``topk`` runs all of them once. The
+        planner's counters start after it.
+        """
+        if not self._warmed_up:
+            self._warmed_up = True
+            position = min(self.model_config.index_topk, self.limits.max_context - 1)
+            zero = torch.zeros(1, dtype=torch.int32)
+            batch = ForwardBatch(
+                seq_lens_cpu=torch.tensor([position + 1], dtype=torch.int32),
+                req_pool_indices=zero,
+                req_to_token=self.pool.req_to_token,
+                out_cache_loc=zero,
+                mode=ForwardMode.EXTEND,
+                extend_lens_cpu=torch.ones(1, dtype=torch.int32),
+            )
+            ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._forward({"input_ids": ids}, self.planner.plan(batch))
+            self.planner.stats.reset()
+        self.runner.capture()
+
     def run(self, *, progress: bool = True, max_steps: int | None = None) -> RunResult:
         """Serve the configured workload to completion (or ``max_steps``); greedy sampling."""
         loop = self.config.loop
@@ -250,7 +278,7 @@ class DecodeEngine:
         bar = tqdm(
             total=len(workload), unit="req", desc="decode", disable=not progress, leave=False
         )
-        self.runner.capture()
+        self.warm_up()
         start = time.perf_counter()
         step = 0
         sched = self.scheduler

@@ -16,6 +16,8 @@ these are plain ``nn.Linear`` / ``torch.einsum``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,6 +47,9 @@ def contract(equation: str, *operands: torch.Tensor, dtype: torch.dtype) -> torc
     """``torch.einsum`` in float64 on the CPU, in the operands' own dtype elsewhere; in ``dtype``."""
     if exact(operands[0]):
         operands = tuple(op.double() for op in operands)
+    else:  # one dtype for all, the widest given (an fp32 routing matrix over bf16 outputs)
+        wide = functools.reduce(torch.promote_types, (op.dtype for op in operands))
+        operands = tuple(op.to(wide) for op in operands)
     return torch.einsum(equation, *operands).to(dtype)
 
 

@@ -128,7 +128,10 @@ def test_split_plan_dispatch_and_checks():
 def test_num_splits_fill_the_chip_and_stay_static():
     """The design points: B=1 many splits, B=16 a few, B=64/128 one (no combine)."""
     h200 = {"heads": 128, "topk": 2048, "num_sms": 132}
-    assert [sparse_mla_num_splits(b, **h200) for b in (1, 16, 64, 128)] == [64, 4, 1, 1]
+    tile32 = {**h200, "config": SparseMLAConfig()}  # 32-key tiles: up to 64 splits
+    assert [sparse_mla_num_splits(b, **tile32) for b in (1, 16, 64, 128)] == [64, 4, 1, 1]
+    # the default's 64-key tiles: at most 32 splits of a 2048-slot row
+    assert [sparse_mla_num_splits(b, **h200) for b in (1, 16, 64, 128)] == [32, 4, 1, 1]
     assert sparse_mla_num_splits(0, **h200) == 1
     for rows in range(1, 300, 7):
         s = sparse_mla_num_splits(rows, **h200)

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Where the planner's host time goes: a profile of replay, the runner's refresh and eager plans.
+
+Per phase, the functions that take the host time (cProfile, inclusive and exclusive),
+the floors of what a replay must do (an empty pinned host-to-device copy, a
+``data_ptr()`` loop over the plan tensors, a numpy range check of the staging buffer),
+and a torch.profiler trace summary (CPU and CUDA activities) that shows launches and
+hidden synchronisations. Prints a short table of medians per phase and the top
+functions; ``--out`` writes everything as JSON.
+
+    python3 -m benchmarks.profile_host --out $OUT/profile_host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import pstats
+import random
+import statistics
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from benchmarks.common import machine, print_table, sync, write_json
+from graphs import GraphRunner
+from planner import Limits, Planner, PlanSet
+from tests.support.batches import make_pool, random_batch
+
+
+def _median_us(fn, iters: int) -> tuple[float, float]:
+    samples = []
+    for i in range(iters):
+        t = time.perf_counter()
+        fn(i)
+        samples.append((time.perf_counter() - t) * 1e6)
+    samples.sort()
+    return statistics.median(samples), samples[min(len(samples) - 1, len(samples) * 99 // 100)]
+
+
+def _profile(fn, iters: int, top: int) -> list[dict]:
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(iters):
+        fn(i)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, name), (_cc, nc, tt, ct, _) in stats.stats.items():
+        rows.append(
+            {
+                "function": f"{path.split('/')[-1]}:{line}({name})",
+                "calls_per_iter": nc / iters,
+                "self_us": 1e6 * tt / iters,
+                "total_us": 1e6 * ct / iters,
+            }
+        )
+    rows.sort(key=lambda r: -r["self_us"])
+    return rows[:top]
+
+
+def _torch_profile(fn, iters: int, device: torch.device) -> str:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(iters):
+            fn(i)
+        sync(device)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="host-time profile of the planner's phases")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    bs, ctx = args.batch, args.context
+    table = make_pool(bs + 1, ctx, 64).to(device)
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 132
+    )
+    limits = Limits(
+        max_batch=bs,
+        max_context=ctx,
+        num_sms=sms,
+        kv_slots=int(table.max()) + 1,
+        device=str(device),
+    )
+    planner = Planner(["nsa"], limits, options={"nsa": {"topk": 2048}})
+    rng = random.Random(0)
+    batches = [
+        random_batch(rng, table.cpu(), max_batch=bs, max_context=ctx, bs=bs, positions=True)
+        for _ in range(8)
+    ]
+    batches = [dataclasses.replace(b, req_to_token=table) for b in batches]
+
+    def forward(inputs, plans: PlanSet) -> torch.Tensor:
+        return plans["nsa"].kv_lens.float()  # a read of the plan, no model: host cost only
+
+    runner = GraphRunner(planner, forward, req_to_token=table, sizes=[bs])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner.capture()
+    staged = torch.zeros(1024, dtype=torch.int32, pin_memory=device.type == "cuda")
+    dev = torch.zeros(1024, dtype=torch.int32, device=device)
+    plan_tensors = list(planner.replay(batches[0], bs)["nsa"].tensors().values())
+    host = np.zeros(1024, dtype=np.int64)
+    lo, hi = np.zeros_like(host), np.full_like(host, 1 << 30)
+    phases = {
+        "planner.replay": lambda i: planner.replay(batches[i % 8], bs),
+        "runner.step (refresh + inputs + graph.replay)": lambda i: runner.step(batches[i % 8]),
+        "planner.plan (eager)": lambda i: planner.plan(batches[i % 8]),
+        "floor: pinned H2D copy_ (non_blocking)": lambda i: dev.copy_(staged, non_blocking=True),
+        "floor: data_ptr() loop over the plan tensors": lambda i: [
+            t.data_ptr() for t in plan_tensors
+        ],
+        "floor: numpy range check of a staging buffer": lambda i: bool(
+            ((host < lo) | (host > hi)).any()
+        ),
+    }
+    results = {}
+    for name, fn in phases.items():
+        for i in range(30):
+            fn(i)
+        sync(device)
+        median, p99 = _median_us(fn, args.iters)
+        sync(device)
+        results[name] = {"median_us": median, "p99_us": p99}
+        if not name.startswith("floor"):
+            results[name]["top"] = _profile(fn, args.iters, args.top)
+            results[name]["torch_profile"] = _torch_profile(fn, 20, device)
+        sync(device)
+    table_text = print_table(
+        f"host time per call, batch {bs}, context {ctx} ({device})",
+        ("phase", "median us", "p99 us"),
+        [(k, v["median_us"], v["p99_us"]) for k, v in results.items()],
+    )
+    for name, r in results.items():
+        if "top" in r:
+            print(f"\n{name}: top functions by self time (us per call)")
+            for row in r["top"]:
+                print(
+                    f"  {row['self_us']:8.2f} self {row['total_us']:8.2f} total  {row['calls_per_iter']:5.1f}x  {row['function']}"
+                )
+            print(r["torch_profile"])
+    write_json(
+        args.out,
+        {"machine": machine(), "args": vars(args), "results": results, "table": table_text},
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
