@@ -11,7 +11,7 @@ views of max-size buffers a CUDA graph reads) and in which steps they run
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -187,14 +187,15 @@ def materialise(
     reqs: int,
     dims: Mapping[str, int],
     ranges: Ranges,
-    steps: Iterable[Step],
+    steps: Sequence[Step],
     *,
     read_device: bool,
 ) -> tuple[Tensors, Handles]:
     """Stage, lay out, run ``steps``: the batch's tensors, and the handles host ops returned."""
     staged = storage.stager.stage(batch, reqs, dims["tokens"], ranges, read_device=read_device)
     tensors = storage.tensors(staged, reqs, dims)
-    bind_batch(tensors, batch)
+    if steps:  # a replay whose ops are all in the graph runs none here
+        bind_batch(tensors, batch)
     handles = {}
     for step in steps:
         handle = step.run(tensors, static=storage.static)

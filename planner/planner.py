@@ -298,6 +298,11 @@ class Planner:
             req_to_token.data_ptr(),
             tuple(req_to_token.shape),
             dummy,
+            storage=storage,
+            dims=dims,
+            ranges=ranges,
+            steps=program.steps,
+            host_steps=tuple(step for step in program.steps if not step.in_graph),
         )
         self.stats.batches["capture"] += 1
         return plans
@@ -354,23 +359,20 @@ class Planner:
                 expected=(hex(captured.table_ptr), captured.table_shape),
                 actual=(hex(table.data_ptr()), tuple(table.shape)),
             )
-        program = self.program(mode)
-        dims = self.dims(mode, bs, self.limits.max_context)
-        host_steps = [step for step in program.steps if not step.in_graph]
         _, handles = materialise(
-            self.storages.static(planned),
+            captured.storage,
             batch,
             bs,
-            dims,
-            self.storages.ranges(planned, table),
-            host_steps,
+            captured.dims,
+            captured.ranges,
+            captured.host_steps,
             read_device=self.debug,
         )
         captured.check_unmoved(handles)
         captured.plans.real_reqs = batch.bs
         captured.plans.phase = "replay"
         captured.plans.mode = mode
-        self.stats.record_steps(mode, program.steps)
+        self.stats.record_steps(mode, captured.steps)
         self.stats.batches["replay"] += 1
         self.stats.host_seconds["replay"] += time.perf_counter() - start
         return captured.plans

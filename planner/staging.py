@@ -28,6 +28,11 @@ from planner.errors import BatchError
 
 _FIELD_OF_SOURCE = {"seq_lens": "seq_lens_cpu", "extend_lens": "extend_lens_cpu"}
 _UNCHECKED = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
+_NONE: frozenset = frozenset()
+_BOUNDS_CACHE = 256
+_RING = 4
+"""Pinned host buffers a static stager cycles through: a step fills one while the copies
+of the last few may still be queued behind their graphs, so it never waits for them."""
 _INT32 = (np.iinfo(np.int32).min, np.iinfo(np.int32).max)
 
 
@@ -107,7 +112,7 @@ class StagingLayout:
     def _bounds_for(
         self, reqs: int, tokens: int, ranges: Ranges, skip: frozenset
     ) -> tuple[np.ndarray, ...]:
-        key = (reqs, tokens, ranges, skip)
+        key = (reqs, tokens, id(ranges), skip)  # ranges are cached per planner: ids are stable
         bounds = self._bounds.get(key)
         if bounds is None:
             lo = np.full(self.size, _UNCHECKED[0], dtype=np.int64)
@@ -119,8 +124,10 @@ class StagingLayout:
                 lo[seg.offset : seg.offset + n], hi[seg.offset : seg.offset + n] = ranges[
                     seg.source
                 ]
-            bounds = self._bounds[key] = (lo, hi)
-        return bounds
+            if len(self._bounds) >= _BOUNDS_CACHE:  # ragged batches vary: keep the cache bounded
+                self._bounds.clear()
+            bounds = self._bounds[key] = (lo, hi, ranges)
+        return bounds[0], bounds[1]
 
     def fill(
         self,
@@ -137,21 +144,28 @@ class StagingLayout:
         A device-resident input cannot be written from the host without a
         read; with ``read_device`` (eager and debug) it is read, staged and
         checked like a host one, otherwise it is returned as (segment,
-        tensor) for a device-to-device copy after the transfer.
+        tensor) for a device-to-device copy after the transfer. Extend lengths
+        a uniform batch leaves out are written as the constant they are, with
+        no tensor made for them.
         """
         on_device = []
-        real_reqs, real_tokens = batch.bs, batch.num_tokens
+        real_reqs = batch.bs
+        implied = None if batch.extend_lens_cpu is not None else batch.next_n
+        real_tokens = real_reqs * batch.next_n if implied is not None else batch.num_tokens
         for seg in self._order:
             real, padded = (real_tokens, tokens) if seg.per_token else (real_reqs, reqs)
             start, mid, end = seg.offset, seg.offset + real, seg.offset + padded
-            value = batch.source(seg.source)
-            if value.is_cuda and not read_device:
-                on_device.append((seg, value))
+            if seg.source == "extend_lens" and implied is not None and batch.extend_lens is None:
+                host[start:mid] = implied
             else:
-                values = value.cpu().numpy()
-                if values.dtype != np.int32 and values.size:
-                    _fits_int32(seg.source, values, ranges)
-                host[start:mid] = values
+                value = batch.source(seg.source)
+                if value.is_cuda and not read_device:
+                    on_device.append((seg, value))
+                else:
+                    values = value.numpy() if value.is_cpu else value.cpu().numpy()
+                    if values.dtype != np.int32 and values.size:
+                        _fits_int32(seg.source, values, ranges)
+                    host[start:mid] = values
             host[mid:end] = seg.pad
         return on_device
 
@@ -168,7 +182,7 @@ class StagingLayout:
         its KV length holds (a negative cached prefix); it is named before the
         positions derived from it would be.
         """
-        skip = frozenset(seg.offset for seg, _ in on_device)
+        skip = frozenset(seg.offset for seg, _ in on_device) if on_device else _NONE
         if batch.extend_lens_cpu is not None:  # else implied by the mode: seq_lens' range covers it
             self._check_prefix(host, batch.bs, skip)
         lo, hi = self._bounds_for(batch.bs, batch.num_tokens, ranges, skip)
@@ -225,7 +239,13 @@ def _fits_int32(source: str, values: np.ndarray, ranges: Ranges) -> None:
 
 
 class Stager:
-    """Stages a batch through one host buffer into one device buffer; see the module docstring."""
+    """Stages a batch through one host buffer into one device buffer; see the module docstring.
+
+    A static stager keeps a ring of pinned host buffers: the copy out of one is
+    asynchronous and queued behind the GPU work of earlier steps, so the next
+    step fills the next buffer instead of waiting for it (waiting would make the
+    host wait for the previous step's graph, a hidden synchronisation).
+    """
 
     def __init__(self, layout: StagingLayout, device: torch.device, *, static: bool) -> None:
         self.layout = layout
@@ -233,13 +253,16 @@ class Stager:
         self.static = static
         self.copies = 0
         self.device_buf: torch.Tensor | None = None
-        self._copy_done: torch.cuda.Event | None = None
+        self._ring: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
         if static:
             pinned = device.type == "cuda"
-            self.host = torch.zeros(max(layout.size, 1), dtype=torch.int32, pin_memory=pinned)
-            self.host_view = self.host.numpy()  # made once: .numpy() costs microseconds a call
-            self.device_buf = torch.zeros(max(layout.size, 1), dtype=torch.int32, device=device)
-            self._copy_done = torch.cuda.Event() if pinned else None
+            size = max(layout.size, 1)
+            for _ in range(_RING if pinned else 1):
+                host = torch.zeros(size, dtype=torch.int32, pin_memory=pinned)
+                # numpy views made once: .numpy() costs a microsecond and more a call
+                self._ring.append((host, host.numpy(), torch.cuda.Event() if pinned else None))
+            self.host, self.host_view = self._ring[0][0], self._ring[0][1]
+            self.device_buf = torch.zeros(size, dtype=torch.int32, device=device)
 
     def view(self, segment: Segment, n: int) -> torch.Tensor:
         """The first ``n`` staged values of ``segment`` (static stagers only)."""
@@ -250,21 +273,21 @@ class Stager:
     ) -> torch.Tensor:
         """Fill, check, one host-to-device copy, then device-resident inputs; the device buffer."""
         if self.static:
-            if self._copy_done is not None:
-                self._copy_done.synchronize()  # the last copy must not read a half-written buffer
-            host, view = self.host, self.host_view
+            host, view, done = self._ring[self.copies % len(self._ring)]
+            if done is not None and self.copies >= len(self._ring):
+                done.synchronize()  # the copy out of this buffer, _RING steps ago: long finished
         else:
             host = torch.empty(max(self.layout.size, 1), dtype=torch.int32)
-            view = host.numpy()
+            view, done = host.numpy(), None
         on_device = self.layout.fill(view, batch, reqs, tokens, ranges, read_device=read_device)
         self.layout.check(view, batch, ranges, on_device)
         if not self.static:
             dev = host.to(self.device) if self.device.type != "cpu" else host
-        elif self.device.type == "cpu":
+        elif done is None:
             dev = self.device_buf.copy_(host)
         else:
             dev = self.device_buf.copy_(host, non_blocking=True)
-            self._copy_done.record()
+            done.record()
         self.copies += 1
         for seg, tensor in on_device:
             n_real = batch.num_tokens if seg.per_token else batch.bs
