@@ -66,6 +66,7 @@ def time_host(fn: Callable[[int], Any], *, warmup: int, iters: int) -> dict[str,
         "median_us": statistics.median(samples),
         "p10_us": samples[len(samples) // 10],
         "p90_us": samples[(len(samples) * 9) // 10],
+        "p99_us": samples[min(len(samples) - 1, (len(samples) * 99) // 100)],
         "iters": iters,
     }
 

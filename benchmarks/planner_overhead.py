@@ -9,14 +9,18 @@ For each batch size: host time (no device sync, median of ``--iters``) of
     static buffers (one host-to-device copy per input, a gather, a cumsum, a
     clamp, the schedule call), as engines write their replay paths today;
   - hand-written eager: the same into fresh tensors.
-Plus the FlashInfer plans where that backend and flashinfer are usable.
+Plus target-verify replays (``next_n`` 2), an eager extend plan of one 2048-token chunk,
+and the FlashInfer plans where that backend and flashinfer are usable, each beside the
+bare FlashInfer ``plan()`` call of the same batch (the host op's own cost, its floor).
+Medians and p99 of ``--iters`` calls after ``--warmup``.
 
-    python3 benchmarks/planner_overhead.py --out $OUT/planner_overhead.json --plot $OUT/planner_overhead.png
+    python3 -m benchmarks.planner_overhead --out $OUT/planner_overhead.json --plot $OUT/planner_overhead.png
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import warnings
 from typing import Any
@@ -27,7 +31,7 @@ from backends.deepgemm import _native, reference_paged_mqa_schedule
 from backends.nsa import NSAPlan  # noqa: F401  (registers the NSA backend)
 from benchmarks.common import machine, plot_bars, print_table, sync, time_host, write_json
 from benchmarks.seed_stack import make_batch, make_table
-from planner import Limits, Planner
+from planner import ForwardBatch, ForwardMode, Limits, Planner
 
 GENERIC_OPS = (
     "causal_lengths",
@@ -135,6 +139,12 @@ def measure(args, batch_size: int, device: torch.device) -> dict[str, Any]:
     sync(device)
     out["hand_plan"] = time_host(lambda i: hand.plan(batches[i % 8]), **kw)
     sync(device)
+    verify_limits = limits.model_copy(update={"next_n": 2})
+    planner = Planner(["nsa"], verify_limits, options={"nsa": {"topk": 2048}})
+    planner.capture(batch_size, ForwardMode.TARGET_VERIFY, req_to_token=table)
+    verify = [make_verify_batch(b, table) for b in batches]
+    out["verify_replay"] = time_host(lambda i, p=planner: p.replay(verify[i % 8], batch_size), **kw)
+    sync(device)
     for backend in args.flashinfer:
         try:
             planner = Planner([backend], limits)
@@ -148,14 +158,74 @@ def measure(args, batch_size: int, device: torch.device) -> dict[str, Any]:
                 lambda i, p=planner: p.replay(batches[i % 8], batch_size), **kw
             )
             sync(device)
+            # The host op's floor: FlashInfer's own plan() of the same host arrays, nothing else.
+            # Without flashinfer (the CPU) the slot only keeps bookkeeping: no floor to take.
+            plan = planner.replay(batches[0], batch_size)[backend]
+            slot = plan.wrapper.slot
+            if slot.wrapper is not None:
+                indices = plan.kv_indices
+                out[f"{backend}_bare_plan"] = time_host(
+                    lambda i, s=slot, x=indices: s._plan_wrapper(x), **kw
+                )
+                sync(device)
             out[f"{backend}_plan"] = time_host(lambda i, p=planner: p.plan(batches[i % 8]), **kw)
             sync(device)
     return out
 
 
+def make_verify_batch(batch: ForwardBatch, table: torch.Tensor) -> ForwardBatch:
+    """The same requests verifying 2 tokens: their last two positions."""
+    seq = batch.seq_lens_cpu
+    pool = batch.req_pool_indices.to(table.device).long()
+    cols = torch.stack([seq - 2, seq - 1], 1).to(table.device).long()
+    loc = table[pool[:, None], cols].reshape(-1).cpu()
+    return dataclasses.replace(
+        batch,
+        out_cache_loc=loc,
+        positions=cols.reshape(-1).to(torch.int32).cpu(),
+        mode=ForwardMode.TARGET_VERIFY,
+        next_n=2,
+    )
+
+
+def measure_extend(args, device: torch.device) -> dict[str, Any]:
+    """One eager extend plan of a 2048-token chunk: 4 requests of 512 new tokens each."""
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 132
+    )
+    table, num_pages = make_table(4, args.context, device, args.seed)
+    limits = Limits(
+        max_batch=4,
+        max_context=args.context,
+        num_sms=sms,
+        max_tokens=2048,
+        kv_slots=num_pages * 64,
+        device=str(device),
+    )
+    planner = Planner(["nsa"], limits, options={"nsa": {"topk": 2048}})
+    lens = torch.tensor([args.context] * 4, dtype=torch.int32)
+    new = torch.full((4,), 512, dtype=torch.int32)
+    cols = torch.cat([torch.arange(args.context - 512, args.context)] * 4)
+    rows = torch.arange(1, 5).repeat_interleave(512)
+    loc = table[rows.to(device), cols.to(device)].cpu()
+    batch = ForwardBatch(
+        seq_lens_cpu=lens,
+        req_pool_indices=torch.arange(1, 5, dtype=torch.int32),
+        req_to_token=table,
+        out_cache_loc=loc,
+        mode=ForwardMode.EXTEND,
+        extend_lens_cpu=new,
+    )
+    out = time_host(lambda i: planner.plan(batch), warmup=args.warmup, iters=args.iters)
+    sync(device)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="planner host overhead vs hand-written metadata code")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--iters", type=int, default=500)
@@ -173,15 +243,17 @@ def main(argv: list[str] | None = None) -> int:
         for run in range(args.runs)
         for bs in args.batches
     ]
+    extend = [measure_extend(args, device) for _ in range(args.runs)]
     cols = [
         "plan",
         "plan_torch_ops",
         "replay_ops_in_graph",
         "replay_ops_outside",
+        "verify_replay",
         "hand_replay",
         "hand_plan",
     ]
-    fi_cols = [f"{b}_{k}" for b in args.flashinfer for k in ("plan", "replay")]
+    fi_cols = [f"{b}_{k}" for b in args.flashinfer for k in ("plan", "replay", "bare_plan")]
     cols += [c for c in fi_cols if any(c in r for r in results)]
     rows = [
         (r["run"], r["batch"], *(r[c]["median_us"] if c in r else "-" for c in cols))
@@ -190,12 +262,32 @@ def main(argv: list[str] | None = None) -> int:
     table = print_table(
         "planner host time per step, median us (no device sync)", ("run", "batch", *cols), rows
     )
+    table += "\n" + print_table(
+        "the same, p99 us",
+        ("run", "batch", *cols),
+        [
+            (r["run"], r["batch"], *(r[c]["p99_us"] if c in r else "-" for c in cols))
+            for r in results
+        ],
+    )
+    table += "\n" + print_table(
+        f"eager extend plan, 2048 tokens (4 x 512 new, {max(args.context - 512, 0)} cached each)",
+        ("run", "median us", "p99 us"),
+        [(run, e["median_us"], e["p99_us"]) for run, e in enumerate(extend)],
+    )
     for r in results:
         for k, v in r.items():
             if k.endswith("_error"):
                 print(f"batch {r['batch']}: {k}: {v}")
     write_json(
-        args.out, {"machine": machine(), "args": vars(args), "results": results, "table": table}
+        args.out,
+        {
+            "machine": machine(),
+            "args": vars(args),
+            "results": results,
+            "extend": extend,
+            "table": table,
+        },
     )
     first = [r for r in results if r["run"] == 0]
     plot_bars(
