@@ -60,6 +60,7 @@ class ProviderChain:
             p
             for p in self.op.providers.values()
             if p.name not in self.retired
+            and not p.host
             and p.graph_safe == failed.graph_safe
             and p.is_available(self.device)
         ]

@@ -5,12 +5,12 @@ the op outputs, run steps, alias fields two backends compute identically,
 build the frozen plans. The phases differ only in where the tensors live
 (:class:`FreshStorage`: new tensors per batch; :class:`StaticStorage`:
 views of max-size buffers a CUDA graph reads) and in which steps they run
-(eager and capture: all; replay: the host ops, the rest are in the graph).
+(eager: the host pass's on the host before the staging copy, the rest after;
+capture: all; replay: the host ops, the rest are in the graph).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 from planner.batch import BATCH, BATCH_TABLES, HOST_INPUTS, ForwardBatch
 from planner.dims import resolve_shape
 from planner.errors import SchemaError
+from planner.fresh import FreshStorage
 from planner.program import Key, Program, Step
 from planner.schema import Plan
 from planner.staging import Ranges, Segment, Stager, StagingLayout
@@ -97,38 +98,6 @@ def _lay_out(
     return tensors
 
 
-class FreshStorage:
-    """Eager plans: a fresh staging buffer, and op outputs carved from one allocation per dtype."""
-
-    static = False
-
-    def __init__(self, program: Program, segments: Mapping[Key, Segment], stager: Stager) -> None:
-        self.program = program
-        self.segments = segments
-        self.stager = stager
-
-    def tensors(self, staged: torch.Tensor, reqs: int, dims: Mapping[str, int]) -> Tensors:
-        """One ``torch.empty`` per dtype instead of one per field: allocation is a large share
-        of an eager plan's host time. Views start on 256-byte boundaries, the alignment a
-        separate allocation would give kernels."""
-        steps = self.program.steps
-        shapes = [resolve_shape(s.spec.shape, dims, field=s.key) for s in steps]
-        offsets: list[int] = []
-        totals: dict[torch.dtype, int] = {}
-        for step, shape in zip(steps, shapes):
-            align = max(1, 256 // step.spec.dtype.itemsize)
-            start = totals.get(step.spec.dtype, 0)
-            offsets.append(start)
-            totals[step.spec.dtype] = start + -(-math.prod(shape) // align) * align
-        device = staged.device
-        arenas = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in totals.items()}
-        outputs = {
-            step.output: arenas[step.spec.dtype][start : start + math.prod(shape)].view(shape)
-            for step, shape, start in zip(steps, shapes, offsets)
-        }
-        return _lay_out(self.program, self.segments, staged, outputs, reqs, dims["tokens"])
-
-
 class StaticStorage:
     """Capture and replay: max-size buffers for one mode, and views of them per captured size.
 
@@ -157,6 +126,19 @@ class StaticStorage:
             for step in program.steps
         }
         self._views: dict[int, Tensors] = {}
+
+    def prepare(
+        self,
+        batch: ForwardBatch,
+        reqs: int,
+        dims: Mapping[str, int],
+        ranges: Ranges,
+        *,
+        read_device: bool,
+    ) -> tuple[Tensors, frozenset]:
+        """Stage into the static buffers; their views for this size, nothing computed yet."""
+        staged = self.stager.stage(batch, reqs, dims["tokens"], ranges, read_device=read_device)
+        return self.tensors(staged, reqs, dims), frozenset()
 
     def tensors(self, staged: torch.Tensor, reqs: int, dims: Mapping[str, int]) -> Tensors:
         views = self._views.get(reqs)
@@ -192,12 +174,13 @@ def materialise(
     read_device: bool,
 ) -> tuple[Tensors, Handles]:
     """Stage, lay out, run ``steps``: the batch's tensors, and the handles host ops returned."""
-    staged = storage.stager.stage(batch, reqs, dims["tokens"], ranges, read_device=read_device)
-    tensors = storage.tensors(staged, reqs, dims)
+    tensors, done = storage.prepare(batch, reqs, dims, ranges, read_device=read_device)
     if steps:  # a replay whose ops are all in the graph runs none here
         bind_batch(tensors, batch)
     handles = {}
     for step in steps:
+        if step.output in done:  # computed by the host pass
+            continue
         handle = step.run(tensors, static=storage.static)
         if handle is not None:
             handles[step.output] = handle

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 ProviderFn = Callable[..., Any]
 """``fn(out, *inputs, **params)``: writes ``out``; a host op may return a handle for the plan."""
 
+HOST = "numpy"
+"""The name of an op's host twin: the same semantics over numpy views of the staging
+buffer, run by eager plans before their one host-to-device copy (see ``planner.host_pass``)."""
+
 WarmupFn = Callable[["Limits", Mapping[str, Any], torch.device], None]
 """``warmup(limits, params, device)``: compile what the provider JITs, before graphs are captured."""
 
@@ -47,6 +51,8 @@ class Provider:
     rank: int
     warmup: WarmupFn | None = None
     """Run by ``Planner.warm_up`` once per planner with each step's params (e.g. JIT buckets)."""
+    host: bool = False
+    """A host twin (``numpy``): never chosen to run on a device, only by eager plans' host pass."""
 
     def is_available(self, device: torch.device) -> bool:
         """Importable and usable on ``device``; an import failure counts as unavailable."""
@@ -82,14 +88,25 @@ class MetadataOp:
             self.providers[name] = Provider(
                 name=name,
                 fn=fn,
-                graph_safe=graph_safe,
+                graph_safe=graph_safe and name != HOST,
                 available=available or _always,
                 rank=DEFAULT_RANKS.get(name, 50) if rank is None else rank,
                 warmup=warmup,
+                host=name == HOST,
             )
             return fn
 
         return register
+
+    def host_twin(self) -> Callable[[ProviderFn], ProviderFn]:
+        """Decorator registering ``fn(out, *inputs, **params)`` over numpy arrays as the op's
+        host twin: it must write exactly what the torch reference writes (tests hold it to that)."""
+        return self.provider(HOST)
+
+    @property
+    def host(self) -> Provider | None:
+        """The op's host twin, if it has one."""
+        return self.providers.get(HOST)
 
     def select(self, device: torch.device, forced: str | None = None) -> Provider:
         """The provider to run on ``device``: forced by config, else the best available.
@@ -103,11 +120,19 @@ class MetadataOp:
             )
         if forced is not None:
             provider = self.providers.get(forced)
+            if provider is not None and provider.host:
+                raise ProviderError(
+                    "the host twin cannot be forced: eager plans use it on their own "
+                    "(Planner(eager_on_host=False) turns that off)",
+                    field=self.name,
+                    expected=self.device_providers(),
+                    actual=forced,
+                )
             if provider is None:
                 raise ProviderError(
                     "unknown provider",
                     field=self.name,
-                    expected=sorted(self.providers),
+                    expected=self.device_providers(),
                     actual=forced,
                 )
             if not provider.is_available(device):
@@ -120,12 +145,18 @@ class MetadataOp:
             return provider
         if device.type != "cuda":
             return self.providers["torch"]
-        usable = [p for p in self.providers.values() if p.is_available(device)]
+        usable = [p for p in self.providers.values() if not p.host and p.is_available(device)]
         return min(usable, key=lambda p: (p.rank, p.name))
 
+    def device_providers(self) -> list[str]:
+        """Names of the providers that run on a device (all but the host twin)."""
+        return sorted(name for name, p in self.providers.items() if not p.host)
+
     def available_on(self, device: torch.device) -> list[str]:
-        """Names of the providers usable on ``device``."""
-        return sorted(name for name, p in self.providers.items() if p.is_available(device))
+        """Names of the device providers usable on ``device``."""
+        return sorted(
+            name for name, p in self.providers.items() if not p.host and p.is_available(device)
+        )
 
 
 _OPS: dict[str, MetadataOp] = {}

@@ -49,6 +49,7 @@ class Planner:
 
     ``on_mismatch(batch, replayed, eager)`` is called in debug mode before a
     replay that differs from eager is raised (dumps use it to keep both).
+    ``eager_on_host`` lets eager plans run ops' host twins (``planner.host_pass``).
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class Planner:
         debug: bool | None = None,
         ops_in_graph: bool = True,
         on_mismatch: MismatchHook | None = None,
+        eager_on_host: bool = True,
     ) -> None:
         if not backends:
             raise SchemaError("a planner needs at least one backend", field="backends")
@@ -89,7 +91,7 @@ class Planner:
             mode: self._build_program(mode, schemas)
             for mode, schemas in self.schemas_by_mode.items()
         }
-        self.storages = Storages(self._programs, limits, self.device)
+        self.storages = Storages(self._programs, limits, self.device, eager_on_host=eager_on_host)
         self._captured: dict[tuple[ForwardMode, int], CapturedPlans] = {}
         self._warmed = False
         check_forced(self._programs.values(), self.forced)
@@ -103,15 +105,8 @@ class Planner:
         return self._chains[key]
 
     def _build_program(self, mode: ForwardMode, schemas: Mapping[str, type[Plan]]) -> Program:
-        return build_program(
-            schemas,
-            self._base,
-            self.options,
-            self.forced,
-            self._chain,
-            mode,
-            self.ops_in_graph,
-        )
+        args = (self._base, self.options, self.forced, self._chain, mode, self.ops_in_graph)
+        return build_program(schemas, *args)
 
     def program(self, mode: ForwardMode) -> Program:
         """The ordered steps for ``mode`` (built once, at construction); idle plans as decode."""

@@ -8,15 +8,17 @@ vectorised pass (the only value-range check the planner has), and copied in
 one transfer.
 
 The same :class:`Stager` serves every phase. A static one (capture and
-replay) keeps a pinned host buffer and its device twin for the planner's
-life, and awaits the previous batch's copy before overwriting the host side,
-so two batches never race on one pinned buffer. A fresh one (eager plans)
-makes new buffers per call.
+replay) keeps a ring of pinned host buffers and one device buffer for the
+planner's life. A fresh one (eager plans) copies into a new device buffer per
+call, from a ring of pinned host buffers on CUDA (a pageable copy costs
+several times a pinned one), after the host pass has added its outputs.
+Either way a pinned buffer is refilled only once the copy out of it is done,
+so two batches never race on one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -253,40 +255,69 @@ class Stager:
         self.static = static
         self.copies = 0
         self.device_buf: torch.Tensor | None = None
+        self._pinned = device.type == "cuda"
         self._ring: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
+        if static or self._pinned:
+            for _ in range(_RING if self._pinned else 1):
+                self._ring.append(self._host_buffer(max(layout.size, 1)))
         if static:
-            pinned = device.type == "cuda"
-            size = max(layout.size, 1)
-            for _ in range(_RING if pinned else 1):
-                host = torch.zeros(size, dtype=torch.int32, pin_memory=pinned)
-                # numpy views made once: .numpy() costs a microsecond and more a call
-                self._ring.append((host, host.numpy(), torch.cuda.Event() if pinned else None))
             self.host, self.host_view = self._ring[0][0], self._ring[0][1]
-            self.device_buf = torch.zeros(size, dtype=torch.int32, device=device)
+            self.device_buf = torch.zeros(max(layout.size, 1), dtype=torch.int32, device=device)
+
+    def _host_buffer(self, size: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
+        host = torch.zeros(size, dtype=torch.int32, pin_memory=self._pinned)
+        # numpy views made once: .numpy() costs a microsecond and more a call
+        return host, host.numpy(), torch.cuda.Event() if self._pinned else None
+
+    def _next_host(self, size: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
+        """The next pinned buffer of the ring, once the copy out of it (``_RING`` calls ago)
+        is done; grown when a fresh plan's host pass needs more room."""
+        slot = self.copies % len(self._ring)
+        host, view, done = self._ring[slot]
+        if done is not None and self.copies >= len(self._ring):
+            done.synchronize()  # queued behind a few steps' GPU work at most: long finished
+        if host.shape[0] < size:
+            host, view, done = self._ring[slot] = self._host_buffer(max(size, 2 * host.shape[0]))
+        return host, view, done
 
     def view(self, segment: Segment, n: int) -> torch.Tensor:
         """The first ``n`` staged values of ``segment`` (static stagers only)."""
         return self.device_buf[segment.offset : segment.offset + n]
 
     def stage(
-        self, batch: ForwardBatch, reqs: int, tokens: int, ranges: Ranges, *, read_device: bool
+        self,
+        batch: ForwardBatch,
+        reqs: int,
+        tokens: int,
+        ranges: Ranges,
+        *,
+        read_device: bool,
+        extra: int = 0,
+        host_work: Callable[[np.ndarray], None] | None = None,
     ) -> torch.Tensor:
-        """Fill, check, one host-to-device copy, then device-resident inputs; the device buffer."""
-        if self.static:
-            host, view, done = self._ring[self.copies % len(self._ring)]
-            if done is not None and self.copies >= len(self._ring):
-                done.synchronize()  # the copy out of this buffer, _RING steps ago: long finished
-        else:
-            host = torch.empty(max(self.layout.size, 1), dtype=torch.int32)
+        """Fill, check, ``host_work`` (a fresh plan's host pass, writing its outputs in the
+        ``extra`` elements after the inputs), one host-to-device copy, then device-resident
+        inputs; the device buffer."""
+        size = max(self.layout.size + extra, 1)
+        if self._ring:
+            host, view, done = self._next_host(size)
+            host, view = host[:size], view[:size]
+        else:  # fresh on the CPU: the buffer is the plan's own memory, so it is new per call
+            host = torch.empty(size, dtype=torch.int32)
             view, done = host.numpy(), None
         on_device = self.layout.fill(view, batch, reqs, tokens, ranges, read_device=read_device)
         self.layout.check(view, batch, ranges, on_device)
+        if host_work is not None:
+            host_work(view)
         if not self.static:
-            dev = host.to(self.device) if self.device.type != "cpu" else host
-        elif done is None:
-            dev = self.device_buf.copy_(host)
+            dev = host if done is None else torch.empty(size, dtype=torch.int32, device=self.device)
         else:
-            dev = self.device_buf.copy_(host, non_blocking=True)
+            dev = self.device_buf
+        if done is None:
+            if dev is not host:
+                dev.copy_(host)
+        else:
+            dev.copy_(host, non_blocking=True)
             done.record()
         self.copies += 1
         for seg, tensor in on_device:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from planner.batch import ForwardMode
+from planner.host_pass import Switch, host_pass_for
 from planner.limits import Limits
 from planner.materialise import FreshStorage, StaticStorage, batch_dims, source_segments
 from planner.program import Program
@@ -27,10 +28,14 @@ class Storages:
         programs: Mapping[ForwardMode, Program],
         limits: Limits,
         device: torch.device,
+        *,
+        eager_on_host: bool = True,
     ) -> None:
         self.programs = programs
         self.limits = limits
         self.device = device
+        self.eager_on_host = eager_on_host
+        self._switch = Switch()
         self._layouts: dict[tuple[ForwardMode, int], StagingLayout] = {}
         self._fresh: dict[tuple[ForwardMode, int], FreshStorage] = {}
         self._static: dict[ForwardMode, StaticStorage] = {}
@@ -80,7 +85,10 @@ class Storages:
             program, layout = self.programs[mode], self.layout(mode, reqs)
             segments = source_segments(program, layout)
             stager = Stager(layout, self.device, static=False)
-            storage = self._fresh[key] = FreshStorage(program, segments, stager)
+            host_pass = (
+                host_pass_for(program, segments, self._switch) if self.eager_on_host else None
+            )
+            storage = self._fresh[key] = FreshStorage(program, segments, stager, host_pass)
         return storage
 
     def static(self, mode: ForwardMode) -> StaticStorage:

@@ -4,7 +4,7 @@ Importing the package registers the generic ops (``ops`` for uniform batches,
 ``ragged_ops`` for the per-token metadata of extend batches), whose ``torch``
 providers (``torch_ref``, ``ragged_ref``) are the exact references and whose
 ``triton`` providers (``triton_kernels``, ``ragged_triton``) are the fast path,
-bit-equal to them.
+bit-equal to them; ``host_twins`` are their numpy twins, which eager plans run on the host.
 """
 
-from backends.common import ops, ragged_ops  # noqa: F401  (registers the generic ops)
+from backends.common import host_twins, ops, ragged_ops  # noqa: F401  (registers the generic ops)

@@ -42,6 +42,7 @@ from .schedule import (
     get_paged_mqa_logits_metadata,
     paged_mqa_schedule_into,
     reference_paged_mqa_schedule,
+    schedule_numpy,
     schedule_units,
     validate_context_lens,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "reference_fp8_mqa_logits",
     "reference_fp8_paged_mqa_logits",
     "reference_paged_mqa_schedule",
+    "schedule_numpy",
     "schedule_units",
     "unpack_index_kv_cache",
     "validate_context_lens",

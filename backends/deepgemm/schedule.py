@@ -32,6 +32,7 @@ from __future__ import annotations
 import warnings
 from typing import Literal
 
+import numpy as np
 import torch
 
 from planner.errors import PlanError, ProviderError
@@ -48,6 +49,7 @@ __all__ = [
     "schedule_units",
     "reference_paged_mqa_schedule",
     "paged_mqa_schedule_into",
+    "schedule_numpy",
     "get_paged_mqa_logits_metadata",
 ]
 
@@ -191,6 +193,28 @@ def _compute(context_lens: torch.Tensor, num_sms: int, layout: str) -> torch.Ten
         req = torch.cat([req[:-1], req.new_full((1,), batch)])
         split = torch.cat([split[:-1], split.new_zeros(1)])
     return torch.stack([req, split], dim=1)
+
+
+def schedule_numpy(out: np.ndarray, last_lens: np.ndarray, num_sms: int, layout: str) -> None:
+    """:func:`_compute` over numpy arrays, into int32 ``out [num_sms + 1, 2]``: the host twin
+    eager plans use (``last_lens`` is ``context_lens[:, -1]``, already validated)."""
+    batch = last_lens.shape[0]
+    prefix = np.cumsum((last_lens.astype(np.int64) + (SPLIT_KV - 1)) // SPLIT_KV)
+    total = int(prefix[-1])
+    q, r = divmod(total, num_sms)
+    sm = np.arange(num_sms + 1, dtype=np.int64)
+    if layout == "0.1.0":
+        starts = sm * q + np.minimum(sm, r)
+    else:
+        starts = sm * q + np.maximum(sm - (num_sms - r), 0)
+    req = np.searchsorted(prefix, starts, side="right")
+    if layout == "new":
+        np.minimum(req, batch - 1, out=req)
+    exclusive = np.concatenate([np.zeros(1, np.int64), prefix])
+    out[:, 0] = req
+    out[:, 1] = starts - exclusive[req]
+    if layout == "new":
+        out[-1] = (batch, 0)
 
 
 def reference_paged_mqa_schedule(

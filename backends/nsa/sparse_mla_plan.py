@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from backends.common.triton_kernels import LazyKernel, triton_available
@@ -230,6 +231,22 @@ def split_plan_torch(
     chunk = ((tiles + splits - 1) // splits).clamp(min=1) * block_n
     s = torch.arange(splits + 1, device=out.device, dtype=torch.int64)
     out[:n] = torch.minimum(s.unsqueeze(0) * chunk.unsqueeze(1), lens.unsqueeze(1)).to(I32)
+    out[n:] = 0
+
+
+def split_plan_numpy(out: np.ndarray, topk_lens: np.ndarray, *, topk: int, block_n: int) -> None:
+    """:func:`split_plan_torch` over numpy arrays: the host twin eager plans use. In int32
+    when no intermediate can pass it (every real configuration), else in int64."""
+    n, splits = topk_lens.shape[0], out.shape[1] - 1
+    wide = (splits + 1) * (topk + block_n) >= 2**31
+    lens = np.clip(topk_lens.astype(np.int64), 0, topk) if wide else topk_lens.clip(0, topk)
+    chunk = (lens + (block_n - 1)) // block_n
+    chunk += splits - 1
+    chunk //= splits
+    np.maximum(chunk, 1, out=chunk)
+    chunk *= block_n
+    s = np.arange(splits + 1, dtype=lens.dtype)
+    np.minimum(s[None, :] * chunk[:, None], lens[:, None], out=out[:n], casting="unsafe")
     out[n:] = 0
 
 

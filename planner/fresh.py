@@ -1,0 +1,175 @@
+"""Where an eager plan's tensors live: fresh memory per batch, laid out once per shape.
+
+An eager plan owns its tensors (a later plan never writes them), so each
+batch gets a new staging buffer, which also holds the host pass's outputs,
+and one new allocation per dtype for the fields computed on the device.
+What is worked out per set of dimensions (offsets, shapes, alignment) is
+kept, and the views of each buffer are cut in one call: on a GPU host a
+slice and a view cost 2-3 us apiece, a dozen fields a few tens of us.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from planner.batch import ForwardBatch
+from planner.dims import resolve_shape
+from planner.host_pass import HostPass, HostPassFailed, Placement
+from planner.program import Key, Program
+from planner.staging import Ranges, Segment, Stager
+
+_LAYOUT_CACHE = 256
+"""Layouts kept per storage; ragged batches vary in shape, so the cache is bounded."""
+_ALIGN_BYTES = 256
+"""Fields start on 256-byte boundaries, the alignment a separate allocation gives kernels."""
+
+
+@dataclass(frozen=True)
+class Cuts:
+    """Views of one buffer in one ``split_with_sizes`` call: the pieces and the gaps between."""
+
+    sizes: tuple[int, ...]
+    picks: tuple[tuple[Key, int, tuple[int, ...]], ...]
+    """``(key, piece, shape)``: several keys may name one piece (one staged source)."""
+
+    @classmethod
+    def of(cls, pieces: Iterable[tuple[Key, int, tuple[int, ...]]], total: int) -> Cuts:
+        """``pieces`` are ``(key, offset, shape)``, non-overlapping unless equal."""
+        sizes: list[int] = []
+        index: dict[tuple[int, int], int] = {}
+        picks = []
+        at = 0
+        for key, offset, shape in sorted(pieces, key=lambda p: p[1]):
+            numel = math.prod(shape)
+            where = (offset, numel)
+            if where not in index:
+                if offset > at:
+                    sizes.append(offset - at)
+                index[where] = len(sizes)
+                sizes.append(numel)
+                at = offset + numel
+            picks.append((key, index[where], shape))
+        sizes.append(total - at)
+        return cls(tuple(sizes), tuple(picks))
+
+    def views(self, buffer: torch.Tensor, out: dict[Key, torch.Tensor]) -> None:
+        parts = buffer.split_with_sizes(self.sizes)
+        for key, piece, shape in self.picks:
+            part = parts[piece]
+            out[key] = part if len(shape) == 1 else part.view(shape)
+
+
+@dataclass(frozen=True)
+class FreshLayout:
+    """One set of dimensions: the staging buffer (inputs, then host-pass outputs) and one
+    allocation per dtype for the device-computed fields."""
+
+    host: tuple[Placement, ...]
+    staged_size: int
+    staged: Cuts
+    arenas: Mapping[torch.dtype, tuple[int, Cuts]]
+
+
+class FreshStorage:
+    """Eager plans: see the module docstring."""
+
+    static = False
+
+    def __init__(
+        self,
+        program: Program,
+        segments: Mapping[Key, Segment],
+        stager: Stager,
+        host_pass: HostPass | None,
+    ) -> None:
+        self.program = program
+        self.segments = segments
+        self.stager = stager
+        self.host_pass = host_pass
+        self._layouts: dict[tuple, FreshLayout] = {}
+
+    def _layout(
+        self, dims: Mapping[str, int], reqs: int, host_pass: HostPass | None
+    ) -> FreshLayout:
+        key = (host_pass is not None, reqs, *dims.values())  # dims come in one fixed order
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= _LAYOUT_CACHE:
+                self._layouts.clear()
+            layout = self._layouts[key] = self._lay_out(dims, reqs, host_pass)
+        return layout
+
+    def _lay_out(
+        self, dims: Mapping[str, int], reqs: int, host_pass: HostPass | None
+    ) -> FreshLayout:
+        host, staged_size = (), self.stager.layout.size
+        if host_pass is not None:
+            host, staged_size = host_pass.placements(staged_size, dims)
+        tokens = dims["tokens"]
+        staged = [
+            (key, seg.offset, (tokens if seg.per_token else reqs,))
+            for key, seg in self.segments.items()
+        ]
+        staged += [(p.key, p.offset, p.shape) for p in host]
+        done = host_pass.outputs if host_pass is not None else frozenset()
+        pieces: dict[torch.dtype, list] = {}
+        totals: dict[torch.dtype, int] = {}
+        for step in self.program.steps:
+            if step.output in done:
+                continue
+            shape = resolve_shape(step.spec.shape, dims, field=step.key)
+            dtype = step.spec.dtype
+            align = max(1, _ALIGN_BYTES // dtype.itemsize)
+            start = totals.get(dtype, 0)
+            pieces.setdefault(dtype, []).append((step.output, start, shape))
+            totals[dtype] = start + -(-math.prod(shape) // align) * align
+        arenas = {dt: (totals[dt], Cuts.of(pieces[dt], totals[dt])) for dt in totals}
+        return FreshLayout(tuple(host), staged_size, Cuts.of(staged, max(staged_size, 1)), arenas)
+
+    def prepare(
+        self,
+        batch: ForwardBatch,
+        reqs: int,
+        dims: Mapping[str, int],
+        ranges: Ranges,
+        *,
+        read_device: bool,
+    ) -> tuple[dict[Key, torch.Tensor], frozenset]:
+        """Stage (running the host pass before the copy) and lay out; the tensors, and the
+        outputs already computed. A host twin that fails is retired for good and the plan
+        redone on the device."""
+        host_pass = self.host_pass
+        if host_pass is not None and host_pass.failed:
+            host_pass = None
+        layout = self._layout(dims, reqs, host_pass)
+        tokens = dims["tokens"]
+        work = None
+        if host_pass is not None:
+
+            def work(view: np.ndarray) -> None:
+                host_pass.run(view, layout.host, reqs, tokens)
+
+        try:
+            staged = self.stager.stage(
+                batch,
+                reqs,
+                tokens,
+                ranges,
+                read_device=read_device,
+                extra=layout.staged_size - self.stager.layout.size,
+                host_work=work,
+            )
+        except HostPassFailed:
+            return self.prepare(batch, reqs, dims, ranges, read_device=read_device)
+        tensors: dict[Key, torch.Tensor] = {}
+        layout.staged.views(staged, tensors)
+        for dtype, (total, cuts) in layout.arenas.items():
+            cuts.views(torch.empty(total, dtype=dtype, device=staged.device), tensors)
+        for alias, owner in self.program.aliases.items():
+            tensors[alias] = tensors[owner]
+        return tensors, host_pass.outputs if host_pass is not None else frozenset()
