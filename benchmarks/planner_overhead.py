@@ -188,26 +188,27 @@ def make_verify_batch(batch: ForwardBatch, table: torch.Tensor) -> ForwardBatch:
     )
 
 
-def measure_extend(args, device: torch.device) -> dict[str, Any]:
-    """One eager extend plan of a 2048-token chunk: 4 requests of 512 new tokens each."""
+def extend_setup(context: int, device: torch.device, seed: int) -> tuple[Planner, ForwardBatch]:
+    """An NSA planner and one extend batch of a 2048-token chunk: 4 requests of 512 new
+    tokens each after ``context - 512`` cached."""
     sms = (
         torch.cuda.get_device_properties(device).multi_processor_count
         if device.type == "cuda"
         else 132
     )
-    table, num_pages = make_table(4, args.context, device, args.seed)
+    table, num_pages = make_table(4, context, device, seed)
     limits = Limits(
         max_batch=4,
-        max_context=args.context,
+        max_context=context,
         num_sms=sms,
         max_tokens=2048,
         kv_slots=num_pages * 64,
         device=str(device),
     )
     planner = Planner(["nsa"], limits, options={"nsa": {"topk": 2048}})
-    lens = torch.tensor([args.context] * 4, dtype=torch.int32)
+    lens = torch.tensor([context] * 4, dtype=torch.int32)
     new = torch.full((4,), 512, dtype=torch.int32)
-    cols = torch.cat([torch.arange(args.context - 512, args.context)] * 4)
+    cols = torch.cat([torch.arange(context - 512, context)] * 4)
     rows = torch.arange(1, 5).repeat_interleave(512)
     loc = table[rows.to(device), cols.to(device)].cpu()
     batch = ForwardBatch(
@@ -218,6 +219,12 @@ def measure_extend(args, device: torch.device) -> dict[str, Any]:
         mode=ForwardMode.EXTEND,
         extend_lens_cpu=new,
     )
+    return planner, batch
+
+
+def measure_extend(args, device: torch.device) -> dict[str, Any]:
+    """One eager extend plan of a 2048-token chunk (``extend_setup``)."""
+    planner, batch = extend_setup(args.context, device, args.seed)
     out = time_host(lambda i: planner.plan(batch), warmup=args.warmup, iters=args.iters)
     sync(device)
     return out

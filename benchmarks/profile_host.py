@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import machine, print_table, sync, write_json
+from benchmarks.planner_overhead import extend_setup
 from graphs import GraphRunner
 from planner import Limits, Planner, PlanSet
 from tests.support.batches import make_pool, random_batch
@@ -117,10 +118,22 @@ def main(argv: list[str] | None = None) -> int:
     plan_tensors = list(planner.replay(batches[0], bs)["nsa"].tensors().values())
     host = np.zeros(1024, dtype=np.int64)
     lo, hi = np.zeros_like(host), np.full_like(host, 1 << 30)
+    extend_planner, extend_batch = extend_setup(ctx, device, 0)
+    fi_planner = Planner(["flashinfer_decode"], limits)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fi_planner.capture(bs, req_to_token=table)
+    fi_plan = fi_planner.replay(batches[0], bs)["flashinfer_decode"]
+    fi_slot = fi_plan.wrapper.slot
     phases = {
         "planner.replay": lambda i: planner.replay(batches[i % 8], bs),
         "runner.step (refresh + inputs + graph.replay)": lambda i: runner.step(batches[i % 8]),
         "planner.plan (eager)": lambda i: planner.plan(batches[i % 8]),
+        "planner.plan (eager extend, 2048 tokens)": lambda i: extend_planner.plan(extend_batch),
+        "planner.replay (flashinfer_decode)": lambda i: fi_planner.replay(batches[i % 8], bs),
+        "floor: FlashInfer's own plan() of the same batch": lambda i: (
+            fi_slot._plan_wrapper(fi_plan.kv_indices) if fi_slot.wrapper is not None else None
+        ),
         "floor: pinned H2D copy_ (non_blocking)": lambda i: dev.copy_(staged, non_blocking=True),
         "floor: data_ptr() loop over the plan tensors": lambda i: [
             t.data_ptr() for t in plan_tensors

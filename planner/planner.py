@@ -91,6 +91,8 @@ class Planner:
             mode: self._build_program(mode, schemas)
             for mode, schemas in self.schemas_by_mode.items()
         }
+        idle = {ForwardMode.IDLE} if ForwardMode.DECODE in self._programs else set()
+        self._modes = frozenset(self._programs) | idle
         self.storages = Storages(self._programs, limits, self.device, eager_on_host=eager_on_host)
         self._captured: dict[tuple[ForwardMode, int], CapturedPlans] = {}
         self._warmed = False
@@ -124,10 +126,7 @@ class Planner:
     @property
     def modes(self) -> frozenset[ForwardMode]:
         """The modes this planner plans (idle whenever decode is)."""
-        planned = set(self._programs)
-        if ForwardMode.DECODE in planned:
-            planned.add(ForwardMode.IDLE)
-        return frozenset(planned)
+        return self._modes
 
     def check_serves(
         self, needs: Mapping[str, type[Plan] | tuple[type[Plan], ...]], *, who: str = "the model"

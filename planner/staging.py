@@ -299,7 +299,9 @@ class Stager:
         ``extra`` elements after the inputs), one host-to-device copy, then device-resident
         inputs; the device buffer."""
         size = max(self.layout.size + extra, 1)
-        if self._ring:
+        if self.static:  # fixed size: the ring's buffers as they are
+            host, view, done = self._next_host(size)
+        elif self._ring:
             host, view, done = self._next_host(size)
             host, view = host[:size], view[:size]
         else:  # fresh on the CPU: the buffer is the plan's own memory, so it is new per call

@@ -14,6 +14,9 @@
 #   small       dsv32-small decode, 16 requests                   -> small.json
 #   shapes      dsv32-shapes decode, 64 requests                  -> shapes.json
 #   floor       dsv32-shapes step under graphs vs its HBM floor   -> model_floor.json
+#   host        planner vs hand-written host time, every variant  -> planner_overhead.json/.png
+#   refresh     graph runner refresh, decode and target verify    -> replay_overhead*.json
+#   profile     host profile of replay, runner step, eager plan   -> profile_host.json
 set -u
 cd "$(dirname "$0")/.." || exit 1
 source scripts/device_prelude.sh || exit 1
@@ -51,6 +54,14 @@ for step in "$@"; do
     shapes) run shapes python3 -m planner decode --config configs/dsv32-shapes.yaml --requests 64 \
         --quiet --json "$OUT/shapes.json" ;;
     floor) run floor python3 -m benchmarks.model_floor --out "$OUT/model_floor.json" ;;
+    host) run host python3 -m benchmarks.planner_overhead --runs 2 --iters 300 \
+        --out "$OUT/planner_overhead.json" --plot "$OUT/planner_overhead.png" ;;
+    refresh)
+        run refresh python3 benchmarks/replay_overhead.py --iters 300 --batches 1 64 256 \
+            --out "$OUT/replay_overhead.json"
+        run refresh_verify python3 benchmarks/replay_overhead.py --iters 300 --batches 1 64 256 \
+            --mode target_verify --out "$OUT/replay_overhead_verify.json" ;;
+    profile) run profile python3 -m benchmarks.profile_host --out "$OUT/profile_host.json" ;;
     *) echo "unknown step $step" | tee -a "$LOG"; failed=1 ;;
     esac
 done
