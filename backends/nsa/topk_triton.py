@@ -36,10 +36,11 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
 
 __all__ = ["row_topk_triton"]
 
-# Scores per chunk of a pass. The histogram is a [BLOCK, 16] compare, so 1024 keeps it
-# at 64 values per thread with 8 warps.
+# Scores per chunk of a pass. The histogram is a [BLOCK, 16] compare: 1024 with 16 warps
+# keeps it at 32 values per thread, the fastest of the block x warps sweep on the H200
+# (128 full rows of 16384: 79.8 us, against 103.2 us with 8 warps; docs/benchmarks.md).
 DEFAULT_BLOCK = 1024
-DEFAULT_WARPS = 8
+DEFAULT_WARPS = 16
 
 
 def _row_topk_kernel(
