@@ -11,7 +11,7 @@ views of max-size buffers a CUDA graph reads) and in which steps they run
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ def batch_dims(
         reqs=reqs,
         rows=tokens,
         tokens=tokens,
+        kernel_reqs=tokens // int(program.settings.get("kernel_next_n", 1)),
         kv_tokens=kv_tokens,
         max_len=max_len,
         pages=pages,
@@ -164,8 +165,8 @@ class StaticStorage:
 
     @property
     def nbytes(self) -> int:
-        tensors = [*self.buffers.values(), self.stager.device_buf]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes of the plan buffers (the stager, maybe shared by steps, is counted apart)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
 
 
 Storage = FreshStorage | StaticStorage
@@ -182,15 +183,37 @@ def materialise(
     read_device: bool,
 ) -> tuple[Tensors, Handles]:
     """Stage, lay out, run ``steps``: the batch's tensors, and the handles host ops returned."""
-    staged = storage.stager.stage(batch, reqs, dims["tokens"], ranges, read_device=read_device)
-    tensors = storage.tensors(staged, reqs, dims)
-    bind_batch(tensors, batch)
-    handles = {}
-    for step in steps:
-        handle = step.run(tensors, static=storage.static)
-        if handle is not None:
-            handles[step.output] = handle
-    return tensors, handles
+    return materialise_all([storage], [batch], reqs, dims, ranges, steps, read_device=read_device)[
+        0
+    ]
+
+
+def materialise_all(
+    storages: Sequence[Storage],
+    batches: Sequence[ForwardBatch],
+    reqs: int,
+    dims: Mapping[str, int],
+    ranges: Ranges,
+    steps: Iterable[Step],
+    *,
+    read_device: bool,
+) -> list[tuple[Tensors, Handles]]:
+    """:func:`materialise` for the steps of a stepped batch: one storage each, sharing one
+    stager, so every step's inputs go to the device in one copy."""
+    stager = storages[0].stager
+    staged = stager.stage_all(list(batches), reqs, dims["tokens"], ranges, read_device=read_device)
+    steps = tuple(steps)
+    out = []
+    for storage, batch, region in zip(storages, batches, staged):
+        tensors = storage.tensors(region, reqs, dims)
+        bind_batch(tensors, batch)
+        handles = {}
+        for step in steps:
+            handle = step.run(tensors, static=storage.static)
+            if handle is not None:
+                handles[step.output] = handle
+        out.append((tensors, handles))
+    return out
 
 
 def bind_batch(tensors: Tensors, batch: ForwardBatch) -> None:

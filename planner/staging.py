@@ -47,16 +47,26 @@ class Ranges:
 
 
 def input_ranges(
-    max_context: int, next_n: int, kv_slots: int | None, table: torch.Tensor, ragged: bool
+    max_context: int,
+    next_n: int,
+    kv_slots: int | None,
+    table: torch.Tensor,
+    ragged: bool,
+    partial: bool = False,
 ) -> Ranges:
     """The legal values of each staged input for a planner's limits, token table and mode.
 
     A uniform batch adds exactly ``next_n`` tokens per request (1 in decode);
-    a ragged one at least one, and never more than the request's KV length.
+    a ragged one at least one, and never more than the request's KV length; a
+    draft extend (``partial``) 1..``next_n``, its rows past them padding.
     """
+    if ragged or partial:
+        extend = (1, max_context if ragged else next_n)
+    else:
+        extend = (next_n, next_n)
     return Ranges(
-        seq_lens=(1 if ragged else next_n, min(max_context, table.shape[1])),
-        extend_lens=(1, max_context) if ragged else (next_n, next_n),
+        seq_lens=(extend[0], min(max_context, table.shape[1])),
+        extend_lens=extend,
         req_pool_indices=(0, table.shape[0] - 1),
         out_cache_loc=(0, (kv_slots if kv_slots is not None else 2**31) - 1),
         positions=(0, max_context - 1),
@@ -225,20 +235,29 @@ def _fits_int32(source: str, values: np.ndarray, ranges: Ranges) -> None:
 
 
 class Stager:
-    """Stages a batch through one host buffer into one device buffer; see the module docstring."""
+    """Stages batches through one host buffer into one device buffer; see the module docstring.
 
-    def __init__(self, layout: StagingLayout, device: torch.device, *, static: bool) -> None:
+    ``regions`` batches share it side by side (a stepped batch's steps): each
+    fills and is checked in its own region, and one copy moves them all.
+    """
+
+    def __init__(
+        self, layout: StagingLayout, device: torch.device, *, static: bool, regions: int = 1
+    ) -> None:
         self.layout = layout
         self.device = device
         self.static = static
+        self.regions = regions
         self.copies = 0
         self.device_buf: torch.Tensor | None = None
         self._copy_done: torch.cuda.Event | None = None
+        self._size = max(layout.size, 1)
         if static:
             pinned = device.type == "cuda"
-            self.host = torch.zeros(max(layout.size, 1), dtype=torch.int32, pin_memory=pinned)
+            total = self._size * regions
+            self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pinned)
             self.host_view = self.host.numpy()  # made once: .numpy() costs microseconds a call
-            self.device_buf = torch.zeros(max(layout.size, 1), dtype=torch.int32, device=device)
+            self.device_buf = torch.zeros(total, dtype=torch.int32, device=device)
             self._copy_done = torch.cuda.Event() if pinned else None
 
     def view(self, segment: Segment, n: int) -> torch.Tensor:
@@ -249,15 +268,38 @@ class Stager:
         self, batch: ForwardBatch, reqs: int, tokens: int, ranges: Ranges, *, read_device: bool
     ) -> torch.Tensor:
         """Fill, check, one host-to-device copy, then device-resident inputs; the device buffer."""
+        return self.stage_all([batch], reqs, tokens, ranges, read_device=read_device)[0]
+
+    def stage_all(
+        self,
+        batches: list[ForwardBatch],
+        reqs: int,
+        tokens: int,
+        ranges: Ranges,
+        *,
+        read_device: bool,
+    ) -> list[torch.Tensor]:
+        """:meth:`stage` for several batches, one region each, in one copy; a view per batch."""
+        size, n = self._size, len(batches)
+        if n > self.regions and self.static:
+            raise BatchError(
+                "more batches than staging regions", field="steps", expected=self.regions, actual=n
+            )
         if self.static:
             if self._copy_done is not None:
                 self._copy_done.synchronize()  # the last copy must not read a half-written buffer
             host, view = self.host, self.host_view
         else:
-            host = torch.empty(max(self.layout.size, 1), dtype=torch.int32)
+            host = torch.empty(size * n, dtype=torch.int32)
             view = host.numpy()
-        on_device = self.layout.fill(view, batch, reqs, tokens, ranges, read_device=read_device)
-        self.layout.check(view, batch, ranges, on_device)
+        pending = []
+        for r, batch in enumerate(batches):
+            region = view[r * size : (r + 1) * size]
+            on_device = self.layout.fill(
+                region, batch, reqs, tokens, ranges, read_device=read_device
+            )
+            self.layout.check(region, batch, ranges, on_device)
+            pending.append(on_device)
         if not self.static:
             dev = host.to(self.device) if self.device.type != "cpu" else host
         elif self.device.type == "cpu":
@@ -266,7 +308,9 @@ class Stager:
             dev = self.device_buf.copy_(host, non_blocking=True)
             self._copy_done.record()
         self.copies += 1
-        for seg, tensor in on_device:
-            n_real = batch.num_tokens if seg.per_token else batch.bs
-            dev[seg.offset : seg.offset + n_real].copy_(tensor)
-        return dev
+        views = [dev[r * size : (r + 1) * size] for r in range(n)]
+        for batch, region, on_device in zip(batches, views, pending):
+            for seg, tensor in on_device:
+                n_real = batch.num_tokens if seg.per_token else batch.bs
+                region[seg.offset : seg.offset + n_real].copy_(tensor)
+        return views
