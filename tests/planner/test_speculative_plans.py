@@ -8,16 +8,20 @@ step's batch bit for bit; the three upstream bugs the issue names are pinned dow
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
 
 from backends.deepgemm import reference_paged_mqa_schedule
+from benchmarks import verify_spec_verify
 from planner import ForwardBatch, ForwardMode, Limits, Planner
 from planner.compare import diff_plans, padding_violations
+from planner.dumps import dump_plans, load_dump
 from planner.stepped import step_batches
 from tests.support.batches import make_pool
+from tests.support.dumps import assert_same_bits
 from tests.support.spec_batches import draft_decode_batch, draft_extend_batch, verify_batch
 
 MAX_BATCH, MAX_CTX, PAGE, SMS = 5, 320, 64, 7
@@ -245,3 +249,23 @@ def test_draft_decode_needs_draft_steps():
     batch = draft_decode_batch(random.Random(0), TABLE, bs=1, max_context=MAX_CTX, steps=2)
     with pytest.raises(Exception, match="draft_steps"):
         planner.plan(batch)
+
+
+def test_gpu_verify_script_smoke_mode(tmp_path):
+    """benchmarks/verify_spec_verify.py --smoke: the H200 script's checks on the CPU (emulated
+    graphs, references for the kernels), expanded and native verify, all passing."""
+    assert verify_spec_verify.main(["--smoke", "--cases", "3", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "verify_spec_verify.json").read_text())
+    assert report["ok"] and len(report["parts"]) == 3
+    assert report["parts"]["next_n=4 (expanded)"]["layouts"] == ["expanded"]
+    assert report["parts"]["next_n=2 native"]["layouts"] == ["native"]
+    assert all(part["graph_replays"] == part["cases"] for part in report["parts"].values())
+
+
+def test_a_draft_decode_plan_set_dumps_and_loads_every_step(tmp_path):
+    planner = _planner(4, 3, backends=("nsa", "paged"))
+    batch = draft_decode_batch(random.Random(2), TABLE, bs=3, max_context=MAX_CTX, steps=3)
+    plans = planner.plan(batch)
+    loaded = load_dump(dump_plans(plans, tmp_path / "d", step=1, batch=batch))
+    assert loaded.backends == list(plans)  # nsa@0, paged@0, nsa@1, ...
+    assert_same_bits(plans, loaded)

@@ -17,6 +17,7 @@ from functools import cache
 import pytest
 import torch
 
+from benchmarks import spec_decode
 from models.config import DSV32Config
 from models.model import DSV32Model
 from serving.accept import accept_greedy
@@ -106,7 +107,7 @@ def test_the_cpu_speculative_config_serves_and_reports(tmp_path):
             "--config",
             "configs/dsv32-tiny-spec.yaml",
             "--requests",
-            "6",
+            "3",
             "--quiet",
             "--json",
             str(out),
@@ -122,3 +123,13 @@ def test_the_cpu_speculative_config_serves_and_reports(tmp_path):
     assert summary["speculative"]["draft"] == "ngram"
     assert summary["plain"]["tokens_equal"] is True
     assert summary["plain"]["tokens_per_second"] > 0
+
+
+def test_gpu_benchmark_script_smoke_mode(tmp_path):
+    """benchmarks/spec_decode.py --smoke: plain, MTP, n-gram and plain again on the CPU."""
+    assert spec_decode.main(["--smoke", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "spec_decode.json").read_text())
+    runs = report["runs"]
+    assert list(runs) == ["plain", "mtp", "ngram", "plain again"]
+    assert runs["mtp"]["draft"] == "mtp" and runs["mtp"]["mean_accept_length"] >= 1.0
+    assert all(r["requests_equal_to_plain"] == "2/2" for r in runs.values())  # exact on the CPU
