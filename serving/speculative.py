@@ -80,6 +80,7 @@ class Speculation:
         self._pending: list[tuple[Request, torch.Tensor, torch.Tensor]] = []
         if spec.draft == "mtp":
             self.mtp = MTPDraft(model, seed=spec.mtp_seed)
+            planner.check_serves(MTPDraft.PLANS, who="the MTP draft")
             self.cache = self.mtp.new_cache(num_pages)
             modes = [ForwardMode.DRAFT_EXTEND] + ([ForwardMode.DRAFT_DECODE] if self.steps else [])
             for mode in modes:
