@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -211,7 +212,7 @@ class DecodeEngine:
         """One decode step through the graph runner, or a speculative round."""
         t0 = time.perf_counter()
         if self.speculation is not None:
-            target = lambda batch, ids: self._forward_step(batch, ids, result)  # noqa: E731
+            target = partial(self._forward_step, result=result)
             result.decode_tokens += self.speculation.verify(requests, target, time.perf_counter)
         else:
             batch, ids = self.scheduler.build(requests, ForwardMode.DECODE, 1)
