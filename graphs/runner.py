@@ -323,7 +323,9 @@ class GraphRunner:
         self._pool = None
 
     def _next_n(self, mode: ForwardMode) -> int:
-        return self.planner.program(mode).next_n
+        """Tokens per request: a graph of ``bs`` requests has ``bs`` times this many rows of
+        per-token inputs (a draft extend's, padded; a draft decode's: one per step)."""
+        return self.planner.tokens_per_request(mode)
 
 
 def _describe(exc: BaseException) -> str:

@@ -24,6 +24,7 @@ from torch import nn
 
 from backends.nsa import NSAExtendPlan, NSAPlan
 from models.config import DSV32Config
+from models.init import random_init
 from models.kv_cache import PagedKVCache
 from models.layers.exact import Linear
 from models.layers.ffn import MLP, MoE
@@ -35,7 +36,6 @@ from planner.planset import PlanSet
 from planner.schema import Plan
 
 FORMAT = "forward-planner/dsv32"
-_OUTPUT_PROJECTIONS = ("wo", "w2")  # write into the residual stream: scaled down by depth
 
 
 class Block(nn.Module):
@@ -126,31 +126,8 @@ class DSV32Model(nn.Module):
         for block in self.layers:
             block.attn.indexer.reset_buffers()
 
-    @torch.no_grad()
     def _init_weights(self, seed: int) -> None:
-        """Deterministic random weights, in parameter registration order.
-
-        Projections: N(0, 1/fan_in) so each keeps unit scale; projections that
-        write into the residual stream are further divided by sqrt(2 * layers)
-        so the stream grows by O(1) overall; norms start at 1/0; the gate bias
-        is small but non-zero so it does shift expert choice.
-        """
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        out_scale = (2 * self.config.num_hidden_layers) ** -0.5
-        for name, p in self.named_parameters():
-            parts = name.split(".")
-            owner = parts[-2] if parts[-1] in ("weight", "bias") else parts[-1]
-            if owner.endswith("norm"):
-                p.fill_(1.0 if parts[-1] == "weight" else 0.0)
-            elif owner == "gate" and parts[-1] == "bias":
-                p.normal_(0.0, 0.05, generator=gen)
-            elif owner == "embed":
-                p.normal_(0.0, 1.0, generator=gen)
-            else:
-                std = p.shape[-1] ** -0.5
-                if owner in _OUTPUT_PROJECTIONS:
-                    std *= out_scale
-                p.normal_(0.0, std, generator=gen)
+        random_init(self, seed, self.config.num_hidden_layers)
 
     def param_count(self) -> int:
         """Number of parameters (equals ``config.param_count()``)."""
@@ -201,12 +178,16 @@ class DSV32Model(nn.Module):
                 actual=len(cache.mla),
             )
 
-    def forward(self, input_ids: torch.Tensor, plans: PlanSet, cache: PagedKVCache) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, plans: PlanSet, cache: PagedKVCache, *, hidden: bool = False
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Next-token logits fp32 for one step; writes this step's KV.
 
         ``[rows, vocab]`` for a decode or verify batch (a row per query token),
         ``[reqs, vocab]`` for an extend batch: only each request's last token
         predicts anything, so the head runs on the plan's ``logit_rows`` alone.
+        ``hidden=True`` returns ``{"logits", "hidden"}``, the final normed hidden
+        state of every row or token (what an MTP draft is fed).
         """
         plan: NSAPlan | NSAExtendPlan = plans["nsa"]
         self._check(input_ids, plan, cache)
@@ -214,9 +195,12 @@ class DSV32Model(nn.Module):
         h = self.embed(input_ids)
         for i, block in enumerate(self.layers):
             h = block(h, cos, sin, plan, cache.mla[i], cache.index[i])
-        if isinstance(plan, NSAExtendPlan):
-            h = h[plan.logit_rows.long()]
-        return self.head(self.norm(h)).float()
+        ragged = isinstance(plan, NSAExtendPlan)
+        if not hidden:
+            return self.head(self.norm(h[plan.logit_rows.long()] if ragged else h)).float()
+        normed = self.norm(h)
+        last = normed[plan.logit_rows.long()] if ragged else normed
+        return {"logits": self.head(last).float(), "hidden": normed}
 
     # ------------------------------------------------------------- persistence
 

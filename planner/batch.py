@@ -25,6 +25,12 @@ class ForwardMode(str, enum.Enum):
       per request (prefill, chunked prefill); eager;
     - ``mixed``: extend and decode requests in one batch (a decode request is an
       extend of one token); eager.
+    - ``draft_extend``: the draft model catches up on each request's accepted
+      tokens (1..``next_n``, a different number per request), padded to
+      ``next_n`` rows per request so shapes stay static (full graph);
+    - ``draft_decode``: ``k`` draft steps of one token per request, each one
+      KV token longer than the last; planned as ``k`` decode plans in one
+      planner call (full graph).
     """
 
     DECODE = "decode"
@@ -32,6 +38,8 @@ class ForwardMode(str, enum.Enum):
     IDLE = "idle"
     EXTEND = "extend"
     MIXED = "mixed"
+    DRAFT_EXTEND = "draft_extend"
+    DRAFT_DECODE = "draft_decode"
 
     @property
     def ragged(self) -> bool:
@@ -43,10 +51,29 @@ class ForwardMode(str, enum.Enum):
         """The mode whose program plans this one: idle is decode with every row padding."""
         return ForwardMode.DECODE if self is ForwardMode.IDLE else self
 
+    @property
+    def stepped(self) -> bool:
+        """Whether a batch of this mode is planned as several steps (draft decode: ``k``)."""
+        return self is ForwardMode.DRAFT_DECODE
+
+    @property
+    def step_mode(self) -> ForwardMode:
+        """The mode each step of a stepped batch plans as: a draft-decode step is a decode."""
+        return ForwardMode.DECODE if self is ForwardMode.DRAFT_DECODE else self
+
+    @property
+    def padded_rows(self) -> bool:
+        """Whether rows past a request's own token count are padding (draft extend)."""
+        return self is ForwardMode.DRAFT_EXTEND
+
 
 RAGGED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.MIXED})
-UNIFORM_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE})
-"""Every request adds the same number of tokens (``next_n``): shapes are static per batch size."""
+DECODE_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE})
+"""What a plan schema plans unless it says otherwise: the target model's uniform batches."""
+UNIFORM_MODES = DECODE_MODES | {ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECODE}
+"""Every request has the same number of query rows: shapes are static per batch size."""
+VERIFY_ROWS_MODES = frozenset({ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND})
+"""Modes with ``next_n`` query rows per request (the limits' ``next_n``); others have one."""
 
 BATCH = "batch"
 """Owner name of the batch's own tensors in the planner's tables (no backend may take it)."""
@@ -79,6 +106,13 @@ class ForwardBatch:
     ``req_pool_indices``, ``positions`` and ``out_cache_loc`` may live on the
     host (staged with the lengths in one copy) or already on the device;
     ``seq_lens`` and ``extend_lens`` are optional device copies an engine may hold.
+
+    A draft-extend batch gives each request's accepted tokens in
+    ``extend_lens_cpu`` (1..``next_n``) and one ``out_cache_loc`` / ``positions``
+    entry per accepted token; the planner spreads them over ``next_n`` rows per
+    request. A draft-decode batch has ``next_n = k`` (its steps) and, like a
+    verify batch, the KV length after its last step and all ``k`` tokens'
+    slots, request-major: step ``s`` of request ``b`` is token ``b * k + s``.
     """
 
     seq_lens_cpu: torch.Tensor

@@ -8,15 +8,16 @@ they returned at capture (always on: a pointer loop, microseconds).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from planner.batch import ForwardBatch, ForwardMode
 from planner.errors import ReplayError
-from planner.materialise import Handles, StaticStorage, Tensors
+from planner.materialise import Handles, StaticStorage, Tensors, build_plans
 from planner.planset import PlanSet
-from planner.program import Step
+from planner.program import Program, Step
 from planner.staging import Ranges
 
 
@@ -32,12 +33,6 @@ class CapturedPlans:
     table_ptr: int
     table_shape: tuple[int, ...]
     dummy: ForwardBatch
-    # What every replay of this size needs, resolved once at capture (the replay hot path):
-    storage: StaticStorage | None = None
-    dims: dict[str, int] = field(default_factory=dict)
-    ranges: Ranges | None = None
-    steps: tuple[Step, ...] = ()
-    host_steps: tuple[Step, ...] = ()
     addresses: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -66,11 +61,70 @@ class CapturedPlans:
                 )
 
 
+@dataclass
+class CapturedBatch:
+    """The captured plans of one (mode, size): the plan set the graph reads and, per step (one
+    unless the mode is stepped), what its tensors point at."""
+
+    plans: PlanSet
+    steps: list[CapturedPlans]
+    # What every replay of this size needs, resolved once at capture (the replay hot path):
+    storages: list[StaticStorage] = field(default_factory=list)
+    dims: dict[str, int] = field(default_factory=dict)
+    ranges: Ranges | None = None
+    program_steps: tuple[Step, ...] = ()
+    host_steps: tuple[Step, ...] = ()
+
+    @property
+    def table_ptr(self) -> int:
+        return self.steps[0].table_ptr
+
+    @property
+    def table_shape(self) -> tuple[int, ...]:
+        return self.steps[0].table_shape
+
+    def check_unmoved(self, handles: list[Handles]) -> None:
+        for step, step_handles in zip(self.steps, handles):
+            step.check_unmoved(step_handles)
+
+
+def capture_steps(
+    program: Program,
+    mode: ForwardMode,
+    bs: int,
+    batches: Sequence[ForwardBatch],
+    results: Sequence[tuple[Tensors, Handles]],
+    dims: Mapping[str, int],
+    table: torch.Tensor,
+) -> CapturedBatch:
+    """What a capture keeps: each step's plans over its tensors, and their addresses."""
+    steps, sets = [], []
+    for batch, (tensors, handles) in zip(batches, results):
+        plans = PlanSet(build_plans(program, tensors, handles, dims), "capture", mode, bs, bs)
+        named = [(f"{b}.{n}", t) for b, p in plans.items() for n, t in p.tensors().items()]
+        steps.append(
+            CapturedPlans(
+                plans,
+                tensors,
+                handles,
+                [(key, t.data_ptr()) for key, t in named],
+                [t for _, t in named],
+                table.data_ptr(),
+                tuple(table.shape),
+                batch,
+            )
+        )
+        sets.append(plans)
+    top = PlanSet.stepped(sets, "capture", mode, bs, bs) if mode.stepped else sets[0]
+    return CapturedBatch(top, steps)
+
+
 def dummy_batch(
     bs: int, mode: ForwardMode, next_n: int, req_to_token: torch.Tensor
 ) -> ForwardBatch:
     """What a capture runs its ops on: ``bs`` requests of the shortest legal length, all on the
-    null request (row 0 of the token table, slot 0), so nothing real is read or written."""
+    null request (row 0 of the token table, slot 0), so nothing real is read or written.
+    A draft extend accepts all ``next_n`` tokens of each."""
     return ForwardBatch(
         seq_lens_cpu=torch.full((bs,), next_n, dtype=torch.int32),
         req_pool_indices=torch.zeros(bs, dtype=torch.int32),
@@ -78,4 +132,5 @@ def dummy_batch(
         out_cache_loc=torch.zeros(bs * next_n, dtype=torch.int32),
         mode=mode,
         next_n=next_n,
+        extend_lens_cpu=torch.full((bs,), next_n, dtype=torch.int32) if mode.padded_rows else None,
     )

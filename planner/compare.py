@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from planner.schema import Plan
+from planner.stepped import base_backend
 
 
 @dataclass(frozen=True)
@@ -111,15 +112,43 @@ def padding_violations(
     """Fields with a constant pad whose padding rows hold something else.
 
     ``real`` gives the number of real leading rows per batch dimension
-    (``{"reqs": 3, "rows": 6}``).
+    (``{"reqs": 3, "rows": 6}``; ``tokens`` defaults to the rows, ``kernel_reqs``
+    to the rows over the plan's ``kernel_next_n``). A schema's ``row_mask``
+    field marks padding rows inside real requests too (draft extend): those
+    must hold the pads as well. A stepped plan set's ``backend@s`` plans are
+    checked against their backend's pads.
     """
     bad = []
-    for backend, plan in plans.items():
+    for key, plan in plans.items():
+        backend = base_backend(key)
+        mask = _padding_rows(plan, real)
         for name, spec in plan.tensor_specs.items():
             pad = pads.get((backend, name))
             if pad is None or spec.row_dim is None:
                 continue
-            tail = getattr(plan, name)[real[spec.row_dim] :]
+            tensor = getattr(plan, name)
+            n = _real_count(plan, spec.row_dim, real)
+            tail = tensor[n:]
             if tail.numel() and not bool((tail == pad).all()):
-                bad.append(f"{backend}.{name}")
+                bad.append(f"{key}.{name}")
+            elif mask is not None and spec.row_dim == "rows":
+                inside = tensor[: mask.shape[0]][mask]
+                if inside.numel() and not bool((inside == pad).all()):
+                    bad.append(f"{key}.{name}")
     return bad
+
+
+def _real_count(plan: Plan, dim: str, real: Mapping[str, int]) -> int:
+    if dim in real:
+        return real[dim]
+    if dim == "kernel_reqs":
+        return real["rows"] // int(getattr(plan, "kernel_next_n", 1))
+    return real["rows"] if dim == "tokens" else real[dim]
+
+
+def _padding_rows(plan: Plan, real: Mapping[str, int]) -> torch.Tensor | None:
+    """Which of the real requests' rows are padding, by the schema's ``row_mask`` field."""
+    name = type(plan).row_mask
+    if name is None:
+        return None
+    return getattr(plan, name)[: real["rows"]] == 0

@@ -9,6 +9,8 @@ device-resident input, the device copy of the lengths) runs in eager
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from planner.batch import ForwardBatch, ForwardMode
@@ -73,15 +75,16 @@ def validate_batch(
     device: torch.device,
     max_batch: int,
     max_tokens: int,
-    next_n: int,
+    next_n: Mapping[ForwardMode, int],
     device_reads: bool,
 ) -> ForwardMode:
     """Reject a malformed batch, naming the field, before anything is staged; its mode.
 
     Structure only (types, ranks, devices, lengths, counts): value ranges are
-    checked where the inputs are staged. ``device_reads`` also compares the
-    engine's device copies of the lengths with the host ones, which costs a
-    synchronisation: eager ``plan()`` and debug mode pay it, replay not.
+    checked where the inputs are staged. ``next_n`` is each mode's tokens per
+    request (absent: 1). ``device_reads`` also compares the engine's device
+    copies of the lengths with the host ones, which costs a synchronisation:
+    eager ``plan()`` and debug mode pay it, replay not.
     """
     if not isinstance(batch, ForwardBatch):
         raise BatchError("not a ForwardBatch", field="batch", actual=type(batch).__name__)
@@ -91,7 +94,7 @@ def validate_batch(
         raise BatchError(
             "unknown mode", field="mode", expected=[m.value for m in ForwardMode], actual=batch.mode
         ) from None
-    want_n = next_n if mode is ForwardMode.TARGET_VERIFY else 1
+    want_n = next_n.get(mode, 1)
     if batch.next_n != want_n:
         raise BatchError(
             f"next_n does not match the planner for mode {mode.value}",
@@ -124,6 +127,14 @@ def validate_batch(
             actual=bs,
         )
     tokens = _check_extend_lens(batch, mode, bs, max_tokens, cpu)
+    if mode.stepped and bs and int(seq.numpy().min()) < batch.next_n:
+        raise BatchError(
+            "a draft-decode batch's KV lengths include its k draft tokens (its first step's "
+            "length is seq_lens_cpu - k + 1 >= 1)",
+            field="seq_lens_cpu",
+            expected=f">= {batch.next_n}",
+            actual=int(seq.numpy().min()),
+        )
     _check_tensor(
         "req_to_token", batch.req_to_token, dtypes=(torch.int32,), rank=2, devices=(device,)
     )
@@ -135,6 +146,15 @@ def validate_batch(
         value = getattr(batch, name)
         if value is not None or name != "positions":
             _check_tensor(name, value, dtypes=_INDEX_DTYPES, rank=1, devices=both, length=length)
+    lens = batch.extend_lens_cpu
+    if lens is not None and not mode.ragged and bs and int(lens.numpy().max()) > batch.next_n:
+        # a uniform batch has next_n rows per request: more tokens would not fit them
+        raise BatchError(
+            f"a {mode.value} request adds at most next_n tokens",
+            field="extend_lens_cpu",
+            expected=f"<= {batch.next_n}",
+            actual=int(lens.numpy().max()),
+        )
     for name, host in (("seq_lens", seq), ("extend_lens", batch.extend_lens_cpu)):
         dev = getattr(batch, name)
         if dev is None:
@@ -153,7 +173,7 @@ def _check_extend_lens(
     """The query tokens of the batch: extend lengths are required for ragged modes only."""
     lens = batch.extend_lens_cpu
     if lens is None:
-        if mode.ragged:
+        if mode.ragged or mode.padded_rows:
             raise BatchError(
                 f"a {mode.value} batch says how many tokens each request adds",
                 field="extend_lens_cpu",
@@ -161,6 +181,13 @@ def _check_extend_lens(
                 actual=None,
             )
         tokens = bs * batch.next_n
+    elif mode.stepped:
+        raise BatchError(
+            "a draft-decode batch adds exactly k tokens per request: leave extend_lens_cpu out",
+            field="extend_lens_cpu",
+            expected="None",
+            actual="a tensor",
+        )
     else:
         _check_tensor(
             "extend_lens_cpu", lens, dtypes=(torch.int32,), rank=1, devices=(cpu,), length=bs
@@ -192,4 +219,38 @@ def check_table_width(table: torch.Tensor, longest: int) -> None:
             field="req_to_token",
             expected=f">= {longest} columns",
             actual=table.shape[1],
+        )
+
+
+def check_pad_to(pad_to: int | None, bs: int, max_batch: int, mode: ForwardMode) -> None:
+    """``plan(batch, pad_to=n)``: a captured size that holds the batch, for a uniform mode."""
+    if pad_to is None:
+        return
+    if not bs <= pad_to <= max_batch:
+        raise BatchError(
+            "pad_to out of range", field="pad_to", expected=f"[{bs}, {max_batch}]", actual=pad_to
+        )
+    if mode.ragged:
+        raise BatchError(
+            "ragged batches are planned eagerly, never padded to a captured size",
+            field="pad_to",
+            actual=pad_to,
+        )
+
+
+def check_capture(mode: ForwardMode, bs: object, max_batch: int) -> None:
+    """``capture(bs, mode)``: a uniform mode (idle replays decode's graphs) and a size in range."""
+    if mode.ragged or mode is ForwardMode.IDLE:
+        raise BatchError(
+            "only uniform modes are captured (idle batches replay the decode graphs)",
+            field="mode",
+            expected=[m.value for m in ForwardMode if not m.ragged and m is not ForwardMode.IDLE],
+            actual=mode.value,
+        )
+    if isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= max_batch:
+        raise BatchError(
+            "capture size out of range",
+            field="bs",
+            expected=f"an int in [1, {max_batch}]",
+            actual=bs,
         )

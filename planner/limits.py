@@ -11,8 +11,9 @@ from planner.errors import ConfigError
 class Limits(BaseModel):
     """Deployment bounds. Batches beyond them are rejected at the door.
 
-    ``next_n`` is the number of tokens per request in target-verify
-    (speculative decoding); decode always has one. ``max_tokens`` bounds the
+    ``next_n`` is the number of tokens per request in target-verify and draft
+    extend (speculative decoding); decode always has one. ``draft_steps`` is
+    the number of one-token steps a draft-decode batch plans at once. ``max_tokens`` bounds the
     query tokens of an extend or mixed batch (the chunked-prefill budget); by
     default one whole longest request fits. ``num_sms`` sizes the deep_gemm
     schedule (132 on an H200). ``kv_slots``, when given, lets the planner
@@ -25,6 +26,9 @@ class Limits(BaseModel):
     max_context: int = Field(ge=1, le=1 << 24, description="longest KV length of one request")
     page_size: int = Field(default=64, ge=1, le=4096, description="tokens per KV page")
     next_n: int = Field(default=1, ge=1, le=16, description="tokens per request in target-verify")
+    draft_steps: int = Field(
+        default=0, ge=0, le=15, description="steps of a draft-decode batch (0: none planned)"
+    )
     max_tokens: int | None = Field(
         default=None, ge=1, le=1 << 24, description="query tokens of one extend or mixed batch"
     )

@@ -11,7 +11,7 @@ capture: all; replay: the host ops, the rest are in the graph).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ def batch_dims(
         reqs=reqs,
         rows=tokens,
         tokens=tokens,
+        kernel_reqs=tokens // int(program.settings.get("kernel_next_n", 1)),
         kv_tokens=kv_tokens,
         max_len=max_len,
         pages=pages,
@@ -156,8 +157,8 @@ class StaticStorage:
 
     @property
     def nbytes(self) -> int:
-        tensors = [*self.buffers.values(), self.stager.device_buf]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes of the plan buffers (the stager, maybe shared by steps, is counted apart)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
 
 
 Storage = FreshStorage | StaticStorage
@@ -175,16 +176,49 @@ def materialise(
 ) -> tuple[Tensors, Handles]:
     """Stage, lay out, run ``steps``: the batch's tensors, and the handles host ops returned."""
     tensors, done = storage.prepare(batch, reqs, dims, ranges, read_device=read_device)
+    return tensors, _run(steps, tensors, batch, storage.static, done)
+
+
+def materialise_all(
+    storages: Sequence[Storage],
+    batches: Sequence[ForwardBatch],
+    reqs: int,
+    dims: Mapping[str, int],
+    ranges: Ranges,
+    steps: Iterable[Step],
+    *,
+    read_device: bool,
+) -> list[tuple[Tensors, Handles]]:
+    """:func:`materialise` for the steps of a stepped batch: one storage each, sharing one
+    stager, so every step's inputs go to the device in one copy."""
+    steps = tuple(steps)
+    if len(batches) == 1:
+        return [
+            materialise(storages[0], batches[0], reqs, dims, ranges, steps, read_device=read_device)
+        ]
+    stager = storages[0].stager
+    staged = stager.stage_all(list(batches), reqs, dims["tokens"], ranges, read_device=read_device)
+    out = []
+    for storage, batch, region in zip(storages, batches, staged):
+        tensors = storage.tensors(region, reqs, dims)
+        out.append((tensors, _run(steps, tensors, batch, storage.static, frozenset())))
+    return out
+
+
+def _run(
+    steps: Sequence[Step], tensors: Tensors, batch: ForwardBatch, static: bool, done: frozenset
+) -> Handles:
+    """Run ``steps`` over ``tensors`` (skipping outputs the host pass made); host ops' handles."""
     if steps:  # a replay whose ops are all in the graph runs none here
         bind_batch(tensors, batch)
     handles = {}
     for step in steps:
-        if step.output in done:  # computed by the host pass
+        if step.output in done:
             continue
-        handle = step.run(tensors, static=storage.static)
+        handle = step.run(tensors, static=static)
         if handle is not None:
             handles[step.output] = handle
-    return tensors, handles
+    return handles
 
 
 def bind_batch(tensors: Tensors, batch: ForwardBatch) -> None:

@@ -70,6 +70,9 @@ class MetadataOp:
     name: str
     doc: str
     providers: dict[str, Provider] = field(default_factory=dict)
+    identity: Callable[[Mapping[str, Any]], bool] | None = None
+    """``identity(params)``: True when the op returns its first input unchanged for these
+    params (rows repeated once): the planner then shares that input instead of running it."""
 
     def provider(
         self,
@@ -162,11 +165,13 @@ class MetadataOp:
 _OPS: dict[str, MetadataOp] = {}
 
 
-def metadata_op(name: str, doc: str) -> MetadataOp:
+def metadata_op(
+    name: str, doc: str, *, identity: Callable[[Mapping[str, Any]], bool] | None = None
+) -> MetadataOp:
     """Create and register an op; providers are added with ``@op.provider(...)``."""
     if name in _OPS:
         raise SchemaError(f"metadata op {name!r} is already registered")
-    op = MetadataOp(name=name, doc=doc)
+    op = MetadataOp(name=name, doc=doc, identity=identity)
     _OPS[name] = op
     return op
 

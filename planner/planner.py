@@ -23,24 +23,20 @@ from typing import Any
 import torch
 
 from planner.batch import ForwardBatch, ForwardMode
-from planner.captured import CapturedPlans, dummy_batch
+from planner.captured import CapturedBatch, capture_steps, dummy_batch
 from planner.debug import MismatchHook, check_replay, debug_from_env, guard
-from planner.door import validate_batch
+from planner.door import check_capture, check_pad_to, validate_batch
 from planner.errors import BatchError, ReplayError, SchemaError
 from planner.fallback import ProviderChain
 from planner.limits import Limits
-from planner.materialise import (
-    batch_dims,
-    bind_batch,
-    build_plans,
-    materialise,
-)
+from planner.materialise import batch_dims, bind_batch, build_plans, materialise, materialise_all
 from planner.ops import get_op
 from planner.options import check_forced, check_options
 from planner.planset import PlannerStats, PlanSet
 from planner.program import Program, build_program, warm_up
 from planner.schema import Plan
 from planner.schema_sets import check_serves, schemas_by_mode
+from planner.stepped import batches_of
 from planner.storages import Storages
 
 
@@ -91,10 +87,18 @@ class Planner:
             mode: self._build_program(mode, schemas)
             for mode, schemas in self.schemas_by_mode.items()
         }
+        if ForwardMode.DECODE in self._programs and limits.draft_steps:
+            # each draft-decode step is a decode batch: the same program, own buffers per step
+            self._programs[ForwardMode.DRAFT_DECODE] = self._programs[ForwardMode.DECODE]
+        self._per_request = {
+            ForwardMode.TARGET_VERIFY: limits.next_n,
+            ForwardMode.DRAFT_EXTEND: limits.next_n,
+            ForwardMode.DRAFT_DECODE: limits.draft_steps,
+        }
         idle = {ForwardMode.IDLE} if ForwardMode.DECODE in self._programs else set()
         self._modes = frozenset(self._programs) | idle
         self.storages = Storages(self._programs, limits, self.device, eager_on_host=eager_on_host)
-        self._captured: dict[tuple[ForwardMode, int], CapturedPlans] = {}
+        self._captured: dict[tuple[ForwardMode, int], CapturedBatch] = {}
         self._warmed = False
         check_forced(self._programs.values(), self.forced)
 
@@ -111,17 +115,25 @@ class Planner:
         return build_program(schemas, *args)
 
     def program(self, mode: ForwardMode) -> Program:
-        """The ordered steps for ``mode`` (built once, at construction); idle plans as decode."""
+        """The ordered steps for ``mode`` (built once, at construction); idle plans as decode,
+        each step of a draft decode too."""
         mode = ForwardMode(mode).plans_as
         program = self._programs.get(mode)
         if program is None:
+            draft = mode is ForwardMode.DRAFT_DECODE and ForwardMode.DECODE in self._programs
             raise BatchError(
-                "no backend of this planner plans this mode",
-                field="mode",
-                expected=sorted(m.value for m in self._programs),
-                actual=mode.value,
+                "draft decode is planned with Limits.draft_steps >= 1"
+                if draft
+                else "no backend of this planner plans this mode",
+                field="draft_steps" if draft else "mode",
+                expected=">= 1" if draft else sorted(m.value for m in self._programs),
+                actual=0 if draft else mode.value,
             )
         return program
+
+    def tokens_per_request(self, mode: ForwardMode) -> int:
+        """Query tokens each request of a ``mode`` batch adds (a draft decode's: its steps)."""
+        return self._per_request.get(ForwardMode(mode), 1)
 
     @property
     def modes(self) -> frozenset[ForwardMode]:
@@ -178,12 +190,14 @@ class Planner:
         return self.storages.nbytes()
 
     def _validate(self, batch: ForwardBatch, *, device_reads: bool) -> ForwardMode:
+        if isinstance(batch, ForwardBatch) and batch.mode is ForwardMode.DRAFT_DECODE:
+            self.program(batch.mode)  # unplanned (no draft_steps): say so before next_n does
         mode = validate_batch(
             batch,
             device=self.device,
             max_batch=self.limits.max_batch,
             max_tokens=self.limits.extend_tokens,
-            next_n=self.limits.next_n,
+            next_n=self._per_request,
             device_reads=device_reads,
         )
         if mode not in self.modes:
@@ -205,20 +219,26 @@ class Planner:
     def _plan(self, batch: ForwardBatch, *, pad_to: int | None, count: bool) -> PlanSet:
         start = time.perf_counter()
         mode = self._validate(batch, device_reads=True)
-        if pad_to is not None and not batch.bs <= pad_to <= self.limits.max_batch:
-            raise BatchError(
-                "pad_to out of range",
-                field="pad_to",
-                expected=f"[{batch.bs}, {self.limits.max_batch}]",
-                actual=pad_to,
-            )
-        if pad_to is not None and mode.ragged:
-            raise BatchError(
-                "ragged batches are planned eagerly, never padded to a captured size",
-                field="pad_to",
-                actual=pad_to,
-            )
+        check_pad_to(pad_to, batch.bs, self.limits.max_batch, mode)
         reqs = pad_to or max(batch.bs, 1)
+        sets = [self._plan_one(one, mode, reqs, pad_to) for one in batches_of(batch)]
+        if mode.stepped:
+            plans = PlanSet.stepped(sets, "eager", mode, reqs, batch.bs)
+        else:
+            plans = sets[0]
+        if count:
+            seconds = time.perf_counter() - start
+            self.stats.record_steps(mode, self.program(mode).steps, len(sets))
+            self.stats.batches["eager"] += 1
+            self.stats.batches[f"eager_{mode.value}"] += 1
+            self.stats.host_seconds["eager"] += seconds
+            self.stats.host_seconds[f"eager_{mode.value}"] += seconds
+        return plans
+
+    def _plan_one(
+        self, batch: ForwardBatch, mode: ForwardMode, reqs: int, pad_to: int | None
+    ) -> PlanSet:
+        """One eager plan set (of one step, for a stepped batch) in fresh tensors."""
         program, planned = self.program(mode), mode.plans_as
         # Only sizes so far: staging range-checks the lengths before anything is allocated.
         lens = batch.seq_lens_cpu.numpy()
@@ -233,21 +253,13 @@ class Planner:
         tensors, handles = materialise(
             storage, batch, reqs, dims, ranges, program.steps, read_device=True
         )
-        plans = PlanSet(build_plans(program, tensors, handles, dims), "eager", mode, reqs, batch.bs)
-        if count:
-            seconds = time.perf_counter() - start
-            self.stats.record_steps(mode, program.steps)
-            self.stats.batches["eager"] += 1
-            self.stats.batches[f"eager_{mode.value}"] += 1
-            self.stats.host_seconds["eager"] += seconds
-            self.stats.host_seconds[f"eager_{mode.value}"] += seconds
-        return plans
+        return PlanSet(build_plans(program, tensors, handles, dims), "eager", mode, reqs, batch.bs)
 
     # ---- capture --------------------------------------------------------------------------
 
     def dummy_batch(self, bs: int, mode: ForwardMode, req_to_token: torch.Tensor) -> ForwardBatch:
         """A valid batch of ``bs`` requests at the shortest legal length, all on the null request."""
-        return dummy_batch(bs, mode, self.program(mode).next_n, req_to_token)
+        return dummy_batch(bs, mode, self.tokens_per_request(mode), req_to_token)
 
     def capture(
         self, bs: int, mode: ForwardMode = ForwardMode.DECODE, *, req_to_token: torch.Tensor
@@ -258,48 +270,24 @@ class Planner:
         captured). Call :meth:`record` inside the graph capture, before the layers.
         """
         mode = ForwardMode(mode)
-        if mode.ragged or mode is ForwardMode.IDLE:
-            raise BatchError(
-                "only uniform modes are captured (idle batches replay the decode graphs)",
-                field="mode",
-                expected=[ForwardMode.DECODE.value, ForwardMode.TARGET_VERIFY.value],
-                actual=mode.value,
-            )
-        if isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= self.limits.max_batch:
-            raise BatchError(
-                "capture size out of range",
-                field="bs",
-                expected=f"an int in [1, {self.limits.max_batch}]",
-                actual=bs,
-            )
+        check_capture(mode, bs, self.limits.max_batch)
         dummy = self.dummy_batch(bs, mode, req_to_token)
         self._validate(dummy, device_reads=True)
         program = self.program(mode)
         dims = self.dims(mode, bs, self.limits.max_context)
+        batches = batches_of(dummy)
+        storages = self.storages.static(mode, len(batches))
         ranges = self.storages.ranges(mode, req_to_token)
-        storage = self.storages.static(mode)
-        tensors, handles = materialise(
-            storage, dummy, bs, dims, ranges, program.steps, read_device=True
+        results = materialise_all(
+            storages, batches, bs, dims, ranges, program.steps, read_device=True
         )
-        plans = PlanSet(build_plans(program, tensors, handles, dims), "capture", mode, bs, bs)
-        named = [(f"{b}.{n}", t) for b, p in plans.items() for n, t in p.tensors().items()]
-        self._captured[(mode, bs)] = CapturedPlans(
-            plans,
-            tensors,
-            handles,
-            [(key, t.data_ptr()) for key, t in named],
-            [t for _, t in named],
-            req_to_token.data_ptr(),
-            tuple(req_to_token.shape),
-            dummy,
-            storage=storage,
-            dims=dims,
-            ranges=ranges,
-            steps=program.steps,
-            host_steps=tuple(step for step in program.steps if not step.in_graph),
-        )
+        captured = capture_steps(program, mode, bs, batches, results, dims, req_to_token)
+        captured.storages, captured.dims, captured.ranges = storages, dims, ranges
+        captured.program_steps = program.steps
+        captured.host_steps = tuple(step for step in program.steps if not step.in_graph)
+        self._captured[(mode, bs)] = captured
         self.stats.batches["capture"] += 1
-        return plans
+        return captured.plans
 
     def captured_batch_sizes(self, mode: ForwardMode = ForwardMode.DECODE) -> list[int]:
         """Sizes :meth:`capture` has made plans for in ``mode``, ascending."""
@@ -309,12 +297,13 @@ class Planner:
         """Run the graph-safe ops on the static views; call inside graph capture, before the layers."""
         mode = ForwardMode(mode)
         captured = self._captured_for(mode, bs)
-        bind_batch(captured.tensors, captured.dummy)
-        for step in self.program(mode).steps:
-            if step.in_graph:
-                step.run(captured.tensors, static=True)
+        in_graph = [step for step in self.program(mode).steps if step.in_graph]
+        for each in captured.steps:  # a stepped mode: every step's ops, in one graph
+            bind_batch(each.tensors, each.dummy)
+            for step in in_graph:
+                step.run(each.tensors, static=True)
 
-    def _captured_for(self, mode: ForwardMode, bs: int) -> CapturedPlans:
+    def _captured_for(self, mode: ForwardMode, bs: int) -> CapturedBatch:
         captured = self._captured.get((mode, bs))
         if captured is None:
             raise ReplayError(
@@ -353,20 +342,19 @@ class Planner:
                 expected=(hex(captured.table_ptr), captured.table_shape),
                 actual=(hex(table.data_ptr()), tuple(table.shape)),
             )
-        _, handles = materialise(
-            captured.storage,
-            batch,
+        batches = batches_of(batch) if mode.stepped else [batch]
+        results = materialise_all(
+            captured.storages,
+            batches,
             bs,
             captured.dims,
             captured.ranges,
             captured.host_steps,
             read_device=self.debug,
         )
-        captured.check_unmoved(handles)
-        captured.plans.real_reqs = batch.bs
-        captured.plans.phase = "replay"
-        captured.plans.mode = mode
-        self.stats.record_steps(mode, captured.steps)
+        captured.check_unmoved([handles for _, handles in results])
+        captured.plans.mark("replay", mode, batch.bs)
+        self.stats.record_steps(mode, captured.program_steps, len(batches))
         self.stats.batches["replay"] += 1
         self.stats.host_seconds["replay"] += time.perf_counter() - start
         return captured.plans
@@ -381,10 +369,18 @@ class Planner:
         """
         eager = self._plan(batch, pad_to=plans.reqs, count=False)
         program = self.program(plans.mode)
-        tokens = batch.bs * program.next_n
-        real = {"reqs": batch.bs, "rows": tokens, "tokens": tokens}
         self.stats.verified += 1
+        real = self.real_rows(plans.mode, batch)
         check_replay(batch, plans, eager, program.pads, real, self.on_mismatch)
+
+    def real_rows(self, mode: ForwardMode, batch: ForwardBatch) -> dict[str, int]:
+        """How many leading entries of each batch dimension are real in a (step's) plan of
+        ``batch``: the rest is padding, which must hold the schemas' pad values."""
+        program = self.program(mode)
+        rows = batch.bs * program.next_n
+        tokens = batch.num_tokens if ForwardMode(mode).padded_rows else rows
+        kernel = rows // int(program.settings.get("kernel_next_n", 1))
+        return {"reqs": batch.bs, "rows": rows, "tokens": tokens, "kernel_reqs": kernel}
 
     @contextmanager
     def guard(self, plans: Mapping[str, Plan]) -> Iterator[None]:

@@ -10,28 +10,69 @@ from planner.batch import ForwardMode
 from planner.errors import SchemaError
 from planner.program import Step
 from planner.schema import Plan
+from planner.stepped import step_key
 
 
 class PlanSet(Mapping[str, Plan]):
-    """The frozen plans of one batch, by backend name, with how they were made."""
+    """The frozen plans of one batch, by backend name, with how they were made.
 
-    __slots__ = ("_plans", "phase", "mode", "reqs", "real_reqs")
+    A stepped batch (draft decode) has one plan set per step in ``steps``;
+    layers of step ``s`` read ``plans.step(s)``. As a mapping it then holds
+    every step's plans under ``backend@s`` (what diffs, digests and dumps walk),
+    so no code can read one step's plan believing it is the batch's.
+    """
+
+    __slots__ = ("_plans", "phase", "mode", "reqs", "real_reqs", "steps")
 
     def __init__(
-        self, plans: dict[str, Plan], phase: str, mode: ForwardMode, reqs: int, real_reqs: int
+        self,
+        plans: dict[str, Plan],
+        phase: str,
+        mode: ForwardMode,
+        reqs: int,
+        real_reqs: int,
+        steps: Sequence[PlanSet] = (),
     ):
         self._plans = plans
         self.phase = phase
         self.mode = mode
         self.reqs = reqs
         self.real_reqs = real_reqs
+        self.steps = tuple(steps)
+
+    @classmethod
+    def stepped(
+        cls, steps: Sequence[PlanSet], phase: str, mode: ForwardMode, reqs: int, real_reqs: int
+    ) -> PlanSet:
+        """The plan set of a stepped batch over its steps' plan sets."""
+        flat = {step_key(b, s): p for s, step in enumerate(steps) for b, p in step.items()}
+        out = cls(flat, phase, mode, reqs, real_reqs, steps)
+        out.mark(phase, mode, real_reqs)
+        return out
+
+    def step(self, s: int) -> PlanSet:
+        """The plans step ``s`` of a stepped batch reads."""
+        if not 0 <= s < len(self.steps):
+            raise SchemaError(
+                "no such step in this plan set",
+                field="step",
+                expected=f"0..{len(self.steps) - 1}" if self.steps else "a stepped plan set",
+                actual=s,
+            )
+        return self.steps[s]
+
+    def mark(self, phase: str, mode: ForwardMode, real_reqs: int) -> None:
+        """Say how (and for how many requests) these plans were last made, steps included."""
+        for plans in (self, *self.steps):
+            plans.phase, plans.mode, plans.real_reqs = phase, mode, real_reqs
 
     def __getitem__(self, backend: str) -> Plan:
         try:
             return self._plans[backend]
         except KeyError:
+            hint = " (a stepped plan set: read plans.step(s))" if self.steps else ""
             raise SchemaError(
-                "no plan for backend", field=backend, expected=sorted(self._plans)
+                "no plan for backend" + hint, field=backend, expected=sorted(self._plans)
             ) from None
 
     def __iter__(self) -> Iterator[str]:
@@ -41,7 +82,11 @@ class PlanSet(Mapping[str, Plan]):
         return len(self._plans)
 
     def __repr__(self) -> str:
-        return f"PlanSet({self.phase}, {self.mode.value}, reqs={self.reqs}/{self.real_reqs}, {sorted(self._plans)})"
+        steps = f", {len(self.steps)} steps" if self.steps else ""
+        return (
+            f"PlanSet({self.phase}, {self.mode.value}, reqs={self.reqs}/{self.real_reqs}"
+            f"{steps}, {sorted(self._plans)})"
+        )
 
 
 @dataclass
@@ -58,9 +103,10 @@ class PlannerStats:
     program_runs: Counter = field(default_factory=Counter)
     programs: dict = field(default_factory=dict)
 
-    def record_steps(self, mode: ForwardMode, steps: Sequence[Step]) -> None:
+    def record_steps(self, mode: ForwardMode, steps: Sequence[Step], times: int = 1) -> None:
+        """One batch of ``mode`` ran ``steps`` (``times`` over: a stepped batch's steps)."""
         self.program_runs[mode] += 1
-        self.programs[mode] = steps
+        self.programs[mode] = tuple(steps) * times
 
     @property
     def op_calls(self) -> Counter:

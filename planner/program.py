@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from planner.batch import BATCH, BATCH_TABLES, HOST_INPUTS, SOURCES, ForwardMode
+from planner.batch import BATCH, BATCH_TABLES, HOST_INPUTS, SOURCES, VERIFY_ROWS_MODES, ForwardMode
 from planner.dims import dim_names, parse_dim
 from planner.errors import SchemaError
 from planner.fallback import ProviderChain
@@ -94,15 +94,31 @@ def settings_for(
 ) -> dict[str, Any]:
     """Limits, then the schema's defaults, then the user's backend options; next_n per mode.
 
-    Only target-verify has ``next_n`` query rows per request; every other mode
-    plans one row per query token.
+    Target verify and draft extend have ``next_n`` query rows per request;
+    every other mode one row per query token.
     """
     settings = dict(base)
     settings.update(getattr(plan_cls, "defaults", {}))
     settings.update(options)
-    if mode is not ForwardMode.TARGET_VERIFY:
-        settings["next_n"] = 1
+    settings["next_n"] = int(settings["next_n"]) if mode in VERIFY_ROWS_MODES else 1
     return settings
+
+
+def row_layout(mode: ForwardMode, next_n: int, natives: Iterable[Any]) -> dict[str, int]:
+    """How kernels see a mode's ``next_n`` rows per request, from one declaration.
+
+    Each backend may declare ``native_next_n``, the ``next_n`` its kernels take
+    (absent: any). Rows are laid out natively (``kernel_next_n = next_n``)
+    where every kernel of the batch takes them, else expanded: one kernel
+    request per row (``kernel_next_n = 1``; per-request tables repeated
+    ``row_repeat`` times; schedules over the expanded rows). Draft extend is
+    always expanded: its padding rows break the staircase a native kernel
+    computes up to the request's last row.
+    """
+    expanded = next_n > 1 and (
+        mode.padded_rows or any(n is not None and next_n not in tuple(n) for n in natives)
+    )
+    return {"kernel_next_n": 1 if expanded else next_n, "row_repeat": next_n if expanded else 1}
 
 
 def topological_fields(plan_cls: type[Plan]) -> list[str]:
@@ -186,10 +202,16 @@ def build_program(
     identity: dict[tuple[str, str], tuple] = {}  # what a field computes, across backends
     first: dict[tuple, tuple[str, str]] = {}
     aliases: dict[tuple[str, str], tuple[str, str]] = {}
+    merged = {
+        backend: settings_for(base_settings, cls, options.get(backend, {}), mode)
+        for backend, cls in schemas.items()
+    }
+    next_n = int(base_settings["next_n"]) if mode in VERIFY_ROWS_MODES else 1
+    layout = row_layout(mode, next_n, [s.get("native_next_n") for s in merged.values()])
     for backend, plan_cls in schemas.items():
         if not mode.ragged:  # ragged modes run eagerly: no static buffers to keep contiguous
             check_static_shapes(plan_cls)
-        settings = settings_for(base_settings, plan_cls, options.get(backend, {}), mode)
+        settings = {**merged[backend], **layout}
         checker = getattr(plan_cls, "check_settings", None)
         if checker is not None:
             checker(settings)
@@ -227,6 +249,13 @@ def build_program(
                 spec.dtype,
             )
             identity[(backend, name)] = what
+            op = chains[name].op
+            if op.identity is not None and op.identity(params):
+                # the op would copy its input unchanged (e.g. rows repeated once): share it
+                source = aliases.get((backend, spec.inputs[0]), (backend, spec.inputs[0]))
+                aliases[(backend, name)] = source
+                identity[(backend, name)] = identity.get((backend, spec.inputs[0]), what)
+                continue
             if provider.graph_safe and name not in host_read and what in first:
                 aliases[(backend, name)] = first[what]  # computed once, read by both backends
                 continue

@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
-from planner.batch import BATCH_TABLES, HOST_INPUTS, UNIFORM_MODES, ForwardMode
+from planner.batch import BATCH_TABLES, DECODE_MODES, HOST_INPUTS, ForwardMode
 from planner.dims import DimExpr, dim_names, parse_dim
 from planner.errors import SchemaError
 from planner.registry import register_backend
@@ -24,16 +24,18 @@ from planner.registry import register_backend
 Tensor = Annotated[torch.Tensor, WithJsonSchema({"type": "object", "title": "Tensor"})]
 """Annotation for tensor fields of a plan (a torch tensor, described in JSON Schema)."""
 
-BATCH_DIMS = frozenset({"reqs", "rows", "tokens", "req_pages", "kv_tokens"})
+BATCH_DIMS = frozenset({"reqs", "rows", "tokens", "kernel_reqs", "req_pages", "kv_tokens"})
 """Dimensions that grow with the batch.
 
 ``reqs``: requests; ``rows``: query rows of a uniform batch (``reqs * next_n``);
 ``tokens``: query tokens of any batch (the extend lengths' sum; ``rows`` when
-uniform); ``req_pages``: ``reqs * pages`` (flat page lists); ``kv_tokens``: the
-KV lengths' sum (a flat gathered KV).
+uniform); ``kernel_reqs``: the requests a kernel sees, ``rows / kernel_next_n``
+(``reqs`` when the kernel takes ``next_n`` rows per request natively, ``rows``
+when they are expanded to one row each); ``req_pages``: ``reqs * pages`` (flat
+page lists); ``kv_tokens``: the KV lengths' sum (a flat gathered KV).
 """
 
-ROW_DIMS = ("reqs", "rows", "tokens")
+ROW_DIMS = ("reqs", "rows", "tokens", "kernel_reqs")
 """Leading dimensions whose trailing entries are padding rows in a padded batch."""
 
 PAD_DERIVED = "derived"
@@ -226,8 +228,12 @@ class Plan(BaseModel):
 
     backend: ClassVar[str] = ""
     version: ClassVar[int] = 1
-    modes: ClassVar[frozenset[ForwardMode]] = UNIFORM_MODES
-    """The forward modes this schema plans; a backend may register one schema per set of modes."""
+    modes: ClassVar[frozenset[ForwardMode]] = DECODE_MODES
+    """The forward modes this schema plans; a backend may register one schema per set of modes.
+    Draft decode needs none of its own: its steps are decode batches."""
+    row_mask: ClassVar[str | None] = None
+    """A ``rows`` field that is 0 on padding rows inside real requests (draft extend's rows
+    past a request's accepted tokens): the padding checks cover those rows too."""
     tensor_specs: ClassVar[dict[str, TensorSpec]] = {}
     scalar_specs: ClassVar[dict[str, ScalarSpec]] = {}
     handle_specs: ClassVar[dict[str, HandleSpec]] = {}

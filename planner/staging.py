@@ -54,16 +54,26 @@ class Ranges:
 
 
 def input_ranges(
-    max_context: int, next_n: int, kv_slots: int | None, table: torch.Tensor, ragged: bool
+    max_context: int,
+    next_n: int,
+    kv_slots: int | None,
+    table: torch.Tensor,
+    ragged: bool,
+    partial: bool = False,
 ) -> Ranges:
     """The legal values of each staged input for a planner's limits, token table and mode.
 
     A uniform batch adds exactly ``next_n`` tokens per request (1 in decode);
-    a ragged one at least one, and never more than the request's KV length.
+    a ragged one at least one, and never more than the request's KV length; a
+    draft extend (``partial``) 1..``next_n``, its rows past them padding.
     """
+    if ragged or partial:
+        extend = (1, max_context if ragged else next_n)
+    else:
+        extend = (next_n, next_n)
     return Ranges(
-        seq_lens=(1 if ragged else next_n, min(max_context, table.shape[1])),
-        extend_lens=(1, max_context) if ragged else (next_n, next_n),
+        seq_lens=(extend[0], min(max_context, table.shape[1])),
+        extend_lens=extend,
         req_pool_indices=(0, table.shape[0] - 1),
         out_cache_loc=(0, (kv_slots if kv_slots is not None else 2**31) - 1),
         positions=(0, max_context - 1),
@@ -241,28 +251,35 @@ def _fits_int32(source: str, values: np.ndarray, ranges: Ranges) -> None:
 
 
 class Stager:
-    """Stages a batch through one host buffer into one device buffer; see the module docstring.
+    """Stages batches through one host buffer into one device buffer; see the module docstring.
 
     A static stager keeps a ring of pinned host buffers: the copy out of one is
     asynchronous and queued behind the GPU work of earlier steps, so the next
     step fills the next buffer instead of waiting for it (waiting would make the
     host wait for the previous step's graph, a hidden synchronisation).
+
+    ``regions`` batches share it side by side (a stepped batch's steps): each
+    fills and is checked in its own region, and one copy moves them all.
     """
 
-    def __init__(self, layout: StagingLayout, device: torch.device, *, static: bool) -> None:
+    def __init__(
+        self, layout: StagingLayout, device: torch.device, *, static: bool, regions: int = 1
+    ) -> None:
         self.layout = layout
         self.device = device
         self.static = static
+        self.regions = regions
         self.copies = 0
         self.device_buf: torch.Tensor | None = None
+        self._size = max(layout.size, 1)
         self._pinned = device.type == "cuda"
         self._ring: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
         if static or self._pinned:
             for _ in range(_RING if self._pinned else 1):
-                self._ring.append(self._host_buffer(max(layout.size, 1)))
+                self._ring.append(self._host_buffer(self._size * regions))
         if static:
             self.host, self.host_view = self._ring[0][0], self._ring[0][1]
-            self.device_buf = torch.zeros(max(layout.size, 1), dtype=torch.int32, device=device)
+            self.device_buf = torch.zeros(self._size * regions, dtype=torch.int32, device=device)
 
     def _host_buffer(self, size: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
         host = torch.zeros(size, dtype=torch.int32, pin_memory=self._pinned)
@@ -298,21 +315,52 @@ class Stager:
         """Fill, check, ``host_work`` (a fresh plan's host pass, writing its outputs in the
         ``extra`` elements after the inputs), one host-to-device copy, then device-resident
         inputs; the device buffer."""
-        size = max(self.layout.size + extra, 1)
+        return self.stage_all(
+            [batch], reqs, tokens, ranges, read_device=read_device, extra=extra, host_work=host_work
+        )[0]
+
+    def stage_all(
+        self,
+        batches: list[ForwardBatch],
+        reqs: int,
+        tokens: int,
+        ranges: Ranges,
+        *,
+        read_device: bool,
+        extra: int = 0,
+        host_work: Callable[[np.ndarray], None] | None = None,
+    ) -> list[torch.Tensor]:
+        """:meth:`stage` for several batches, one region each, in one copy; a view per batch
+        (``extra`` and ``host_work`` for a single batch only)."""
+        n = len(batches)
+        if n > self.regions and self.static:
+            raise BatchError(
+                "more batches than staging regions", field="steps", expected=self.regions, actual=n
+            )
+        size = self._size + extra if n == 1 else self._size
+        total = size * n
         if self.static:  # fixed size: the ring's buffers as they are
-            host, view, done = self._next_host(size)
+            host, view, done = self._next_host(total)
         elif self._ring:
-            host, view, done = self._next_host(size)
-            host, view = host[:size], view[:size]
+            host, view, done = self._next_host(total)
+            host, view = host[:total], view[:total]
         else:  # fresh on the CPU: the buffer is the plan's own memory, so it is new per call
-            host = torch.empty(size, dtype=torch.int32)
+            host = torch.empty(total, dtype=torch.int32)
             view, done = host.numpy(), None
-        on_device = self.layout.fill(view, batch, reqs, tokens, ranges, read_device=read_device)
-        self.layout.check(view, batch, ranges, on_device)
+        pending = []
+        for r, batch in enumerate(batches):
+            region = view[r * size : (r + 1) * size] if n > 1 else view
+            on_device = self.layout.fill(
+                region, batch, reqs, tokens, ranges, read_device=read_device
+            )
+            self.layout.check(region, batch, ranges, on_device)
+            pending.append(on_device)
         if host_work is not None:
             host_work(view)
         if not self.static:
-            dev = host if done is None else torch.empty(size, dtype=torch.int32, device=self.device)
+            dev = (
+                host if done is None else torch.empty(total, dtype=torch.int32, device=self.device)
+            )
         else:
             dev = self.device_buf
         if done is None:
@@ -322,7 +370,9 @@ class Stager:
             dev.copy_(host, non_blocking=True)
             done.record()
         self.copies += 1
-        for seg, tensor in on_device:
-            n_real = batch.num_tokens if seg.per_token else batch.bs
-            dev[seg.offset : seg.offset + n_real].copy_(tensor)
-        return dev
+        views = [dev[r * size : (r + 1) * size] for r in range(n)] if n > 1 else [dev]
+        for batch, region, on_device in zip(batches, views, pending):
+            for seg, tensor in on_device:
+                n_real = batch.num_tokens if seg.per_token else batch.bs
+                region[seg.offset : seg.offset + n_real].copy_(tensor)
+        return views

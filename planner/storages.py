@@ -13,9 +13,10 @@ from collections.abc import Mapping
 import torch
 
 from planner.batch import ForwardMode
+from planner.fresh import FreshStorage
 from planner.host_pass import Switch, host_pass_for
 from planner.limits import Limits
-from planner.materialise import FreshStorage, StaticStorage, batch_dims, source_segments
+from planner.materialise import StaticStorage, batch_dims, source_segments
 from planner.program import Program
 from planner.staging import Ranges, Stager, StagingLayout, input_ranges
 
@@ -38,7 +39,7 @@ class Storages:
         self._switch = Switch()
         self._layouts: dict[tuple[ForwardMode, int], StagingLayout] = {}
         self._fresh: dict[tuple[ForwardMode, int], FreshStorage] = {}
-        self._static: dict[ForwardMode, StaticStorage] = {}
+        self._static: dict[ForwardMode, list[StaticStorage]] = {}
         self._ranges: dict[tuple, Ranges] = {}
 
     def token_capacity(self, mode: ForwardMode, reqs: int) -> int:
@@ -75,6 +76,7 @@ class Storages:
                 limits.kv_slots,
                 table,
                 ragged=mode.ragged,
+                partial=mode.padded_rows,
             )
         return ranges
 
@@ -91,16 +93,20 @@ class Storages:
             storage = self._fresh[key] = FreshStorage(program, segments, stager, host_pass)
         return storage
 
-    def static(self, mode: ForwardMode) -> StaticStorage:
-        storage = self._static.get(mode)
-        if storage is None:
+    def static(self, mode: ForwardMode, steps: int = 1) -> list[StaticStorage]:
+        """Capture and replay buffers of ``mode``: one storage per step (a stepped mode's
+        ``steps``), all staged through one stager, so one copy moves every step's inputs."""
+        storages = self._static.get(mode)
+        if storages is None:
             limits, program = self.limits, self.programs[mode]
             layout = self.layout(mode, limits.max_batch)
             segments = source_segments(program, layout)
-            stager = Stager(layout, self.device, static=True)
+            stager = Stager(layout, self.device, static=True, regions=steps)
             max_dims = self.max_dims(mode)
-            storage = self._static[mode] = StaticStorage(program, segments, stager, max_dims)
-        return storage
+            storages = self._static[mode] = [
+                StaticStorage(program, segments, stager, max_dims) for _ in range(steps)
+            ]
+        return storages
 
     def max_dims(self, mode: ForwardMode) -> dict[str, int]:
         """The dimensions static buffers are sized for: the largest batch's, and for a
@@ -123,4 +129,9 @@ class Storages:
 
     def nbytes(self) -> int:
         """Bytes held in static buffers (plans and staging) for every captured mode."""
-        return sum(storage.nbytes for storage in self._static.values())
+        total = 0
+        for storages in self._static.values():
+            total += sum(storage.nbytes for storage in storages)
+            buf = storages[0].stager.device_buf
+            total += buf.numel() * buf.element_size()
+        return total

@@ -37,10 +37,19 @@ def _add_decode(sub: Any) -> None:
     p.add_argument("--requests", type=int, help="override loop.requests")
     p.add_argument("--max-steps", type=int, help="stop after this many loop steps")
     p.add_argument(
-        "--next-n",
+        "--draft",
+        choices=("none", "ngram", "mtp"),
+        help="speculative decoding with this draft (override speculative.draft)",
+    )
+    p.add_argument(
+        "--draft-tokens",
         type=int,
-        choices=(1, 2),
-        help="2: speculative target-verify with a trivial draft",
+        help="rows per request in target verify, 2..8 (override speculative.draft_tokens)",
+    )
+    p.add_argument(
+        "--compare-plain",
+        action="store_true",
+        help="also serve the workload without speculation and report both",
     )
     p.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
     p.add_argument(

@@ -9,13 +9,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from backends.nsa import NSAExtendPlan, NSAPlan
+from backends.nsa import NSADraftExtendPlan, NSAExtendPlan, NSAPlan
 from graphs import GraphRunner
 from models.kv_cache import PagedKVCache, RequestPool
 from models.model import DSV32Model
@@ -28,6 +29,7 @@ from serving.model_setup import build_model, kv_pages, model_config, resolve_dev
 from serving.requests import Request, make_workload
 from serving.run_config import RunConfig
 from serving.scheduler import Scheduler
+from serving.speculative import Speculation
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,6 @@ class RunResult:
     wall_seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
     """Wall time of each decode (or verify) graph step."""
-    accepted_drafts: int = 0
     steps_by_mode: Counter = field(default_factory=Counter)
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
@@ -77,8 +78,10 @@ class DecodeEngine:
         self.model_config = model.config
         page = self.model_config.page_size
         p = config.planner
-        self.cache: PagedKVCache = model.new_cache(kv_pages(config, model, self.device))
+        pages = kv_pages(config, model, self.device)
+        self.cache: PagedKVCache = model.new_cache(pages)
         self.pool = RequestPool(p.max_batch + 1, p.max_context, page_size=page, device=self.device)
+        spec = config.speculative
         num_sms = p.num_sms
         if num_sms is None:
             num_sms = (
@@ -90,14 +93,15 @@ class DecodeEngine:
             max_batch=p.max_batch,
             max_context=p.max_context,
             page_size=page,
-            next_n=p.next_n,
+            next_n=spec.next_n,
+            draft_steps=spec.decode_steps,
             max_tokens=config.loop.chunk_tokens + p.max_batch,  # a chunk plus decode rows (mixed)
             num_sms=num_sms,
             kv_slots=self.cache.num_slots,
             device=str(self.device),
         )
         self.planner = Planner(
-            [NSAPlan, NSAExtendPlan],
+            [NSAPlan, NSAExtendPlan, NSADraftExtendPlan],
             self.limits,
             options={
                 "nsa": {
@@ -128,12 +132,25 @@ class DecodeEngine:
             enabled=enabled if isinstance(enabled, bool) else True,
         )
         self.scheduler = Scheduler(self.cache, self.pool, p.max_batch, page)
-        self.decode_mode = ForwardMode.TARGET_VERIFY if p.next_n > 1 else ForwardMode.DECODE
+        self.decode_mode = ForwardMode.TARGET_VERIFY if spec.enabled else ForwardMode.DECODE
+        self.speculation = (
+            Speculation(
+                spec,
+                planner=self.planner,
+                model=model,
+                scheduler=self.scheduler,
+                num_pages=pages,
+                graphs=config.graphs,
+            )
+            if spec.enabled
+            else None
+        )
+        self.wants_hidden = self.speculation is not None and self.speculation.wants_hidden
         self.forward_steps = 0
         self._warmed_up = False
 
-    def _forward(self, inputs: dict[str, torch.Tensor], plans: PlanSet) -> torch.Tensor:
-        return self.model(inputs["input_ids"], plans, self.cache)
+    def _forward(self, inputs: dict[str, torch.Tensor], plans: PlanSet) -> Any:
+        return self.model(inputs["input_ids"], plans, self.cache, hidden=self.wants_hidden)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -172,7 +189,9 @@ class DecodeEngine:
         """Feed each request's chunk; keep the next token of those whose prompt is now done."""
         t0 = time.perf_counter()
         batch, ids = self.scheduler.build_extend(work, mode)
-        best = self._forward_step(batch, ids, result).argmax(dim=-1).tolist()
+        out = self._forward_step(batch, ids, result)
+        best = (out["logits"] if isinstance(out, dict) else out).argmax(dim=-1).tolist()
+        firsts = [request.fed for request, _ in work]
         now = time.perf_counter()
         prefilled = 0
         for (request, n), token in zip(work, best):
@@ -186,6 +205,9 @@ class DecodeEngine:
                 request.take(token, now)
                 if not was_prefill:
                     result.decode_tokens += 1
+        if self.speculation is not None and isinstance(out, dict):  # the MTP draft's prefill
+            self.speculation.prefilled(work, firsts, self.runner.last_plans, out["hidden"])
+            now = time.perf_counter()
         result.prefill_tokens += prefilled
         result.prefill_seconds += now - t0
         if mode is ForwardMode.MIXED:
@@ -193,26 +215,20 @@ class DecodeEngine:
         result.prefill_steps += 1
 
     def _decode_step(self, requests: list[Request], result: RunResult) -> None:
-        """One decode (or verify) step through the graph runner."""
+        """One decode step through the graph runner, or a speculative round."""
         t0 = time.perf_counter()
-        n = self.limits.next_n if self.decode_mode is ForwardMode.TARGET_VERIFY else 1
-        drafts = (
-            [r.tokens[r.fed] for r in requests] if n > 1 else None
-        )  # trivial draft: repeat the token
-        batch, ids = self.scheduler.build(requests, self.decode_mode, n, drafts)
-        logits = self._forward_step(batch, ids, result)
-        best = logits.argmax(dim=-1).view(len(requests), n).tolist()
-        now = time.perf_counter()
-        before = sum(len(r.generated) for r in requests)
-        for j, (request, row) in enumerate(zip(requests, best)):
-            request.take(row[0], now)
-            request.fed += 1
-            if drafts is not None and not request.done and row[0] == drafts[j]:
-                request.take(row[1], now)
+        if self.speculation is not None:
+            target = partial(self._forward_step, result=result)
+            result.decode_tokens += self.speculation.verify(requests, target, time.perf_counter)
+        else:
+            batch, ids = self.scheduler.build(requests, ForwardMode.DECODE, 1)
+            best = self._forward_step(batch, ids, result).argmax(dim=-1).tolist()
+            now = time.perf_counter()
+            for request, token in zip(requests, best):
+                request.take(token, now)
                 request.fed += 1
-                result.accepted_drafts += 1
-            del request.generated[request.max_new_tokens :]
-        result.decode_tokens += sum(len(r.generated) for r in requests) - before
+            result.decode_tokens += len(requests)
+        now = time.perf_counter()
         result.step_seconds.append(now - t0)
         result.decode_seconds += now - t0
         result.decode_steps += 1
@@ -236,6 +252,10 @@ class DecodeEngine:
                 self._extend_step(work, ForwardMode.EXTEND, result)
             if decoding:
                 self._decode_step(decoding, result)
+        if self.speculation is not None:  # the draft's next tokens for everything caught up
+            t0 = time.perf_counter()
+            self.speculation.finish_step()
+            result.decode_seconds += time.perf_counter() - t0
         if not work and not decoding and self.config.loop.idle_steps:
             batch, ids = sched.idle()  # a data-parallel rank with nothing to run still steps
             self._forward_step(batch, ids, result)
@@ -279,6 +299,8 @@ class DecodeEngine:
             total=len(workload), unit="req", desc="decode", disable=not progress, leave=False
         )
         self.warm_up()
+        if self.speculation is not None:
+            self.speculation.capture()
         start = time.perf_counter()
         step = 0
         sched = self.scheduler
@@ -291,6 +313,8 @@ class DecodeEngine:
             sched.admit(self.limits.next_n)
             for request in self.step(result):
                 sched.finish(request, step)
+                if self.speculation is not None:
+                    self.speculation.forget(request)
                 result.tokens[request.rid] = list(request.generated)
                 bar.update(1)
             bar.set_postfix(running=len(sched.running), refresh=False)

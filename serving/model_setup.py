@@ -84,8 +84,10 @@ def kv_pages(config: RunConfig, model: DSV32Model, device: torch.device) -> int:
     Given (``loop.kv_pages``) it is used as is; on the CPU enough for every
     request at ``max_context``; on a GPU as many as fit in ``kv_memory_fraction``
     of the memory free after the weights, less ``graph_reserve_mb`` for graph
-    pools and activations, but never more than that maximum. Refused when not one
-    request of ``max_context`` fits: the run could never serve it.
+    pools and activations, but never more than that maximum. An MTP draft keeps
+    a cache of the same pages for its one layer, so a page costs one layer more.
+    Refused when not one request of ``max_context`` fits: the run could never
+    serve it.
     """
     loop, planner = config.loop, config.planner
     page = model.config.page_size
@@ -97,7 +99,10 @@ def kv_pages(config: RunConfig, model: DSV32Model, device: torch.device) -> int:
         return wanted
     free, _ = torch.cuda.mem_get_info(device)
     budget = int(free * loop.kv_memory_fraction) - (loop.graph_reserve_mb << 20)
-    fits = max(0, budget // model.page_bytes())
+    per_page = model.page_bytes()
+    if config.speculative.draft == "mtp":
+        per_page += per_page // model.config.num_hidden_layers
+    fits = max(0, budget // per_page)
     if fits - 1 < per_request:
         raise ConfigError(
             f"the KV cache cannot hold one request of max_context: {max(fits - 1, 0) * page} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from typing import Any
 
 from rich.console import Console
@@ -19,6 +20,14 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _per(seconds: float, count: int, scale: float = 1.0) -> float:
     return scale * seconds / count if count else 0.0
+
+
+def _steps(engine: Any, result: Any) -> Counter:
+    """Forward steps by mode, the draft model's included."""
+    steps = Counter(result.steps_by_mode)
+    if getattr(engine, "speculation", None) is not None:
+        steps.update(engine.speculation.stats.draft_forwards)
+    return steps
 
 
 def summarize(engine: Any, result: Any) -> dict[str, Any]:
@@ -47,7 +56,7 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         else 0.0,
         "ttft_ms_p50": 1e3 * _percentile(result.ttft_seconds, 50),
         "ttft_ms_p99": 1e3 * _percentile(result.ttft_seconds, 99),
-        "steps_by_mode": dict(sorted(result.steps_by_mode.items())),
+        "steps_by_mode": dict(sorted(_steps(engine, result).items())),
         "decode_steps": result.decode_steps,
         "prefill_steps": result.prefill_steps,
         "step_ms_p50": 1e3 * _percentile(result.step_seconds, 50),
@@ -65,7 +74,7 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         "eager_fallbacks": graph["eager_fallbacks"],
         "ragged_steps": graph["ragged_steps"],
         "graph_kind": graph["kind"],
-        "accepted_drafts": result.accepted_drafts,
+        "speculative": engine.speculation.summary() if engine.speculation is not None else None,
         "op_calls_per_batch": {
             mode.value: stats.op_calls_per_batch(mode)
             for mode in stats.program_runs
@@ -131,8 +140,37 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
     ]
     for mode, calls in summary["op_calls_per_batch"].items():
         rows.append((f"ops per {mode} batch", ", ".join(f"{k} {v:.0f}" for k, v in calls.items())))
-    if summary["accepted_drafts"]:
-        rows.append(("accepted drafts (next_n=2)", f"{summary['accepted_drafts']}"))
+    rows += speculative_rows(summary)
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+
+
+def speculative_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The speculative run's rows, and the plain run's beside them when there was one."""
+    spec = summary.get("speculative")
+    if not spec:
+        return []
+    rows = [
+        (
+            "speculative draft (tokens per verify)",
+            f"{spec['draft']} ({spec['draft_tokens']})",
+        ),
+        ("mean accept length", f"{spec['mean_accept_length']:.2f}"),
+        ("accepted tokens per verify step", f"{spec['accepted_tokens_per_verify_step']:.2f}"),
+    ]
+    plain = summary.get("plain")
+    if plain:
+        rows += [
+            (
+                "tokens/s with / without speculation",
+                f"{summary['tokens_per_second']:.1f} / {plain['tokens_per_second']:.1f}",
+            ),
+            (
+                "decode tokens/s with / without speculation",
+                f"{summary['decode_tokens_per_second']:.1f} / "
+                f"{plain['decode_tokens_per_second']:.1f}",
+            ),
+            ("tokens equal to plain greedy decoding", "yes" if plain["tokens_equal"] else "NO"),
+        ]
+    return rows

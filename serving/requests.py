@@ -28,6 +28,8 @@ class Request:
     arrived_at: float = 0.0  # wall clock (perf_counter) when the loop saw it arrive
     prefill_steps: int = 0  # extend steps that fed prompt tokens
     first_token_at: float | None = None
+    drafts: list[int] = field(default_factory=list)
+    """The draft tokens its next target verify checks (speculative decoding)."""
 
     @property
     def tokens(self) -> list[int]:

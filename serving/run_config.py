@@ -40,7 +40,9 @@ class PlannerSection(_Section):
 
     max_batch: int = Field(16, ge=1, le=4096)
     max_context: int = Field(512, ge=64, le=1 << 20)
-    next_n: Literal[1, 2] = Field(1, description="2 runs speculative target-verify steps")
+    next_n: int = Field(
+        1, description="kept so older configs load: verify rows are speculative.draft_tokens"
+    )
     num_sms: int | None = Field(None, ge=1, description="None: the GPU's SM count (132 on the CPU)")
     providers: dict[str, str] = Field(
         default_factory=dict, description="op or backend.field -> provider"
@@ -108,6 +110,42 @@ class LoopSection(_Section):
         return value
 
 
+class SpeculativeSection(_Section):
+    """Speculative decoding: which draft proposes tokens, and how many the target verifies.
+
+    Each round the target verifies ``draft_tokens`` rows per request (its last
+    token and ``steps`` drafts: a top-1 chain, so ``steps = draft_tokens - 1``);
+    greedy acceptance keeps the longest prefix of drafts the target agrees
+    with, plus the target's own next token. ``mtp``: DeepSeek-V3.2's MTP layer
+    (draft extend over the accepted tokens, then ``steps - 1`` draft-decode
+    steps); ``ngram``: prompt lookup over the request's own tokens, no model.
+    """
+
+    draft: Literal["none", "ngram", "mtp"] = Field("none", description="none turns it off")
+    draft_tokens: int = Field(4, ge=2, le=8, description="rows per request in target verify")
+    steps: int | None = Field(None, ge=1, le=7, description="drafts per round (draft_tokens - 1)")
+    ngram_max: int = Field(4, ge=1, le=16, description="longest suffix the n-gram draft matches")
+    ngram_min: int = Field(1, ge=1, le=16, description="shortest suffix it falls back to")
+    mtp_seed: int = Field(1, ge=0, description="seed of the MTP layer's random weights")
+    compare_plain: bool = Field(
+        False, description="also serve the workload without speculation and report both"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.draft != "none"
+
+    @property
+    def next_n(self) -> int:
+        """Tokens per request in target verify (1 when speculation is off)."""
+        return self.draft_tokens if self.enabled else 1
+
+    @property
+    def decode_steps(self) -> int:
+        """Draft-decode steps per round: the MTP draft's first token comes from draft extend."""
+        return self.draft_tokens - 2 if self.draft == "mtp" else 0
+
+
 class RunConfig(_Section):
     """A whole decode run."""
 
@@ -116,6 +154,7 @@ class RunConfig(_Section):
     planner: PlannerSection = PlannerSection()
     graphs: GraphsSection = GraphsSection()
     loop: LoopSection = LoopSection()
+    speculative: SpeculativeSection = SpeculativeSection()
 
     @field_validator("device")
     @classmethod
@@ -128,10 +167,40 @@ class RunConfig(_Section):
 
     def check_fits(self) -> None:
         """Cross-section limits, reported on the field to change."""
-        longest = self.loop.prompt_len[1] + self.loop.max_new_tokens[1] + self.planner.next_n
+        spec = self.speculative
+        if self.planner.next_n != 1:
+            raise ConfigError(
+                "tokens per verify are set by speculative.draft_tokens (with speculative.draft)",
+                field="planner.next_n",
+                expected=1,
+                actual=self.planner.next_n,
+            )
+        if spec.steps is not None and spec.steps != spec.draft_tokens - 1:
+            raise ConfigError(
+                "a top-1 draft chain proposes draft_tokens - 1 tokens per round",
+                field="speculative.steps",
+                expected=spec.draft_tokens - 1,
+                actual=spec.steps,
+            )
+        if spec.ngram_min > spec.ngram_max:
+            raise ConfigError(
+                "the shortest n-gram is longer than the longest",
+                field="speculative.ngram_min",
+                expected=f"<= {spec.ngram_max} (speculative.ngram_max)",
+                actual=spec.ngram_min,
+            )
+        if spec.enabled and self.loop.mixed:
+            raise ConfigError(
+                "speculative requests verify in their own graph step; they cannot join a "
+                "mixed extend batch",
+                field="loop.mixed",
+                expected=False,
+                actual=True,
+            )
+        longest = self.loop.prompt_len[1] + self.loop.max_new_tokens[1] + spec.next_n
         if longest > self.planner.max_context:
             raise ConfigError(
-                "below the longest request (prompt + new tokens + next_n)",
+                "below the longest request (prompt + new tokens + speculative.draft_tokens)",
                 field="planner.max_context",
                 expected=f">= {longest}",
                 actual=self.planner.max_context,

@@ -117,12 +117,12 @@ class Scheduler:
         requests: list[Request],
         mode: ForwardMode,
         next_n: int,
-        drafts: list[int] | None = None,
+        drafts: list[list[int]] | None = None,
     ) -> tuple[ForwardBatch, torch.Tensor]:
         """The batch and ``input_ids`` for feeding ``next_n`` tokens of each request.
 
         Row ``i`` of a request is position ``fed + i``: its own next token
-        first, then the draft (target-verify).
+        first, then its ``next_n - 1`` drafts (target verify).
         """
         lens, pools, locs, positions, ids = [], [], [], [], []
         for j, request in enumerate(requests):
@@ -133,7 +133,7 @@ class Scheduler:
                 position = request.fed + i
                 positions.append(position)
                 locs.append(self.slot(request, position))
-                ids.append(tokens[position] if i == 0 else drafts[j])
+                ids.append(tokens[position] if i == 0 else drafts[j][i - 1])
         device = self.pool.req_to_token.device
         batch = ForwardBatch(
             seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
@@ -145,3 +145,45 @@ class Scheduler:
             next_n=next_n,
         )
         return batch, torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+
+    def build_draft_extend(self, work: list[tuple[Request, int, int]], next_n: int) -> ForwardBatch:
+        """The draft's catch-up on ``(request, first position, accepted)``: positions
+        ``first .. first + accepted - 1``, flat; the planner spreads them over ``next_n`` rows."""
+        lens, new, pools, locs, positions = [], [], [], [], []
+        for request, first, accepted in work:
+            lens.append(first + accepted)
+            new.append(accepted)
+            pools.append(request.pool_idx)
+            for position in range(first, first + accepted):
+                positions.append(position)
+                locs.append(self.slot(request, position))
+        return ForwardBatch(
+            seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
+            req_pool_indices=torch.tensor(pools, dtype=torch.int32),
+            req_to_token=self.pool.req_to_token,
+            out_cache_loc=torch.tensor(locs, dtype=torch.int32),
+            positions=torch.tensor(positions, dtype=torch.int32),
+            mode=ForwardMode.DRAFT_EXTEND,
+            next_n=next_n,
+            extend_lens_cpu=torch.tensor(new, dtype=torch.int32),
+        )
+
+    def build_draft_decode(self, requests: list[Request], steps: int) -> ForwardBatch:
+        """``steps`` one-token draft steps of each request at positions ``fed .. fed + steps - 1``
+        (the KV length after the last step, every step's slot, request-major)."""
+        lens, pools, locs, positions = [], [], [], []
+        for request in requests:
+            lens.append(request.fed + steps)
+            pools.append(request.pool_idx)
+            for position in range(request.fed, request.fed + steps):
+                positions.append(position)
+                locs.append(self.slot(request, position))
+        return ForwardBatch(
+            seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
+            req_pool_indices=torch.tensor(pools, dtype=torch.int32),
+            req_to_token=self.pool.req_to_token,
+            out_cache_loc=torch.tensor(locs, dtype=torch.int32),
+            positions=torch.tensor(positions, dtype=torch.int32),
+            mode=ForwardMode.DRAFT_DECODE,
+            next_n=steps,
+        )

@@ -1,10 +1,11 @@
 """What every paged backend shares: the staged batch inputs and the generic metadata ops.
 
 Importing the package registers the generic ops (``ops`` for uniform batches,
-``ragged_ops`` for the per-token metadata of extend batches), whose ``torch``
+``ragged_ops`` for the per-token metadata of extend batches, ``row_ops`` for the
+row layouts of speculative batches), whose ``torch``
 providers (``torch_ref``, ``ragged_ref``) are the exact references and whose
 ``triton`` providers (``triton_kernels``, ``ragged_triton``) are the fast path,
 bit-equal to them; ``host_twins`` are their numpy twins, which eager plans run on the host.
 """
 
-from backends.common import host_twins, ops, ragged_ops  # noqa: F401  (registers the generic ops)
+from backends.common import host_twins, ops, ragged_ops, row_ops  # noqa: F401  (registers ops)

@@ -9,9 +9,13 @@ handed to a model are NSA plans is checked once, when the engine is built.
 Plan fields used (int32 tensors unless noted; ``rows = reqs * next_n``, row
 ``r = req * next_n + i``):
 
-* ``next_n``, ``topk``, ``max_seq_len`` (python ints; ``max_seq_len`` is the logits width)
+* ``next_n``, ``kernel_next_n``, ``topk``, ``max_seq_len`` (python ints; ``max_seq_len`` is
+  the logits width; ``kernel_next_n`` the rows per request deep_gemm sees: ``next_n``
+  natively, 1 when the rows are expanded)
 * ``kv_lens [rows]``: causal KV length of each query row
-* ``page_table [reqs, pages]``: 64-token page ids (deep_gemm's block table)
+* ``page_table [reqs, pages]``: 64-token page ids
+* ``kernel_page_table [kernel_reqs, pages]``: deep_gemm's block table (the page table, each
+  row repeated per query row when expanded)
 * ``token_slots [reqs, max_len]``: physical slot of each logical position
 * ``schedule [num_sms + 1, 2]``: deep_gemm's SM schedule
 
@@ -51,7 +55,8 @@ def indexer_topk(
 ) -> torch.Tensor:
     """The indexer's top-k: physical KV slots each query row attends to, ``int32 [rows, topk]``.
 
-    ``q_fp8``: float8_e4m3fn ``[rows, H, D]`` or ``[reqs, next_n, H, D]``; ``weights``:
+    ``q_fp8``: float8_e4m3fn ``[rows, H, D]`` (any shape with ``rows * H * D`` in that
+    order); ``weights``:
     float32 ``[rows, H]`` with the query scales already folded in; ``index_cache``: the
     deep_gemm page layout (see ``backends.deepgemm.fp8``).
 
@@ -63,18 +68,24 @@ def indexer_topk(
     after. ``max_seq_len`` must cover every ``kv_lens`` entry (positions past it can never
     be chosen; checking would need a host sync).
     """
-    next_n = plan.next_n
+    next_n, kernel_n = plan.next_n, plan.kernel_next_n
     topk = plan.topk
     width = plan.max_seq_len
     kv_lens = plan.kv_lens
-    page_table = plan.page_table
     schedule = plan.schedule
     token_slots = plan.token_slots
-    rows, reqs = _rows_of(kv_lens, next_n)
+    rows, _ = _rows_of(kv_lens, next_n)
+    kernel_reqs = rows // kernel_n  # reqs natively, rows when expanded to one row each
 
-    q4 = q_fp8.reshape(reqs, next_n, *q_fp8.shape[-2:])
+    q4 = q_fp8.reshape(kernel_reqs, kernel_n, *q_fp8.shape[-2:])
     logits = fp8_paged_mqa_logits(
-        q4, index_cache, weights, kv_lens.view(reqs, next_n), page_table, schedule, width
+        q4,
+        index_cache,
+        weights,
+        kv_lens.view(kernel_reqs, kernel_n),
+        plan.kernel_page_table,
+        schedule,
+        width,
     )
     # Length-aware: each row's top-k over its own valid positions only (deep_gemm leaves the
     # rest undefined, so nothing past kv_lens is read), rows that fit take all theirs

@@ -50,7 +50,9 @@ def _deep_gemm_usable(device: torch.device) -> bool:
 
 
 def _warm_buckets(limits: Limits, params: Mapping[str, Any], device: torch.device) -> None:
-    warmup_schedule_buckets(limits.max_batch, params["next_n"], params["num_sms"], device)
+    # expanded verify rows are kernel requests of their own: up to max_batch * next_n of them
+    kernel_reqs = limits.max_batch * max(limits.next_n // params["next_n"], 1)
+    warmup_schedule_buckets(kernel_reqs, params["next_n"], params["num_sms"], device)
 
 
 @paged_mqa_schedule.provider("deep_gemm", available=_deep_gemm_usable, warmup=_warm_buckets)

@@ -20,20 +20,28 @@ from planner.schema import PAD_DERIVED, Setting, Tensor, scalar_field, tensor_fi
 
 I32 = torch.int32
 
+NATIVE_NEXT_N = (1, 2)
+"""The ``next_n`` deep_gemm's paged MQA logits take on Hopper: the one declaration the planner
+lays verify rows out from (natively for these, expanded to one row per token otherwise)."""
+
 
 class NSAPlan(PagedPlan, backend="nsa"):
     """What DeepSeek-V3.2's indexer and sparse MLA read in every layer (decode and target-verify).
 
     Everything a paged kernel reads (lengths, causal ``kv_lens`` = deep_gemm's
-    ``context_lens`` viewed ``[reqs, next_n]``, token slots, the 64-token page
-    table = deep_gemm's ``block_table``) comes from :class:`PagedPlan`; this adds
-    the query offsets, the sparse lengths and the schedule.
+    ``context_lens`` viewed ``[kernel_reqs, kernel_next_n]``, token slots, the
+    64-token page table) comes from :class:`PagedPlan`; this adds the query
+    offsets, the sparse lengths, deep_gemm's block table and the schedule.
+    Verify with ``next_n`` deep_gemm takes (1, 2) is laid out natively; any
+    other ``next_n`` is expanded (one kernel request per row: the staircase
+    lengths, the page table repeated per token, the schedule with next_n 1).
     """
 
     defaults: ClassVar[dict[str, Any]] = {
         "topk": 2048,
         "block_kv": BLOCK_KV,
         "schedule_layout": "0.1.0",
+        "native_next_n": NATIVE_NEXT_N,
         **mla_split.DEFAULTS,
     }
 
@@ -54,13 +62,23 @@ class NSAPlan(PagedPlan, backend="nsa"):
         pad=PAD_DERIVED,
         doc="tokens sparse attention reads per row: min(kv_len, topk)",
     )
+    kernel_page_table: Tensor = tensor_field(
+        I32,
+        ("kernel_reqs", "pages"),
+        op="repeat_rows",
+        inputs=("page_table",),
+        params={"times": Setting("row_repeat")},
+        pad=0,
+        doc="deep_gemm's block_table: the page table, its rows repeated per token when expanded "
+        "(the page table itself when native)",
+    )
     schedule: Tensor = tensor_field(
         I32,
         ("sms+1", 2),
         op="paged_mqa_schedule",
         inputs=("kv_lens",),
         params={
-            "next_n": Setting("next_n"),
+            "next_n": Setting("kernel_next_n"),
             "block_kv": Setting("block_kv"),
             "num_sms": Setting("num_sms"),
             "layout": Setting("schedule_layout"),
@@ -70,6 +88,9 @@ class NSAPlan(PagedPlan, backend="nsa"):
     )
     mla_split_plan: Tensor = mla_split.split_table_field("rows")
     topk: int = scalar_field("topk", doc="tokens each query row attends to, at most")
+    kernel_next_n: int = scalar_field(
+        "kernel_next_n", doc="query rows per kernel request: next_n natively, 1 when expanded"
+    )
     mla_splits: int = mla_split.splits_field()
     mla_kernel: str = mla_split.kernel_field()
 
@@ -96,12 +117,13 @@ class NSAPlan(PagedPlan, backend="nsa"):
                 expected=BLOCK_KV,
                 actual=settings["page_size"],
             )
-        if settings["next_n"] not in (1, 2):
+        native = settings["native_next_n"]
+        if not isinstance(native, (tuple, list)) or not set(native) <= set(NATIVE_NEXT_N):
             raise SchemaError(
-                "deep_gemm's paged MQA logits take next_n 1 or 2",
-                field="next_n",
-                expected=(1, 2),
-                actual=settings["next_n"],
+                "deep_gemm's paged MQA logits take next_n 1 or 2 natively (others are expanded)",
+                field="nsa.native_next_n",
+                expected=f"a subset of {NATIVE_NEXT_N}",
+                actual=native,
             )
         topk = settings["topk"]
         if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:

@@ -87,5 +87,4 @@ class Indexer(nn.Module):
         weights = w * q_scale.squeeze(-1)
         if isinstance(plan, NSAExtendPlan):
             return indexer_topk_extend(plan, q_fp8, weights, index_cache)
-        q_fp8 = q_fp8.view(-1, plan.next_n, self.n_heads, self.head_dim)
         return indexer_topk(plan, q_fp8, weights, index_cache)

@@ -31,7 +31,8 @@ INDEX = "dump.json"
 HEAD = 8
 """Values of each field kept in the manifest, enough to eyeball without the tensors."""
 
-SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@-]*$")
+"""Backend names a dump writes files under (``nsa@2``: step 2 of a stepped plan set)."""
 
 JsonValue = bool | int | float | str | None
 """A head value or statistic: non-finite floats are stored as "nan", "inf", "-inf"."""

@@ -25,8 +25,12 @@ from planner.errors import PlanError
 SCALE = 192**-0.5
 
 
-def make_plan(seq_lens, next_n, topk, *, width=None, seed=0, num_sms=8):
-    """A plan as the planner defines it, with each request's pages scattered at random."""
+def make_plan(seq_lens, next_n, topk, *, width=None, seed=0, num_sms=8, kernel_next_n=None):
+    """A plan as the planner defines it, with each request's pages scattered at random.
+
+    ``kernel_next_n`` (default: ``next_n`` where deep_gemm takes it, else 1) lays the rows
+    out natively or expanded, one kernel request per row."""
+    kernel_n = kernel_next_n or (next_n if next_n <= 2 else 1)
     g = torch.Generator().manual_seed(seed)
     reqs = len(seq_lens)
     width = width or -(-max(seq_lens) // PAGE) * PAGE
@@ -41,17 +45,20 @@ def make_plan(seq_lens, next_n, topk, *, width=None, seed=0, num_sms=8):
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     kv_lens = torch.stack([seq - (next_n - 1 - i) for i in range(next_n)], 1).reshape(-1)
     kv_lens = kv_lens.clamp(min=0).to(torch.int32)
+    page_table = (token_slots[:, ::PAGE] // PAGE).contiguous()
     return SimpleNamespace(
         next_n=next_n,
+        kernel_next_n=kernel_n,
         topk=topk,
         max_seq_len=width,
         seq_lens=seq,
         kv_lens=kv_lens,
         token_slots=token_slots,
-        page_table=(token_slots[:, ::PAGE] // PAGE).contiguous(),
+        page_table=page_table,
+        kernel_page_table=page_table.repeat_interleave(next_n // kernel_n, 0),
         topk_lens=kv_lens.clamp(max=topk),
         schedule=reference_paged_mqa_schedule(
-            kv_lens.view(-1, next_n), 64, num_sms, check_values=False
+            kv_lens.view(-1, kernel_n), 64, num_sms, check_values=False
         ),
         num_pages=num_pages,
     )
@@ -71,15 +78,18 @@ def make_index_inputs(plan, heads=32, seed=0):
 
 
 def brute_force_topk(plan, q_fp8, weights, cache):
+    """Every query row scored as a decode request of its own (the reference logits, one row
+    per request, its request's page table), then sorted: what any row layout must select."""
     rows, heads, dim = q_fp8.shape
     n = plan.next_n
+    per_row = plan.kv_lens.view(-1, 1)
     logits = reference_fp8_paged_mqa_logits(
-        q_fp8.view(-1, n, heads, dim),
+        q_fp8.view(-1, 1, heads, dim),
         cache,
         weights,
-        plan.kv_lens.view(-1, n),
-        plan.page_table,
-        plan.schedule,
+        per_row,
+        plan.page_table.repeat_interleave(n, 0),
+        reference_paged_mqa_schedule(per_row, 64, 8, check_values=False),
         plan.max_seq_len,
     )
     out = torch.full((rows, plan.topk), -1, dtype=torch.int32)
@@ -122,6 +132,19 @@ def test_indexer_topk_matches_brute_force(monkeypatch, provider, seq_lens, next_
     assert torch.equal((got >= 0).sum(1).to(torch.int32), plan.topk_lens)
     q4 = q_fp8.view(len(seq_lens), next_n, *q_fp8.shape[1:])
     assert torch.equal(nsa.indexer_topk(plan, q4, weights, cache), got)
+
+
+@pytest.mark.parametrize(("seq_lens", "next_n"), [([5, 129, 64], 2), ([9, 300], 4), ([70, 8], 8)])
+def test_expanded_rows_select_what_native_rows_and_the_brute_force_select(seq_lens, next_n):
+    """One row per draft token (staircase lengths, the block table repeated, the schedule over
+    the rows with next_n 1) is the same indexer as native rows where deep_gemm has them."""
+    expanded = make_plan(seq_lens, next_n, 32, seed=7, kernel_next_n=1)
+    q_fp8, weights, cache = make_index_inputs(expanded, seed=33)
+    got = nsa.indexer_topk(expanded, q_fp8, weights, cache)
+    assert torch.equal(got, brute_force_topk(expanded, q_fp8, weights, cache))
+    if next_n <= 2:
+        native = make_plan(seq_lens, next_n, 32, seed=7)
+        assert torch.equal(nsa.indexer_topk(native, q_fp8, weights, cache), got)
 
 
 def test_indexer_topk_never_returns_future_or_null_slots():

@@ -104,7 +104,7 @@ def test_the_schedule_never_sees_a_zero_length(monkeypatch):
     ("limits", "options", "field"),
     [
         (dict(page_size=16), {}, "page_size"),
-        (dict(next_n=3), {}, "next_n"),
+        (dict(), {"native_next_n": (1, 2, 3)}, "nsa.native_next_n"),
         (dict(), {"topk": 0}, "nsa.topk"),
         (dict(), {"block_kv": 128}, "nsa.block_kv"),
         (dict(), {"schedule_layout": "2027"}, "nsa.schedule_layout"),

@@ -75,9 +75,11 @@ def make_plan(
         cu_seqlens_k=torch.cat([zero, sl.cumsum(0).to(torch.int32)]),
         token_slots=token_slots,
         page_table=page_table,
+        kernel_page_table=page_table,
         topk_lens=kv_lens.clamp(max=topk),
         schedule=reference_paged_mqa_schedule(kv_lens.view(reqs, next_n), num_sms=8),
         next_n=next_n,
+        kernel_next_n=next_n,
         topk=topk,
         mla_kernel="torch",  # the reference attention: these plans carry no split table
         max_seq_len=max_len,

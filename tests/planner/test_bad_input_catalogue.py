@@ -54,6 +54,7 @@ from tests.support.catalogue import (
     finding_params,
     refuse,
 )
+from tests.support.spec_batches import draft_decode_batch, draft_extend_batch
 
 pytestmark = pytest.mark.usefixtures("fresh_deep_gemm")  # a CUDA planner tries deep_gemm once
 
@@ -104,6 +105,108 @@ def _nsa_case(kind: str, category: str, batch, field: str, limit: str, where: st
     kw = {"phases": BATCH, **kw}
     return Case(kind, category, batch, BatchError, field, limit, where, setup=NSA, **kw)
 
+
+SPEC = {"next_n": 4, "draft_steps": 3}
+"""The speculative planner: verify and draft extend of 4 rows per request, 3 draft steps."""
+
+
+def _draft_extend(**overrides) -> Callable[[], ForwardBatch]:
+    """A good draft extend of 3 requests accepting 1, 4 and 2 tokens, with ``overrides``."""
+    return lambda: dataclasses.replace(
+        draft_extend_batch(
+            random.Random(5), TABLE, bs=3, max_context=CTX, next_n=4, accepted=[1, 4, 2]
+        ),
+        **overrides,
+    )
+
+
+def _draft_decode(**overrides) -> Callable[[], ForwardBatch]:
+    """A good 3-step draft decode of 2 requests, with ``overrides``."""
+    return lambda: dataclasses.replace(
+        draft_decode_batch(random.Random(6), TABLE, bs=2, max_context=CTX, steps=3), **overrides
+    )
+
+
+SPECULATIVE_CASES = [
+    _nsa_case(
+        "draft extend without accepted counts",
+        "batch",
+        _draft_extend(extend_lens_cpu=None),
+        "extend_lens_cpu",
+        "int32 [bs]",
+        DOOR,
+        planner=SPEC,
+    ),
+    _nsa_case(
+        "draft extend accepting more than next_n",
+        "batch",
+        _draft_extend(
+            extend_lens_cpu=_i32(1, 5, 1), out_cache_loc=torch.zeros(7, dtype=torch.int32)
+        ),
+        "extend_lens_cpu",
+        "<= 4",
+        DOOR,
+        planner=SPEC,
+    ),
+    _nsa_case(
+        "draft extend accepting nothing",
+        "batch",
+        _draft_extend(
+            extend_lens_cpu=_i32(1, 0, 2), out_cache_loc=torch.zeros(3, dtype=torch.int32)
+        ),
+        "extend_lens_cpu",
+        ">= 1",
+        DOOR,
+        planner=SPEC,
+    ),
+    _nsa_case(
+        "draft extend slots not one per accepted token",
+        "batch",
+        _draft_extend(out_cache_loc=torch.zeros(12, dtype=torch.int32)),
+        "out_cache_loc",
+        "expected 7",
+        DOOR,
+        planner=SPEC,
+    ),
+    _nsa_case(
+        "draft decode shorter than its steps",
+        "batch",
+        _draft_decode(seq_lens_cpu=_i32(40, 2)),
+        "seq_lens_cpu",
+        ">= 3",
+        DOOR,
+        planner=SPEC,
+    ),
+    _nsa_case(
+        "draft decode steps other than the planner's",
+        "batch",
+        lambda: draft_decode_batch(random.Random(6), TABLE, bs=2, max_context=CTX, steps=2),
+        "next_n",
+        "expected 3",
+        DOOR,
+        planner=SPEC,
+    ),
+    _nsa_case(
+        "draft decode with extend lengths",
+        "batch",
+        _draft_decode(extend_lens_cpu=_i32(3, 3)),
+        "extend_lens_cpu",
+        "leave extend_lens_cpu out",
+        DOOR,
+        planner=SPEC,
+    ),
+    _nsa_case(
+        "draft decode without draft steps",
+        "batch",
+        _draft_decode(),
+        "draft_steps",
+        ">= 1",
+        "Planner.program (before the door)",
+        planner={"next_n": 4},
+    ),
+]
+"""Speculative batches the door refuses before anything is staged (so no capture of their
+mode is needed to refuse them in replay)."""
 
 BATCH_CASES = [
     _door("negative length", _paged(seq_lens_cpu=_i32(5, -1, 3)), "seq_lens_cpu", STAGING),
@@ -318,6 +421,7 @@ BATCH_CASES = [
         DOOR,
         planner={"next_n": 1},
     ),
+    *SPECULATIVE_CASES,
     _nsa_case(
         "not a ForwardBatch",
         "batch",
@@ -438,11 +542,11 @@ CALL_CASES = [
         NSA_CHECK,
     ),
     Case(
-        "NSA next_n outside deep_gemm's 1 or 2",
+        "NSA native next_n outside deep_gemm's 1 or 2",
         "config",
-        _build(["nsa"], NSA.make_limits(next_n=3)),
+        _build(["nsa"], options={"nsa": {"native_next_n": (1, 2, 4)}}),
         SchemaError,
-        "next_n",
+        "nsa.native_next_n",
         "(1, 2)",
         NSA_CHECK,
     ),

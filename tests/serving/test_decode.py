@@ -57,10 +57,11 @@ def test_greedy_tokens_identical_after_save_and_reload(with_graphs, tmp_path):
 
 
 def test_speculative_verify_runs_and_counts_drafts(with_graphs):
-    engine, result = _run(**{"planner.next_n": 2})
+    engine, result = _run(**{"speculative.draft": "ngram", "speculative.draft_tokens": 2})
     assert len(result.tokens) == 6
     assert engine.runner.stats.summary()["captured"].get("target_verify")
     assert all(len(t) > 0 for t in result.tokens.values())
+    assert summarize(engine, result)["speculative"]["verify_steps"] == result.decode_steps
 
 
 def test_debug_mode_verifies_every_replay():
