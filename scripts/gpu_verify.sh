@@ -17,6 +17,8 @@
 #   host        planner vs hand-written host time, every variant  -> planner_overhead.json/.png
 #   refresh     graph runner refresh, decode and target verify    -> replay_overhead*.json
 #   profile     host profile of replay, runner step, eager plan   -> profile_host.json
+#   spec_verify expanded-row verify under graphs vs deep_gemm     -> verify_spec_verify.json
+#   spec        dsv32-small speculative (MTP, n-gram) vs plain    -> spec_decode.json
 set -u
 cd "$(dirname "$0")/.." || exit 1
 source scripts/device_prelude.sh || exit 1
@@ -62,6 +64,8 @@ for step in "$@"; do
         run refresh_verify python3 benchmarks/replay_overhead.py --iters 300 --batches 1 64 256 \
             --mode target_verify --out "$OUT/replay_overhead_verify.json" ;;
     profile) run profile python3 -m benchmarks.profile_host --out "$OUT/profile_host.json" ;;
+    spec_verify) run spec_verify python3 benchmarks/verify_spec_verify.py --out "$OUT" ;;
+    spec) run spec python3 benchmarks/spec_decode.py --out "$OUT" ;;
     *) echo "unknown step $step" | tee -a "$LOG"; failed=1 ;;
     esac
 done
