@@ -24,7 +24,7 @@ SMALL = {
 
 def _run(**overrides):
     engine = tiny_engine({**SMALL, **overrides})
-    result = engine.run(progress=False)
+    result = engine.run(progress=False, keep_tokens=True)
     return engine, result
 
 

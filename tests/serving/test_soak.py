@@ -154,7 +154,7 @@ class Probe:
         engine._decode_step = self._decode_step
 
     def _finished(self) -> int:
-        return len(self.engine.scheduler.finished)
+        return self.engine.scheduler.finished_count
 
     def _decode_step(self, requests, result):
         self.report.batch_sizes[len(requests)] += 1
@@ -213,7 +213,7 @@ def soak(
     report = probe.report
     report.seconds = time.perf_counter() - start
     report.prefill_steps = result.prefill_steps
-    report.finished = len(result.tokens)
+    report.finished = result.finished
     report.eager = dict(engine.runner.stats.eager)
     report.graph_warnings = [str(w.message) for w in caught if issubclass(w.category, GraphWarning)]
     return report, engine
