@@ -28,6 +28,12 @@ Handles = dict[Key, Any]
 """What host ops returned, by the ``(backend, field)`` they produced: plans carry it."""
 
 
+DERIVED_DIMS = frozenset(
+    {"reqs", "rows", "tokens", "kv_tokens", "max_len", "pages", "req_pages", "sms"}
+)
+"""The dimensions :func:`batch_dims` derives from each batch and the limits: never options."""
+
+
 def batch_dims(
     program: Program,
     page_size: int,
