@@ -169,6 +169,14 @@ def _check_extend_lens(
     return tokens
 
 
+def check_size(name: str, value: object, lo: int, hi: int, what: str) -> int:
+    """A request count argument (``bs``, ``pad_to``): an int in ``[lo, hi]``, not a float."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        shown = repr(value) if isinstance(value, str) else value
+        raise BatchError(what, field=name, expected=f"an int in [{lo}, {hi}]", actual=shown)
+    return value
+
+
 def check_table_width(table: torch.Tensor, longest: int) -> None:
     """A token table one column short would make the gather read past a row."""
     if table.shape[1] < longest:

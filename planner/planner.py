@@ -25,7 +25,7 @@ import torch
 from planner.batch import ForwardBatch, ForwardMode
 from planner.captured import CapturedPlans, dummy_batch
 from planner.debug import MismatchHook, check_replay, debug_from_env, guard
-from planner.door import validate_batch
+from planner.door import check_size, validate_batch
 from planner.errors import BatchError, ReplayError, SchemaError
 from planner.fallback import ProviderChain
 from planner.limits import Limits
@@ -90,6 +90,7 @@ class Planner:
             for mode, schemas in self.schemas_by_mode.items()
         }
         self.storages = Storages(self._programs, limits, self.device)
+        self.storages.check_budget()  # before any static buffer is allocated
         self._captured: dict[tuple[ForwardMode, int], CapturedPlans] = {}
         self._warmed = False
         check_forced(self._programs.values(), self.forced)
@@ -211,13 +212,8 @@ class Planner:
     def _plan(self, batch: ForwardBatch, *, pad_to: int | None, count: bool) -> PlanSet:
         start = time.perf_counter()
         mode = self._validate(batch, device_reads=True)
-        if pad_to is not None and not batch.bs <= pad_to <= self.limits.max_batch:
-            raise BatchError(
-                "pad_to out of range",
-                field="pad_to",
-                expected=f"[{batch.bs}, {self.limits.max_batch}]",
-                actual=pad_to,
-            )
+        if pad_to is not None:
+            check_size("pad_to", pad_to, batch.bs, self.limits.max_batch, "pad_to out of range")
         if pad_to is not None and mode.ragged:
             raise BatchError(
                 "ragged batches are planned eagerly, never padded to a captured size",
@@ -271,13 +267,7 @@ class Planner:
                 expected=[ForwardMode.DECODE.value, ForwardMode.TARGET_VERIFY.value],
                 actual=mode.value,
             )
-        if isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= self.limits.max_batch:
-            raise BatchError(
-                "capture size out of range",
-                field="bs",
-                expected=f"an int in [1, {self.limits.max_batch}]",
-                actual=bs,
-            )
+        check_size("bs", bs, 1, self.limits.max_batch, "capture size out of range")
         dummy = self.dummy_batch(bs, mode, req_to_token)
         self._validate(dummy, device_reads=True)
         program = self.program(mode)
@@ -309,7 +299,9 @@ class Planner:
     def record(self, bs: int, mode: ForwardMode = ForwardMode.DECODE) -> None:
         """Run the graph-safe ops on the static views; call inside graph capture, before the layers."""
         mode = ForwardMode(mode)
-        captured = self._captured_for(mode, bs)
+        captured = self._captured_for(
+            mode, check_size("bs", bs, 1, self.limits.max_batch, "size out of range")
+        )
         bind_batch(captured.tensors, captured.dummy)
         for step in self.program(mode).steps:
             if step.in_graph:
@@ -337,6 +329,7 @@ class Planner:
         start = time.perf_counter()
         mode = self._validate(batch, device_reads=self.debug)
         bs = max(batch.bs, 1) if bs is None else bs
+        check_size("bs", bs, 1, self.limits.max_batch, "replay size out of range")
         if batch.bs > bs:
             raise BatchError(
                 "batch larger than the replayed size",
