@@ -132,11 +132,19 @@ def derive_positions(seq_lens_cpu: torch.Tensor, new_tokens: torch.Tensor) -> to
     Request ``b`` with KV length ``L`` adding ``n`` tokens holds positions
     ``L - n .. L - 1``, request-major.
     """
-    lens = seq_lens_cpu.numpy().astype(np.int64)
-    new = new_tokens.numpy().astype(np.int64)
+    return torch.from_numpy(implied_positions(seq_lens_cpu.numpy(), new_tokens.numpy()))
+
+
+def implied_positions(lens: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """:func:`derive_positions` over numpy arrays: int32 positions, request-major."""
+    lens, new = lens.astype(np.int64), new.astype(np.int64)
+    if new.size and (new == new[0]).all():  # uniform: every request adds the same count
+        n = int(new[0])
+        positions = np.repeat(lens - n, n) + np.tile(np.arange(n, dtype=np.int64), lens.size)
+        return positions.astype(np.int32)
     ends = np.cumsum(new)
     starts = ends - new
     token = np.arange(int(ends[-1]) if ends.size else 0, dtype=np.int64)
     owner = np.repeat(np.arange(lens.shape[0]), new)
     positions = lens[owner] - new[owner] + (token - starts[owner])
-    return torch.from_numpy(positions.astype(np.int32))
+    return positions.astype(np.int32)

@@ -25,6 +25,7 @@ import torch
 from planner.batch import SOURCES, ForwardBatch
 from planner.door import check_table_width
 from planner.errors import BatchError
+from planner.value_checks import check_positions, check_table_entries, check_unique
 
 _FIELD_OF_SOURCE = {"seq_lens": "seq_lens_cpu", "extend_lens": "extend_lens_cpu"}
 _UNCHECKED = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
@@ -41,6 +42,7 @@ class Ranges:
     out_cache_loc: tuple[int, int]
     positions: tuple[int, int]
     max_context: int
+    kv_slots: int | None = None
 
     def __getitem__(self, source: str) -> tuple[int, int]:
         return getattr(self, source)
@@ -61,6 +63,7 @@ def input_ranges(
         out_cache_loc=(0, (kv_slots if kv_slots is not None else 2**31) - 1),
         positions=(0, max_context - 1),
         max_context=max_context,
+        kv_slots=kv_slots,
     )
 
 
@@ -98,6 +101,9 @@ class StagingLayout:
             offset += capacity
         self.size = offset
         self._order = tuple(self.segments.values())
+        self._first: dict[str, Segment] = {}
+        for seg in self._order:
+            self._first.setdefault(seg.source, seg)
         self._relation = (
             self.segments.get(("extend_lens", pad_of(wanted, "extend_lens"))),
             self.segments.get(("seq_lens", pad_of(wanted, "seq_lens"))),
@@ -175,6 +181,7 @@ class StagingLayout:
         flat = host[: self.size]
         bad = (flat < lo) | (flat > hi)
         if not bad.any():
+            self._check_relations(host, batch, skip)
             return
         index = int(np.flatnonzero(bad)[0])
         seg = next(s for s in self._order if s.offset <= index < s.offset + s.capacity)
@@ -188,6 +195,37 @@ class StagingLayout:
             expected=f"[{low}, {high}]",
             actual=value,
         )
+
+    def _real(self, host: np.ndarray, batch: ForwardBatch, source: str, skip: frozenset):
+        """The real (unpadded) staged values of ``source``, or None where not staged here."""
+        seg = self._first[source]
+        if seg.offset in skip:
+            return None
+        return host[seg.offset : seg.offset + (batch.num_tokens if seg.per_token else batch.bs)]
+
+    def _check_relations(self, host: np.ndarray, batch: ForwardBatch, skip: frozenset) -> None:
+        """After the ranges: no KV slot written twice, no request twice, and given positions
+        equal to what the lengths imply (``planner.value_checks``)."""
+        slots = self._real(host, batch, "out_cache_loc", skip)
+        if slots is not None:
+            check_unique("out_cache_loc", slots, "a KV slot written")
+        pools = self._real(host, batch, "req_pool_indices", skip)
+        if pools is not None:
+            check_unique("req_pool_indices", pools, "a request")
+        if batch.positions is not None:
+            positions = self._real(host, batch, "positions", skip)
+            if positions is not None:
+                lens = batch.seq_lens_cpu.numpy()
+                new = batch.extend_lens_cpu
+                new = np.full(lens.size, batch.next_n) if new is None else new.numpy()
+                check_positions(positions, lens, new)
+
+    def check_table(self, host: np.ndarray, batch: ForwardBatch, ranges: Ranges) -> None:
+        """The token table entries the plans read, in ``[0, kv_slots)``: a device read where
+        the table is on the device, so only where ``read_device`` allows it."""
+        pools = self._real(host, batch, "req_pool_indices", frozenset())
+        lens = batch.seq_lens_cpu.numpy()
+        check_table_entries(batch.req_to_token, pools, lens, ranges.kv_slots)
 
     def _check_prefix(self, host: np.ndarray, reqs: int, skip: frozenset) -> None:
         extend, seq = self._relation
@@ -258,6 +296,8 @@ class Stager:
             view = host.numpy()
         on_device = self.layout.fill(view, batch, reqs, tokens, ranges, read_device=read_device)
         self.layout.check(view, batch, ranges, on_device)
+        if read_device:
+            self.layout.check_table(view, batch, ranges)
         if not self.static:
             dev = host.to(self.device) if self.device.type != "cpu" else host
         elif self.device.type == "cpu":
