@@ -30,6 +30,10 @@ from planner.value_checks import check_positions, check_table_entries, check_uni
 _FIELD_OF_SOURCE = {"seq_lens": "seq_lens_cpu", "extend_lens": "extend_lens_cpu"}
 _UNCHECKED = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
 _INT32 = (np.iinfo(np.int32).min, np.iinfo(np.int32).max)
+_BOUNDS_KEPT = 64
+"""Bounds arrays kept per layout, for uniform batches (one key per batch size, on the replay
+hot path). Ragged batches' are not kept: their key is their token count, so a cache would
+grow with traffic, and they are planned eagerly anyway."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,7 @@ class StagingLayout:
         self._bounds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
 
     def _bounds_for(
-        self, reqs: int, tokens: int, ranges: Ranges, skip: frozenset
+        self, reqs: int, tokens: int, ranges: Ranges, skip: frozenset, *, keep: bool = True
     ) -> tuple[np.ndarray, ...]:
         key = (reqs, tokens, ranges, skip)
         bounds = self._bounds.get(key)
@@ -125,7 +129,11 @@ class StagingLayout:
                 lo[seg.offset : seg.offset + n], hi[seg.offset : seg.offset + n] = ranges[
                     seg.source
                 ]
-            bounds = self._bounds[key] = (lo, hi)
+            bounds = (lo, hi)
+            if keep:
+                if len(self._bounds) >= _BOUNDS_KEPT:
+                    del self._bounds[next(iter(self._bounds))]  # the oldest
+                self._bounds[key] = bounds
         return bounds
 
     def fill(
@@ -177,7 +185,8 @@ class StagingLayout:
         skip = frozenset(seg.offset for seg, _ in on_device)
         if batch.extend_lens_cpu is not None:  # else implied by the mode: seq_lens' range covers it
             self._check_prefix(host, batch.bs, skip)
-        lo, hi = self._bounds_for(batch.bs, batch.num_tokens, ranges, skip)
+        ragged = batch.extend_lens_cpu is not None
+        lo, hi = self._bounds_for(batch.bs, batch.num_tokens, ranges, skip, keep=not ragged)
         flat = host[: self.size]
         bad = (flat < lo) | (flat > hi)
         if not bad.any():
