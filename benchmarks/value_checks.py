@@ -117,7 +117,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     torch.set_num_threads(1)
     rows = [measure(bs, args.repeats, args.rounds) for bs in args.sizes]
     for row in rows:
-        print("  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        print(
+            "  ".join(
+                f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+            )
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return rows

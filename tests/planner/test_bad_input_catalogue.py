@@ -454,6 +454,7 @@ def _user_paged_plan() -> type:
 
     return MyPaged
 
+
 CALL_CASES = [
     Case(
         "pad_to below the batch",
