@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -75,7 +74,6 @@ def measure(bs: int, repeats: int, rounds: int, context: int = 2048) -> dict[str
     pools = batch.req_pool_indices.numpy()
     lens = batch.seq_lens_cpu.numpy()
     positions = batch.positions.numpy()
-    new = np.ones(bs, dtype=np.int32)
     kv_slots = int(table.max()) + 1
     row = {
         "bs": bs,
@@ -85,7 +83,7 @@ def measure(bs: int, repeats: int, rounds: int, context: int = 2048) -> dict[str
         "req_pool_indices_unique_us": _timed(
             lambda: check_unique("req_pool_indices", pools, "x"), repeats, rounds
         ),
-        "positions_us": _timed(lambda: check_positions(positions, lens, new), repeats, rounds),
+        "positions_us": _timed(lambda: check_positions(positions, lens, None), repeats, rounds),
         "table_entries_us (eager/debug only)": _timed(
             lambda: check_table_entries(table, pools, lens, kv_slots),
             max(1, repeats // 10),

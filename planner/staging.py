@@ -224,9 +224,12 @@ class StagingLayout:
         if batch.positions is not None:
             positions = self._real(host, batch, "positions", skip)
             if positions is not None:
-                lens = batch.seq_lens_cpu.numpy()
+                lens = self._real(host, batch, "seq_lens", frozenset())  # always host values
                 new = batch.extend_lens_cpu
-                new = np.full(lens.size, batch.next_n) if new is None else new.numpy()
+                if new is not None:
+                    new = new.numpy()
+                elif batch.next_n > 1:
+                    new = np.full(lens.size, batch.next_n)
                 check_positions(positions, lens, new)
 
     def check_table(self, host: np.ndarray, batch: ForwardBatch, ranges: Ranges) -> None:

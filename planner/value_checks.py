@@ -20,11 +20,18 @@ import torch
 from planner.batch import implied_positions
 from planner.errors import BatchError
 
+_SMALL = 128
+"""Up to this many values a Python set beats numpy's sort (~0.4 us against ~3.5 us at 8)."""
+
 
 def first_duplicate(values: np.ndarray) -> int | None:
     """The smallest value other than the null 0 that occurs more than once, else None."""
     if values.size < 2:
         return None
+    if values.size <= _SMALL:
+        listed = values.tolist()
+        if len(set(listed)) == len(listed):  # the usual case, answered at once
+            return None
     ordered = np.sort(values)
     same = ordered[1:] == ordered[:-1]
     same &= ordered[1:] != 0
@@ -46,10 +53,12 @@ def check_unique(field: str, values: np.ndarray, what: str) -> None:
         )
 
 
-def check_positions(positions: np.ndarray, lens: np.ndarray, new: np.ndarray) -> None:
+def check_positions(positions: np.ndarray, lens: np.ndarray, new: np.ndarray | None) -> None:
     """Given positions must be what the lengths imply: request ``b`` of KV length ``L``
-    adding ``n`` tokens holds positions ``L - n .. L - 1``."""
-    if new.size and (new == 1).all():  # decode: one token per request, at L - 1
+    adding ``n`` tokens holds positions ``L - n .. L - 1`` (``new`` None: one token each)."""
+    if new is None:  # decode: one token per request, at L - 1
+        if lens.size <= 16 and positions.tolist() == [n - 1 for n in lens.tolist()]:
+            return  # the usual case, in Python: numpy's call overhead is most of the cost
         implied = lens - 1
     else:
         implied = implied_positions(lens, new)
