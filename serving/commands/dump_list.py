@@ -76,12 +76,18 @@ def render_listing(found: dict[str, Any], console: Console) -> None:
         detail = dump.get("error")
         if detail is None:
             label = dump["label"]
-            named = f", '{label}'" if label and label != f"step {dump['step']}" else ""
-            detail = f"step {dump['step']}{named}, created {dump['created']}"
+            step = "-" if dump["step"] is None else dump["step"]
+            named = f", '{label}'" if label and label != f"step {step}" else ""
+            detail = f"step {step}{named}, created {dump['created']}"
         console.print(Text(f"  {dump['name']}  {detail}"))
     for run in runs:
         console.print(Text(f"  {run['name']}/  {run['dumps']} dumps"))
-    if dumps:
-        console.print(Text(f"show one with: python -m planner inspect {root}/{dumps[-1]['name']}"))
-    elif runs:
+    steps_only = [d for d in dumps if d["kind"] == "step"]
+    if steps_only:
+        last = steps_only[-1]["name"]
+        console.print(Text(f"show one with: python -m planner inspect {root}/{last}"))
+    if len(steps_only) < len(dumps):
+        last = dumps[-1]["name"]
+        console.print(Text(f"compare a mismatch with: python -m planner diff {root}/{last}"))
+    if not dumps and runs:
         console.print(Text(f"list a run with: python -m planner inspect {root}/{runs[-1]['name']}"))

@@ -4,8 +4,11 @@ JSON with the tokens. (The refusals of bad paths are in test_cli_catalogue.py.)"
 from __future__ import annotations
 
 import json
+import random
 
 from serving.cli import main
+from serving.dump_ring import MismatchDumper
+from tests.support.dumps import DUMPS
 
 RUN = ["decode", "--quiet", "--requests", "3", "--dump-every", "8", "--dump-keep", "2"]
 
@@ -51,3 +54,14 @@ def test_a_failed_engine_build_leaves_no_empty_run_folder(tmp_path, capsys, monk
     assert main([*RUN, "--dump-dir", str(base)]) == 2
     assert "PLANNER_DEBUG" in capsys.readouterr().err
     assert list(base.iterdir()) == []
+
+
+def test_inspect_lists_a_run_folders_mismatches(tmp_path, capsys):
+    planner = DUMPS.planner()
+    batch = DUMPS.batch(random.Random(1), bs=3)
+    plans = planner.plan(batch)
+    MismatchDumper(tmp_path / "run-0001" / "mismatches")(batch, plans, plans)
+    assert main(["inspect", str(tmp_path / "run-0001")]) == 0
+    out = capsys.readouterr().out
+    assert "0 step dumps, 1 mismatches" in out and "mismatches/mismatch-0" in out
+    assert f"python -m planner diff {tmp_path / 'run-0001'}/mismatches/mismatch-0" in out
