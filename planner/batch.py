@@ -137,14 +137,9 @@ def derive_positions(seq_lens_cpu: torch.Tensor, new_tokens: torch.Tensor) -> to
 
 def implied_positions(lens: np.ndarray, new: np.ndarray) -> np.ndarray:
     """:func:`derive_positions` over numpy arrays: int32 positions, request-major."""
-    lens, new = lens.astype(np.int64), new.astype(np.int64)
-    if new.size and (new == new[0]).all():  # uniform: every request adds the same count
-        n = int(new[0])
-        positions = np.repeat(lens - n, n) + np.tile(np.arange(n, dtype=np.int64), lens.size)
-        return positions.astype(np.int32)
-    ends = np.cumsum(new)
-    starts = ends - new
-    token = np.arange(int(ends[-1]) if ends.size else 0, dtype=np.int64)
-    owner = np.repeat(np.arange(lens.shape[0]), new)
-    positions = lens[owner] - new[owner] + (token - starts[owner])
-    return positions.astype(np.int32)
+    # token i of request b (global index starts[b] + i) is at L_b - n_b + i, that is its
+    # global index plus L_b - ends[b]
+    ends = np.cumsum(new, dtype=np.int64)
+    total = int(ends[-1]) if ends.size else 0
+    offsets = np.repeat(lens.astype(np.int64) - ends, new)
+    return (np.arange(total, dtype=np.int64) + offsets).astype(np.int32)

@@ -186,11 +186,12 @@ class StagingLayout:
         if batch.extend_lens_cpu is not None:  # else implied by the mode: seq_lens' range covers it
             self._check_prefix(host, batch.bs, skip)
         ragged = batch.extend_lens_cpu is not None
-        lo, hi = self._bounds_for(batch.bs, batch.num_tokens, ranges, skip, keep=not ragged)
+        counts = (batch.bs, batch.num_tokens)  # num_tokens sums the extend lengths: once
+        lo, hi = self._bounds_for(*counts, ranges, skip, keep=not ragged)
         flat = host[: self.size]
         bad = (flat < lo) | (flat > hi)
         if not bad.any():
-            self._check_relations(host, batch, skip)
+            self._check_relations(host, batch, skip, counts)
             return
         index = int(np.flatnonzero(bad)[0])
         seg = next(s for s in self._order if s.offset <= index < s.offset + s.capacity)
@@ -205,26 +206,31 @@ class StagingLayout:
             actual=value,
         )
 
-    def _real(self, host: np.ndarray, batch: ForwardBatch, source: str, skip: frozenset):
-        """The real (unpadded) staged values of ``source``, or None where not staged here."""
+    def _real(
+        self, host: np.ndarray, source: str, skip: frozenset, counts: tuple[int, int]
+    ) -> np.ndarray | None:
+        """The real (unpadded) staged values of ``source`` (``counts``: the batch's requests
+        and tokens), or None where it is not staged here."""
         seg = self._first[source]
         if seg.offset in skip:
             return None
-        return host[seg.offset : seg.offset + (batch.num_tokens if seg.per_token else batch.bs)]
+        return host[seg.offset : seg.offset + counts[seg.per_token]]
 
-    def _check_relations(self, host: np.ndarray, batch: ForwardBatch, skip: frozenset) -> None:
+    def _check_relations(
+        self, host: np.ndarray, batch: ForwardBatch, skip: frozenset, counts: tuple[int, int]
+    ) -> None:
         """After the ranges: no KV slot written twice, no request twice, and given positions
         equal to what the lengths imply (``planner.value_checks``)."""
-        slots = self._real(host, batch, "out_cache_loc", skip)
+        slots = self._real(host, "out_cache_loc", skip, counts)
         if slots is not None:
             check_unique("out_cache_loc", slots, "a KV slot written")
-        pools = self._real(host, batch, "req_pool_indices", skip)
+        pools = self._real(host, "req_pool_indices", skip, counts)
         if pools is not None:
             check_unique("req_pool_indices", pools, "a request")
         if batch.positions is not None:
-            positions = self._real(host, batch, "positions", skip)
+            positions = self._real(host, "positions", skip, counts)
             if positions is not None:
-                lens = self._real(host, batch, "seq_lens", frozenset())  # always host values
+                lens = self._real(host, "seq_lens", frozenset(), counts)  # always host values
                 new = batch.extend_lens_cpu
                 if new is not None:
                     new = new.numpy()
@@ -235,8 +241,9 @@ class StagingLayout:
     def check_table(self, host: np.ndarray, batch: ForwardBatch, ranges: Ranges) -> None:
         """The token table entries the plans read, in ``[0, kv_slots)``: a device read where
         the table is on the device, so only where ``read_device`` allows it."""
-        pools = self._real(host, batch, "req_pool_indices", frozenset())
-        lens = batch.seq_lens_cpu.numpy()
+        counts = (batch.bs, 0)
+        pools = self._real(host, "req_pool_indices", frozenset(), counts)
+        lens = self._real(host, "seq_lens", frozenset(), counts)
         check_table_entries(batch.req_to_token, pools, lens, ranges.kv_slots)
 
     def _check_prefix(self, host: np.ndarray, reqs: int, skip: frozenset) -> None:
