@@ -9,6 +9,8 @@ device-resident input, the device copy of the lengths) runs in eager
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from planner.batch import ForwardBatch, ForwardMode
@@ -170,11 +172,16 @@ def _check_extend_lens(
 
 
 def check_size(name: str, value: object, lo: int, hi: int, what: str) -> int:
-    """A request count argument (``bs``, ``pad_to``): an int in ``[lo, hi]``, not a float."""
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    """A request count argument (``bs``, ``pad_to``): an integer in ``[lo, hi]`` (numpy's
+    included), as a Python int; a float or a bool is refused."""
+    try:
+        size = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        size = None
+    if size is None or not lo <= size <= hi:
         shown = repr(value) if isinstance(value, str) else value
         raise BatchError(what, field=name, expected=f"an int in [{lo}, {hi}]", actual=shown)
-    return value
+    return size
 
 
 def check_table_width(table: torch.Tensor, longest: int) -> None:

@@ -213,7 +213,9 @@ class Planner:
         start = time.perf_counter()
         mode = self._validate(batch, device_reads=True)
         if pad_to is not None:
-            check_size("pad_to", pad_to, batch.bs, self.limits.max_batch, "pad_to out of range")
+            pad_to = check_size(
+                "pad_to", pad_to, batch.bs, self.limits.max_batch, "pad_to out of range"
+            )
         if pad_to is not None and mode.ragged:
             raise BatchError(
                 "ragged batches are planned eagerly, never padded to a captured size",
@@ -267,7 +269,7 @@ class Planner:
                 expected=[ForwardMode.DECODE.value, ForwardMode.TARGET_VERIFY.value],
                 actual=mode.value,
             )
-        check_size("bs", bs, 1, self.limits.max_batch, "capture size out of range")
+        bs = check_size("bs", bs, 1, self.limits.max_batch, "capture size out of range")
         dummy = self.dummy_batch(bs, mode, req_to_token)
         self._validate(dummy, device_reads=True)
         program = self.program(mode)
@@ -329,7 +331,7 @@ class Planner:
         start = time.perf_counter()
         mode = self._validate(batch, device_reads=self.debug)
         bs = max(batch.bs, 1) if bs is None else bs
-        check_size("bs", bs, 1, self.limits.max_batch, "replay size out of range")
+        bs = check_size("bs", bs, 1, self.limits.max_batch, "replay size out of range")
         if batch.bs > bs:
             raise BatchError(
                 "batch larger than the replayed size",

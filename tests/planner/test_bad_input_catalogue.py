@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -882,6 +883,16 @@ def _user_backend_plan() -> type:
         seq_lens: Tensor = tensor_field(torch.int32, ("reqs",), source="seq_lens", pad=1)
 
     return Reloaded
+
+
+def test_sizes_may_be_numpy_integers():
+    """Sizes are refused as floats or bools, not as numpy integers (an engine's arithmetic)."""
+    planner = NSA.planner(["paged"])
+    captured = planner.capture(np.int64(4), req_to_token=TABLE)
+    assert planner.replay(_nsa()(), np.int32(4)) is captured
+    assert planner.plan(_nsa()(), pad_to=np.int64(4)).reqs == 4
+    with pytest.raises(BatchError):
+        planner.replay(_nsa()(), True)
 
 
 def test_table_entries_in_debug_replay():
