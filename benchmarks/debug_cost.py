@@ -132,7 +132,7 @@ def run_once(name: str, debug: bool, steps: int, warmup: int) -> dict[str, Any]:
         "verify_ms_per_replay": 1e3 * stats.host_seconds["verify"] / graph_steps,
         "verified": engine.planner.stats.verified,
         "wall_seconds": result.wall_seconds,
-        "tokens": sum(len(t) for t in result.tokens.values()),
+        "tokens": result.generated_tokens,
     }
 
 

@@ -371,7 +371,7 @@ def part_decode(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     times = sorted(result.step_seconds)
     report = {
         "config": args.config,
-        "requests": len(result.tokens),
+        "requests": result.finished,
         "decode_steps": result.decode_steps,
         "prefill_steps": result.prefill_steps,
         "batch_sizes": len(sizes),
@@ -396,7 +396,7 @@ def part_decode(args: argparse.Namespace, device: torch.device) -> dict[str, Any
     }
     report["checks"] = {
         "steps": result.decode_steps >= args.decode_steps,
-        "all_finished": len(result.tokens) == engine.config.loop.requests,
+        "all_finished": result.finished == engine.config.loop.requests,
         "pages_returned": engine.cache.num_used_pages == 0
         and engine.pool.num_free == engine.pool.pool_size - 1,
         "no_eager_fallback": not stats.eager and not stats.dropped and not caught,

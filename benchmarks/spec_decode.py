@@ -60,7 +60,7 @@ def _config(path: Path, base: dict[str, Any], extra: dict[str, Any]) -> RunConfi
 def run_one(config: RunConfig, model) -> tuple[dict[str, Any], dict[int, list[int]]]:
     engine = DecodeEngine(config, model=model)
     start = time.perf_counter()
-    result = engine.run(progress=False)
+    result = engine.run(progress=False, keep_tokens=True)
     s = summarize(engine, result)
     row = {
         "tokens_per_second": s["tokens_per_second"],

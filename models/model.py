@@ -14,11 +14,14 @@ them bit-exactly through safetensors with the config in the metadata.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
-from safetensors import safe_open
+from pydantic import ValidationError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -36,6 +39,19 @@ from planner.planset import PlanSet
 from planner.schema import Plan
 
 FORMAT = "forward-planner/dsv32"
+
+
+@contextmanager
+def _open_weights(path: str | Path, **kwargs: str) -> Iterator[Any]:
+    """``safe_open``, with a file that is not safetensors (truncated, corrupt, a directory)
+    refused as a ``ConfigError`` naming it instead of safetensors' own error."""
+    try:
+        with safe_open(str(path), framework="pt", **kwargs) as f:
+            yield f
+    except (SafetensorError, OSError) as exc:
+        raise ConfigError(
+            f"{path} is not a readable safetensors file: {exc}", field="weights"
+        ) from None
 
 
 class Block(nn.Module):
@@ -213,7 +229,7 @@ class DSV32Model(nn.Module):
     @staticmethod
     def read_config(path: str | Path) -> tuple[DSV32Config, dict[str, str]]:
         """The config (and raw metadata) stored in a saved model file."""
-        with safe_open(str(path), framework="pt") as f:
+        with _open_weights(path) as f:
             meta = f.metadata() or {}
         if meta.get("format") != FORMAT or "config" not in meta:
             raise ConfigError(
@@ -222,7 +238,13 @@ class DSV32Model(nn.Module):
                 expected=FORMAT,
                 actual=meta.get("format"),
             )
-        return DSV32Config.model_validate_json(meta["config"]), meta
+        try:
+            return DSV32Config.model_validate_json(meta["config"]), meta
+        except ValidationError as exc:
+            raise ConfigError(
+                f"{path}: the stored model config does not validate: {exc.errors()[0]['msg']}",
+                field="config",
+            ) from None
 
     @torch.no_grad()
     def load(self, path: str | Path) -> DSV32Model:
@@ -239,7 +261,7 @@ class DSV32Model(nn.Module):
                 actual=a[first],
             )
         own = self.state_dict()
-        with safe_open(str(path), framework="pt", device=str(self.device)) as f:
+        with _open_weights(path, device=str(self.device)) as f:
             keys = set(f.keys())
             if keys != set(own):
                 raise ConfigError(

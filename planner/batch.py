@@ -166,11 +166,14 @@ def derive_positions(seq_lens_cpu: torch.Tensor, new_tokens: torch.Tensor) -> to
     Request ``b`` with KV length ``L`` adding ``n`` tokens holds positions
     ``L - n .. L - 1``, request-major.
     """
-    lens = seq_lens_cpu.numpy().astype(np.int64)
-    new = new_tokens.numpy().astype(np.int64)
-    ends = np.cumsum(new)
-    starts = ends - new
-    token = np.arange(int(ends[-1]) if ends.size else 0, dtype=np.int64)
-    owner = np.repeat(np.arange(lens.shape[0]), new)
-    positions = lens[owner] - new[owner] + (token - starts[owner])
-    return torch.from_numpy(positions.astype(np.int32))
+    return torch.from_numpy(implied_positions(seq_lens_cpu.numpy(), new_tokens.numpy()))
+
+
+def implied_positions(lens: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """:func:`derive_positions` over numpy arrays: int32 positions, request-major."""
+    # token i of request b (global index starts[b] + i) is at L_b - n_b + i, that is its
+    # global index plus L_b - ends[b]
+    ends = np.cumsum(new, dtype=np.int64)
+    total = int(ends[-1]) if ends.size else 0
+    offsets = np.repeat(lens.astype(np.int64) - ends, new)
+    return (np.arange(total, dtype=np.int64) + offsets).astype(np.int32)

@@ -9,6 +9,7 @@ device-resident input, the device copy of the lengths) runs in eager
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import torch
@@ -211,6 +212,19 @@ def _check_extend_lens(
     return tokens
 
 
+def check_size(name: str, value: object, lo: int, hi: int, what: str) -> int:
+    """A request count argument (``bs``, ``pad_to``): an integer in ``[lo, hi]`` (numpy's
+    included), as a Python int; a float or a bool is refused."""
+    try:
+        size = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        size = None
+    if size is None or not lo <= size <= hi:
+        shown = repr(value) if isinstance(value, str) else value
+        raise BatchError(what, field=name, expected=f"an int in [{lo}, {hi}]", actual=shown)
+    return size
+
+
 def check_table_width(table: torch.Tensor, longest: int) -> None:
     """A token table one column short would make the gather read past a row."""
     if table.shape[1] < longest:
@@ -222,24 +236,24 @@ def check_table_width(table: torch.Tensor, longest: int) -> None:
         )
 
 
-def check_pad_to(pad_to: int | None, bs: int, max_batch: int, mode: ForwardMode) -> None:
-    """``plan(batch, pad_to=n)``: a captured size that holds the batch, for a uniform mode."""
+def check_pad_to(pad_to: object, bs: int, max_batch: int, mode: ForwardMode) -> int | None:
+    """``plan(batch, pad_to=n)``: a captured size that holds the batch, for a uniform mode;
+    the size as a Python int."""
     if pad_to is None:
-        return
-    if not bs <= pad_to <= max_batch:
-        raise BatchError(
-            "pad_to out of range", field="pad_to", expected=f"[{bs}, {max_batch}]", actual=pad_to
-        )
+        return None
+    pad_to = check_size("pad_to", pad_to, bs, max_batch, "pad_to out of range")
     if mode.ragged:
         raise BatchError(
             "ragged batches are planned eagerly, never padded to a captured size",
             field="pad_to",
             actual=pad_to,
         )
+    return pad_to
 
 
-def check_capture(mode: ForwardMode, bs: object, max_batch: int) -> None:
-    """``capture(bs, mode)``: a uniform mode (idle replays decode's graphs) and a size in range."""
+def check_capture(mode: ForwardMode, bs: object, max_batch: int) -> int:
+    """``capture(bs, mode)``: a uniform mode (idle replays decode's graphs) and a size in range;
+    the size as a Python int."""
     if mode.ragged or mode is ForwardMode.IDLE:
         raise BatchError(
             "only uniform modes are captured (idle batches replay the decode graphs)",
@@ -247,10 +261,4 @@ def check_capture(mode: ForwardMode, bs: object, max_batch: int) -> None:
             expected=[m.value for m in ForwardMode if not m.ragged and m is not ForwardMode.IDLE],
             actual=mode.value,
         )
-    if isinstance(bs, bool) or not isinstance(bs, int) or not 1 <= bs <= max_batch:
-        raise BatchError(
-            "capture size out of range",
-            field="bs",
-            expected=f"an int in [1, {max_batch}]",
-            actual=bs,
-        )
+    return check_size("bs", bs, 1, max_batch, "capture size out of range")

@@ -21,6 +21,8 @@ class PlanError(ValueError):
         expected: Any = None,
         actual: Any = None,
     ) -> None:
+        self.message = message
+        """The message alone, without the field and values (to re-raise it under another field)."""
         self.field = field
         self.expected = expected
         self.actual = actual

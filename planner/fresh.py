@@ -21,7 +21,8 @@ from planner.batch import ForwardBatch
 from planner.dims import resolve_shape
 from planner.host_pass import HostPass, HostPassFailed, Placement
 from planner.program import Key, Program
-from planner.staging import Ranges, Segment, Stager
+from planner.stager import Stager
+from planner.staging import Ranges, Segment
 
 _LAYOUT_CACHE = 256
 """Layouts kept per storage; ragged batches vary in shape, so the cache is bounded."""

@@ -17,10 +17,17 @@ class Limits(BaseModel):
     query tokens of an extend or mixed batch (the chunked-prefill budget); by
     default one whole longest request fits. ``num_sms`` sizes the deep_gemm
     schedule (132 on an H200). ``kv_slots``, when given, lets the planner
-    range-check ``out_cache_loc``.
+    range-check ``out_cache_loc`` and the token table's entries.
+    ``max_static_bytes`` bounds the static buffers a planner will allocate for
+    its captured plans: past it, the planner refuses to build (naming the field
+    that takes the most) instead of trying to allocate.
+
+    Values are checked strictly (``max_batch="8"`` or ``8.0`` is refused, not
+    converted), and a CUDA device must exist here: a mistake is refused when the
+    limits are made, not at the first capture.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     max_batch: int = Field(ge=1, le=65536, description="largest number of requests in one batch")
     max_context: int = Field(ge=1, le=1 << 24, description="longest KV length of one request")
@@ -37,6 +44,9 @@ class Limits(BaseModel):
     )
     kv_slots: int | None = Field(default=None, ge=1, description="KV cache slots, for range checks")
     device: str = Field(default="cpu", description="where plans live: 'cpu', 'cuda', 'cuda:1'")
+    max_static_bytes: int = Field(
+        default=4 << 30, ge=0, description="most bytes of static plan buffers (default 4 GiB)"
+    )
 
     def __init__(self, **data: object) -> None:
         try:
@@ -47,16 +57,22 @@ class Limits(BaseModel):
             raise ConfigError(
                 f"invalid limits: {first['msg']}",
                 field=".".join(str(p) for p in first["loc"]) or "limits",
-                actual=value if isinstance(value, (int, float, str)) else None,
+                actual=repr(value) if isinstance(value, (int, float, str)) else None,
             ) from None
 
     @field_validator("device")
     @classmethod
     def _known_device(cls, value: str) -> str:
         try:
-            torch.device(value)
+            device = torch.device(value)
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"not a torch device: {value!r}") from exc
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"{value!r} asked for, but CUDA is not available here")
+            count = torch.cuda.device_count()
+            if device.index is not None and device.index >= count:
+                raise ValueError(f"{value!r} asked for, but this machine has {count} CUDA devices")
         return value
 
     @property

@@ -22,11 +22,18 @@ from planner.errors import SchemaError
 from planner.fresh import FreshStorage
 from planner.program import Key, Program, Step
 from planner.schema import Plan
-from planner.staging import Ranges, Segment, Stager, StagingLayout
+from planner.stager import Stager
+from planner.staging import Ranges, Segment, StagingLayout
 
 Tensors = dict[Key, torch.Tensor]
 Handles = dict[Key, Any]
 """What host ops returned, by the ``(backend, field)`` they produced: plans carry it."""
+
+
+DERIVED_DIMS = frozenset(
+    {"reqs", "rows", "tokens", "kv_tokens", "max_len", "pages", "req_pages", "sms"}
+)
+"""The dimensions :func:`batch_dims` derives from each batch and the limits: never options."""
 
 
 def batch_dims(

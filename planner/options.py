@@ -3,7 +3,11 @@
 A backend's settings come from the planner's limits, then the schema's
 ``defaults``, then the user's options. An option no schema reads would be
 silently ignored, so it is refused here, at planner build, with the names
-that would have been read.
+that would have been read. So is an option that would override a limit
+(``{"page_size": 16}`` under ``Limits(page_size=64)`` would size the page
+table by one and fill it by the other) or a dimension the planner derives
+per batch (``max_len``), and an option whose type is not its default's (a
+string ``"2048"`` for ``topk``).
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from planner.errors import SchemaError
+from planner.errors import ConfigError, SchemaError
+from planner.limits import Limits
+from planner.materialise import DERIVED_DIMS
 from planner.program import Program
 from planner.schema import Plan, Setting
 
@@ -50,7 +56,9 @@ def check_options(
         )
     out = {k: dict(v) for k, v in options.items()}
     for backend, given in out.items():
+        _check_not_derived(backend, given)
         known = set().union(*(known_options(cls) for cls in schemas[backend]))
+        known -= set(Limits.model_fields) | DERIVED_DIMS
         unread = sorted(set(given) - known)
         if unread:
             raise SchemaError(
@@ -59,7 +67,46 @@ def check_options(
                 expected=sorted(known),
                 actual=unread,
             )
+        for cls in schemas[backend]:
+            _check_types(backend, given, getattr(cls, "defaults", {}))
     return out
+
+
+def _check_not_derived(backend: str, given: Mapping[str, Any]) -> None:
+    """Limits and per-batch dimensions are the planner's: an option may not set them."""
+    for key, value in given.items():
+        if key in Limits.model_fields:
+            raise ConfigError(
+                f"{key} is a planner limit, not a backend option: set it in "
+                f"Limits({key}=...), which sizes the buffers and checks the batches",
+                field=f"{backend}.{key}",
+                actual=value,
+            )
+        if key in DERIVED_DIMS:
+            raise ConfigError(
+                f"{key} is derived from each batch and the limits, not a backend option",
+                field=f"{backend}.{key}",
+                actual=value,
+            )
+
+
+def _check_types(backend: str, given: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
+    """Each option has its default's type (an int where the default is a float is fine; a
+    bool is never an int); an option whose default is None takes anything."""
+    for key, value in given.items():
+        if key not in defaults or defaults[key] is None:
+            continue
+        want = type(defaults[key])
+        ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise ConfigError(
+                "backend option of the wrong type",
+                field=f"{backend}.{key}",
+                expected=want.__name__,
+                actual=f"{value!r} ({type(value).__name__})",
+            )
 
 
 def check_forced(programs: Iterable[Program], forced: Mapping[str, str]) -> None:

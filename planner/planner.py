@@ -25,7 +25,7 @@ import torch
 from planner.batch import ForwardBatch, ForwardMode
 from planner.captured import CapturedBatch, capture_steps, dummy_batch
 from planner.debug import MismatchHook, check_replay, debug_from_env, guard
-from planner.door import check_capture, check_pad_to, validate_batch
+from planner.door import check_capture, check_pad_to, check_size, validate_batch
 from planner.errors import BatchError, ReplayError, SchemaError
 from planner.fallback import ProviderChain
 from planner.limits import Limits
@@ -98,6 +98,7 @@ class Planner:
         idle = {ForwardMode.IDLE} if ForwardMode.DECODE in self._programs else set()
         self._modes = frozenset(self._programs) | idle
         self.storages = Storages(self._programs, limits, self.device, eager_on_host=eager_on_host)
+        self.storages.check_budget()  # before any static buffer is allocated
         self._captured: dict[tuple[ForwardMode, int], CapturedBatch] = {}
         self._warmed = False
         check_forced(self._programs.values(), self.forced)
@@ -219,7 +220,7 @@ class Planner:
     def _plan(self, batch: ForwardBatch, *, pad_to: int | None, count: bool) -> PlanSet:
         start = time.perf_counter()
         mode = self._validate(batch, device_reads=True)
-        check_pad_to(pad_to, batch.bs, self.limits.max_batch, mode)
+        pad_to = check_pad_to(pad_to, batch.bs, self.limits.max_batch, mode)
         reqs = pad_to or max(batch.bs, 1)
         sets = [self._plan_one(one, mode, reqs, pad_to) for one in batches_of(batch)]
         if mode.stepped:
@@ -270,7 +271,7 @@ class Planner:
         captured). Call :meth:`record` inside the graph capture, before the layers.
         """
         mode = ForwardMode(mode)
-        check_capture(mode, bs, self.limits.max_batch)
+        bs = check_capture(mode, bs, self.limits.max_batch)
         dummy = self.dummy_batch(bs, mode, req_to_token)
         self._validate(dummy, device_reads=True)
         program = self.program(mode)
@@ -296,7 +297,9 @@ class Planner:
     def record(self, bs: int, mode: ForwardMode = ForwardMode.DECODE) -> None:
         """Run the graph-safe ops on the static views; call inside graph capture, before the layers."""
         mode = ForwardMode(mode)
-        captured = self._captured_for(mode, bs)
+        captured = self._captured_for(
+            mode, check_size("bs", bs, 1, self.limits.max_batch, "size out of range")
+        )
         in_graph = [step for step in self.program(mode).steps if step.in_graph]
         for each in captured.steps:  # a stepped mode: every step's ops, in one graph
             bind_batch(each.tensors, each.dummy)
@@ -325,6 +328,7 @@ class Planner:
         start = time.perf_counter()
         mode = self._validate(batch, device_reads=self.debug)
         bs = max(batch.bs, 1) if bs is None else bs
+        bs = check_size("bs", bs, 1, self.limits.max_batch, "replay size out of range")
         if batch.bs > bs:
             raise BatchError(
                 "batch larger than the replayed size",

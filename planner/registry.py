@@ -47,13 +47,20 @@ def register_backend(plan_cls: PlanClass) -> None:
     A backend may register several schemas (e.g. one for uniform decode
     batches, one for ragged extend batches) as long as their modes do not
     overlap; a class that would take a mode another class of the backend
-    already plans is refused, unless it is that class imported again.
+    already plans is refused, unless it is that class imported again (same
+    module and qualified name). A class outside the installed backends' modules
+    first loads them, so ``class X(Plan, backend="paged")`` in user code is
+    refused whether or not ``paged`` was imported yet, never silently replacing it.
     """
     name = plan_cls.backend
     if name in RESERVED:
         raise SchemaError(
             "backend name is reserved", field=name, expected=f"not {sorted(RESERVED)}"
         )
+    if not _loaded and not _from_entry_point(plan_cls):
+        # A class of user code: the installed backends register first, so that one taking
+        # an installed backend's name is the one refused (not the installed backend, later).
+        load_backends()
     known = _BACKENDS.setdefault(name, [])
     for i, existing in enumerate(known):
         if _same(existing, plan_cls):
@@ -68,6 +75,17 @@ def register_backend(plan_cls: PlanClass) -> None:
                 actual=f"{plan_cls.__module__}.{plan_cls.__qualname__}",
             )
     known.append(plan_cls)
+
+
+def _from_entry_point(plan_cls: PlanClass) -> bool:
+    """Whether ``plan_cls`` lives in (or under) the module of an installed entry point: a
+    backend registering itself, possibly halfway through its own import."""
+    module = plan_cls.__module__
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        root = ep.value.partition(":")[0].strip()
+        if module == root or module.startswith(root + "."):
+            return True
+    return False
 
 
 def load_backends() -> None:

@@ -7,18 +7,13 @@ host buffer, padding rows included, checked against their limits in one
 vectorised pass (the only value-range check the planner has), and copied in
 one transfer.
 
-The same :class:`Stager` serves every phase. A static one (capture and
-replay) keeps a ring of pinned host buffers and one device buffer for the
-planner's life. A fresh one (eager plans) copies into a new device buffer per
-call, from a ring of pinned host buffers on CUDA (a pageable copy costs
-several times a pinned one), after the host pass has added its outputs.
-Either way a pinned buffer is refilled only once the copy out of it is done,
-so two batches never race on one.
+This module lays the buffer out and checks it; ``planner.stager`` moves it,
+the same way in every phase.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,15 +22,16 @@ import torch
 from planner.batch import SOURCES, ForwardBatch
 from planner.door import check_table_width
 from planner.errors import BatchError
+from planner.value_checks import check_positions, check_table_entries, check_unique
 
 _FIELD_OF_SOURCE = {"seq_lens": "seq_lens_cpu", "extend_lens": "extend_lens_cpu"}
 _UNCHECKED = (np.iinfo(np.int64).min, np.iinfo(np.int64).max)
 _NONE: frozenset = frozenset()
-_BOUNDS_CACHE = 256
-_RING = 4
-"""Pinned host buffers a static stager cycles through: a step fills one while the copies
-of the last few may still be queued behind their graphs, so it never waits for them."""
 _INT32 = (np.iinfo(np.int32).min, np.iinfo(np.int32).max)
+_BOUNDS_KEPT = 64
+"""Bounds arrays kept per layout, for uniform batches (one key per batch size, on the replay
+hot path). Ragged batches' are not kept: their key is their token count, so a cache would
+grow with traffic, and they are planned eagerly anyway."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +44,7 @@ class Ranges:
     out_cache_loc: tuple[int, int]
     positions: tuple[int, int]
     max_context: int
+    kv_slots: int | None = None
 
     def __getitem__(self, source: str) -> tuple[int, int]:
         return getattr(self, source)
@@ -78,6 +75,7 @@ def input_ranges(
         out_cache_loc=(0, (kv_slots if kv_slots is not None else 2**31) - 1),
         positions=(0, max_context - 1),
         max_context=max_context,
+        kv_slots=kv_slots,
     )
 
 
@@ -115,14 +113,17 @@ class StagingLayout:
             offset += capacity
         self.size = offset
         self._order = tuple(self.segments.values())
+        self._first: dict[str, Segment] = {}
+        for seg in self._order:
+            self._first.setdefault(seg.source, seg)
         self._relation = (
             self.segments.get(("extend_lens", pad_of(wanted, "extend_lens"))),
             self.segments.get(("seq_lens", pad_of(wanted, "seq_lens"))),
         )
-        self._bounds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._bounds: dict[tuple, tuple[np.ndarray, np.ndarray, Ranges]] = {}
 
     def _bounds_for(
-        self, reqs: int, tokens: int, ranges: Ranges, skip: frozenset
+        self, reqs: int, tokens: int, ranges: Ranges, skip: frozenset, *, keep: bool = True
     ) -> tuple[np.ndarray, ...]:
         key = (reqs, tokens, id(ranges), skip)  # ranges are cached per planner: ids are stable
         bounds = self._bounds.get(key)
@@ -136,9 +137,11 @@ class StagingLayout:
                 lo[seg.offset : seg.offset + n], hi[seg.offset : seg.offset + n] = ranges[
                     seg.source
                 ]
-            if len(self._bounds) >= _BOUNDS_CACHE:  # ragged batches vary: keep the cache bounded
-                self._bounds.clear()
-            bounds = self._bounds[key] = (lo, hi, ranges)
+            bounds = (lo, hi, ranges)  # ranges kept alive: its id is part of the key
+            if keep:
+                if len(self._bounds) >= _BOUNDS_KEPT:
+                    del self._bounds[next(iter(self._bounds))]  # the oldest
+                self._bounds[key] = bounds
         return bounds[0], bounds[1]
 
     def fill(
@@ -197,10 +200,13 @@ class StagingLayout:
         skip = frozenset(seg.offset for seg, _ in on_device) if on_device else _NONE
         if batch.extend_lens_cpu is not None:  # else implied by the mode: seq_lens' range covers it
             self._check_prefix(host, batch.bs, skip)
-        lo, hi = self._bounds_for(batch.bs, batch.num_tokens, ranges, skip)
+        ragged = batch.extend_lens_cpu is not None
+        counts = (batch.bs, batch.num_tokens)  # num_tokens sums the extend lengths: once
+        lo, hi = self._bounds_for(*counts, ranges, skip, keep=not ragged)
         flat = host[: self.size]
         bad = (flat < lo) | (flat > hi)
         if not bad.any():
+            self._check_relations(host, batch, skip, counts)
             return
         index = int(np.flatnonzero(bad)[0])
         seg = next(s for s in self._order if s.offset <= index < s.offset + s.capacity)
@@ -214,6 +220,46 @@ class StagingLayout:
             expected=f"[{low}, {high}]",
             actual=value,
         )
+
+    def _real(
+        self, host: np.ndarray, source: str, skip: frozenset, counts: tuple[int, int]
+    ) -> np.ndarray | None:
+        """The real (unpadded) staged values of ``source`` (``counts``: the batch's requests
+        and tokens), or None where it is not staged here."""
+        seg = self._first[source]
+        if seg.offset in skip:
+            return None
+        return host[seg.offset : seg.offset + counts[seg.per_token]]
+
+    def _check_relations(
+        self, host: np.ndarray, batch: ForwardBatch, skip: frozenset, counts: tuple[int, int]
+    ) -> None:
+        """After the ranges: no KV slot written twice, no request twice, and given positions
+        equal to what the lengths imply (``planner.value_checks``)."""
+        slots = self._real(host, "out_cache_loc", skip, counts)
+        if slots is not None:
+            check_unique("out_cache_loc", slots, "a KV slot written")
+        pools = self._real(host, "req_pool_indices", skip, counts)
+        if pools is not None:
+            check_unique("req_pool_indices", pools, "a request")
+        if batch.positions is not None:
+            positions = self._real(host, "positions", skip, counts)
+            if positions is not None:
+                lens = self._real(host, "seq_lens", frozenset(), counts)  # always host values
+                new = batch.extend_lens_cpu
+                if new is not None:
+                    new = new.numpy()
+                elif batch.next_n > 1:
+                    new = np.full(lens.size, batch.next_n)
+                check_positions(positions, lens, new)
+
+    def check_table(self, host: np.ndarray, batch: ForwardBatch, ranges: Ranges) -> None:
+        """The token table entries the plans read, in ``[0, kv_slots)``: a device read where
+        the table is on the device, so only where ``read_device`` allows it."""
+        counts = (batch.bs, 0)
+        pools = self._real(host, "req_pool_indices", frozenset(), counts)
+        lens = self._real(host, "seq_lens", frozenset(), counts)
+        check_table_entries(batch.req_to_token, pools, lens, ranges.kv_slots)
 
     def _check_prefix(self, host: np.ndarray, reqs: int, skip: frozenset) -> None:
         extend, seq = self._relation
@@ -248,131 +294,3 @@ def _fits_int32(source: str, values: np.ndarray, ranges: Ranges) -> None:
             expected=f"[{lo}, {hi}]",
             actual=low if low < _INT32[0] else high,
         )
-
-
-class Stager:
-    """Stages batches through one host buffer into one device buffer; see the module docstring.
-
-    A static stager keeps a ring of pinned host buffers: the copy out of one is
-    asynchronous and queued behind the GPU work of earlier steps, so the next
-    step fills the next buffer instead of waiting for it (waiting would make the
-    host wait for the previous step's graph, a hidden synchronisation).
-
-    ``regions`` batches share it side by side (a stepped batch's steps): each
-    fills and is checked in its own region, and one copy moves them all.
-    """
-
-    def __init__(
-        self, layout: StagingLayout, device: torch.device, *, static: bool, regions: int = 1
-    ) -> None:
-        self.layout = layout
-        self.device = device
-        self.static = static
-        self.regions = regions
-        self.copies = 0
-        self.device_buf: torch.Tensor | None = None
-        self._size = max(layout.size, 1)
-        self._pinned = device.type == "cuda"
-        self._ring: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
-        if static or self._pinned:
-            for _ in range(_RING if self._pinned else 1):
-                self._ring.append(self._host_buffer(self._size * regions))
-        if static:
-            self.host, self.host_view = self._ring[0][0], self._ring[0][1]
-            self.device_buf = torch.zeros(self._size * regions, dtype=torch.int32, device=device)
-
-    def _host_buffer(self, size: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
-        host = torch.zeros(size, dtype=torch.int32, pin_memory=self._pinned)
-        # numpy views made once: .numpy() costs a microsecond and more a call
-        return host, host.numpy(), torch.cuda.Event() if self._pinned else None
-
-    def _next_host(self, size: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
-        """The next pinned buffer of the ring, once the copy out of it (``_RING`` calls ago)
-        is done; grown when a fresh plan's host pass needs more room."""
-        slot = self.copies % len(self._ring)
-        host, view, done = self._ring[slot]
-        if done is not None and self.copies >= len(self._ring):
-            done.synchronize()  # queued behind a few steps' GPU work at most: long finished
-        if host.shape[0] < size:
-            host, view, done = self._ring[slot] = self._host_buffer(max(size, 2 * host.shape[0]))
-        return host, view, done
-
-    def view(self, segment: Segment, n: int) -> torch.Tensor:
-        """The first ``n`` staged values of ``segment`` (static stagers only)."""
-        return self.device_buf[segment.offset : segment.offset + n]
-
-    def stage(
-        self,
-        batch: ForwardBatch,
-        reqs: int,
-        tokens: int,
-        ranges: Ranges,
-        *,
-        read_device: bool,
-        extra: int = 0,
-        host_work: Callable[[np.ndarray], None] | None = None,
-    ) -> torch.Tensor:
-        """Fill, check, ``host_work`` (a fresh plan's host pass, writing its outputs in the
-        ``extra`` elements after the inputs), one host-to-device copy, then device-resident
-        inputs; the device buffer."""
-        return self.stage_all(
-            [batch], reqs, tokens, ranges, read_device=read_device, extra=extra, host_work=host_work
-        )[0]
-
-    def stage_all(
-        self,
-        batches: list[ForwardBatch],
-        reqs: int,
-        tokens: int,
-        ranges: Ranges,
-        *,
-        read_device: bool,
-        extra: int = 0,
-        host_work: Callable[[np.ndarray], None] | None = None,
-    ) -> list[torch.Tensor]:
-        """:meth:`stage` for several batches, one region each, in one copy; a view per batch
-        (``extra`` and ``host_work`` for a single batch only)."""
-        n = len(batches)
-        if n > self.regions and self.static:
-            raise BatchError(
-                "more batches than staging regions", field="steps", expected=self.regions, actual=n
-            )
-        size = self._size + extra if n == 1 else self._size
-        total = size * n
-        if self.static:  # fixed size: the ring's buffers as they are
-            host, view, done = self._next_host(total)
-        elif self._ring:
-            host, view, done = self._next_host(total)
-            host, view = host[:total], view[:total]
-        else:  # fresh on the CPU: the buffer is the plan's own memory, so it is new per call
-            host = torch.empty(total, dtype=torch.int32)
-            view, done = host.numpy(), None
-        pending = []
-        for r, batch in enumerate(batches):
-            region = view[r * size : (r + 1) * size] if n > 1 else view
-            on_device = self.layout.fill(
-                region, batch, reqs, tokens, ranges, read_device=read_device
-            )
-            self.layout.check(region, batch, ranges, on_device)
-            pending.append(on_device)
-        if host_work is not None:
-            host_work(view)
-        if not self.static:
-            dev = (
-                host if done is None else torch.empty(total, dtype=torch.int32, device=self.device)
-            )
-        else:
-            dev = self.device_buf
-        if done is None:
-            if dev is not host:
-                dev.copy_(host)
-        else:
-            dev.copy_(host, non_blocking=True)
-            done.record()
-        self.copies += 1
-        views = [dev[r * size : (r + 1) * size] for r in range(n)] if n > 1 else [dev]
-        for batch, region, on_device in zip(batches, views, pending):
-            for seg, tensor in on_device:
-                n_real = batch.num_tokens if seg.per_token else batch.bs
-                region[seg.offset : seg.offset + n_real].copy_(tensor)
-        return views

@@ -8,17 +8,21 @@ what they do, not as cache management.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
 
 from planner.batch import ForwardMode
+from planner.dims import resolve_shape
+from planner.errors import ConfigError
 from planner.fresh import FreshStorage
 from planner.host_pass import Switch, host_pass_for
 from planner.limits import Limits
 from planner.materialise import StaticStorage, batch_dims, source_segments
 from planner.program import Program
-from planner.staging import Ranges, Stager, StagingLayout, input_ranges
+from planner.stager import RING, Stager
+from planner.staging import Ranges, StagingLayout, input_ranges
 
 
 class Storages:
@@ -127,6 +131,45 @@ class Storages:
         ]
         return {name: max(dims[name] for dims in sizes) for name in sizes[-1]}
 
+    def static_estimate(self) -> dict[tuple[ForwardMode, str], int]:
+        """Bytes each static buffer will take, before any is made, in the modes a graph runner
+        captures (decode, and target-verify when ``next_n`` > 1; ragged modes are planned into
+        fresh tensors): each op field at the limits' largest shape, the staging buffer, and
+        its host ring (``"staging (host)"``, pinned on CUDA; not counted by :meth:`nbytes`). A
+        stepped mode (draft decode) keeps every buffer once per step."""
+        out: dict[tuple[ForwardMode, str], int] = {}
+        ring = RING if self.device.type == "cuda" else 1
+        for mode, program in self.programs.items():
+            if mode.ragged or (mode is ForwardMode.TARGET_VERIFY and self.limits.next_n == 1):
+                continue
+            steps = self.limits.draft_steps if mode.stepped else 1
+            dims = self.max_dims(mode)
+            for step in program.steps:
+                shape = resolve_shape(step.spec.shape, dims, field=step.key)
+                out[(mode, step.key)] = math.prod(shape) * step.spec.dtype.itemsize * steps
+            staging = max(self.layout(mode, self.limits.max_batch).size, 1) * 4 * steps
+            out[(mode, "staging")] = staging
+            out[(mode, "staging (host)")] = staging * ring
+        return out
+
+    def check_budget(self) -> None:
+        """Refuse limits whose static buffers would exceed ``Limits.max_static_bytes``, naming
+        the field that takes the most, before anything is allocated."""
+        estimate = self.static_estimate()
+        total, budget = sum(estimate.values()), self.limits.max_static_bytes
+        if total <= budget:
+            return
+        (mode, key), most = max(estimate.items(), key=lambda item: item[1])
+        raise ConfigError(
+            f"static plan buffers would take {_gib(total)}, over Limits.max_static_bytes "
+            f"({_gib(budget)}); the largest is {key} in {mode.value} ({_gib(most)}), sized by "
+            f"max_batch {self.limits.max_batch} and max_context {self.limits.max_context}: "
+            "lower them, or raise max_static_bytes",
+            field=key,
+            expected=f"<= {budget} bytes",
+            actual=f"{total} bytes",
+        )
+
     def nbytes(self) -> int:
         """Bytes held in static buffers (plans and staging) for every captured mode."""
         total = 0
@@ -135,3 +178,7 @@ class Storages:
             buf = storages[0].stager.device_buf
             total += buf.numel() * buf.element_size()
         return total
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"

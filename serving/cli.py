@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from planner.errors import PlanError
 
@@ -34,8 +33,14 @@ def _add_decode(sub: Any) -> None:
         help=f"YAML run config (default: {DEFAULT_DECODE_CONFIG.name})",
     )
     p.add_argument("--device", help="override the config's device (cpu, cuda)")
-    p.add_argument("--requests", type=int, help="override loop.requests")
-    p.add_argument("--max-steps", type=int, help="stop after this many loop steps")
+    p.add_argument("--requests", type=count, help="override loop.requests (>= 1)")
+    p.add_argument(
+        "--max-steps",
+        type=count,
+        help="stop after this many loop steps (>= 1); default: the config's loop.max_steps "
+        "(100,000 unless the YAML says otherwise). Either way the run ends as soon as every "
+        "request has finished",
+    )
     p.add_argument(
         "--draft",
         choices=("none", "ngram", "mtp"),
@@ -62,29 +67,33 @@ def _add_decode(sub: Any) -> None:
         metavar="OP=NAME",
         help="force a provider for an op",
     )
-    p.add_argument("--load-weights", type=Path, help="safetensors weights saved by --save-weights")
+    p.add_argument(
+        "--load-weights",
+        type=Path,
+        help="safetensors weights saved by --save-weights; their model config must equal the "
+        "configured one",
+    )
     p.add_argument(
         "--save-weights", type=Path, help="save the model's weights (safetensors) before running"
     )
     p.add_argument(
         "--dump-dir",
         type=Path,
-        default=os.environ.get("PLANNER_DUMP_DIR"),
-        help="write plan dumps here (PLANNER_DUMP_DIR)",
+        help="write plan dumps into a new run-NNNN folder here (default: $PLANNER_DUMP_DIR)",
     )
     p.add_argument(
         "--dump-every",
-        type=int,
-        default=int(os.environ.get("PLANNER_DUMP_EVERY", "1")),
-        help="dump every Nth decode step",
+        type=count,
+        help="dump every Nth forward step (default: $PLANNER_DUMP_EVERY, else 1)",
     )
     p.add_argument(
         "--dump-keep",
-        type=int,
-        default=int(os.environ.get("PLANNER_DUMP_KEEP", "8")),
-        help="keep the last N step dumps",
+        type=count,
+        help="keep the last N step dumps (default: $PLANNER_DUMP_KEEP, else 8)",
     )
-    p.add_argument("--json", type=Path, help="also write the summary (and tokens) as JSON here")
+    p.add_argument(
+        "--json", type=Path, help="also write the summary and the generated tokens as JSON here"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run="serving.commands.decode:run")
 
@@ -122,8 +131,26 @@ def _add_dump_readers(sub: Any) -> None:
     p.set_defaults(run="serving.commands.diff:run")
 
 
+class Parser(argparse.ArgumentParser):
+    """Usage mistakes as one line on stderr (exit 2), like every other error of the CLI."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def count(text: str) -> int:
+    """An ``argparse`` type: an integer >= 1 (the message names the flag)."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m planner",
         description="forward-planner: attention metadata planned once per forward batch, CUDA-graph aware.",
     )
@@ -152,9 +179,11 @@ def dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         return dispatch(args)
-    except PlanError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except PlanError as exc:  # every refusal names its field or flag: one line, exit 2
+        message = " ".join(str(exc).split())
+        print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from planner.compare import diff_plans
 from planner.dumps import INDEX, dump_plans, fsync_dir, write_synced
 from planner.errors import ConfigError, DumpError
+from serving.outputs import env_count
 
 if TYPE_CHECKING:
     from planner.batch import ForwardBatch
@@ -105,8 +106,8 @@ class DumpRing:
             return None
         return cls(
             directory,
-            every=_env_int(env, ENV_EVERY, 1),
-            keep_last=_env_int(env, ENV_KEEP, DEFAULT_KEEP),
+            every=env_count(env, ENV_EVERY, 1),
+            keep_last=env_count(env, ENV_KEEP, DEFAULT_KEEP),
         )
 
     def wants(self, step: int) -> bool:
@@ -139,19 +140,6 @@ class DumpRing:
     def kept(self) -> list[Path]:
         """The step dumps on disk, oldest first."""
         return list(self._kept)
-
-
-def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw, 10)
-    except ValueError:
-        raise ConfigError(
-            "must be a positive integer", field=name, expected="integer >= 1", actual=repr(raw)
-        ) from None
-    return _positive(name, value)
 
 
 class MismatchDumper:

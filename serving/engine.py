@@ -21,6 +21,7 @@ from graphs import GraphRunner
 from models.kv_cache import PagedKVCache, RequestPool
 from models.model import DSV32Model
 from planner.batch import ForwardBatch, ForwardMode
+from planner.errors import ConfigError
 from planner.limits import Limits
 from planner.planner import Planner
 from planner.planset import PlanSet
@@ -28,6 +29,7 @@ from serving.dump_ring import DumpRing, MismatchDumper
 from serving.model_setup import build_model, kv_pages, model_config, resolve_device
 from serving.requests import Request, make_workload
 from serving.run_config import RunConfig
+from serving.samples import Samples
 from serving.scheduler import Scheduler
 from serving.speculative import Speculation
 
@@ -45,18 +47,21 @@ class DumpSettings:
 class RunResult:
     """What a run produced and how fast."""
 
-    tokens: dict[int, list[int]]
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    """Generated tokens by request id: kept only when ``run(keep_tokens=True)`` asks."""
+    finished: int = 0
+    generated_tokens: int = 0
     decode_steps: int = 0
     prefill_steps: int = 0
     wall_seconds: float = 0.0
-    step_seconds: list[float] = field(default_factory=list)
-    """Wall time of each decode (or verify) graph step."""
+    step_seconds: Samples = field(default_factory=Samples)
+    """Wall time of each decode (or verify) graph step (the latest ones, and the mean of all)."""
     steps_by_mode: Counter = field(default_factory=Counter)
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
-    ttft_seconds: list[float] = field(default_factory=list)
+    ttft_seconds: Samples = field(default_factory=Samples)
     summary: dict = field(default_factory=dict)
 
 
@@ -288,16 +293,21 @@ class DecodeEngine:
             self.planner.stats.reset()
         self.runner.capture()
 
-    def run(self, *, progress: bool = True, max_steps: int | None = None) -> RunResult:
-        """Serve the configured workload to completion (or ``max_steps``); greedy sampling."""
+    def run(
+        self, *, progress: bool = True, max_steps: int | None = None, keep_tokens: bool = False
+    ) -> RunResult:
+        """Serve the configured workload to completion (or ``max_steps``); greedy sampling.
+
+        Nothing is kept per finished request unless ``keep_tokens`` asks for its tokens
+        (``result.tokens``); counts and bounded timings are kept either way.
+        """
+        if max_steps is not None and (isinstance(max_steps, bool) or max_steps < 1):
+            raise ConfigError("must be >= 1 (or None)", field="max_steps", actual=max_steps)
         loop = self.config.loop
-        workload = make_workload(loop, self.model_config.vocab_size)
-        pending = list(reversed(workload))
-        result = RunResult(tokens={})
+        pending = list(reversed(make_workload(loop, self.model_config.vocab_size)))
+        result = RunResult()
         limit = max_steps or loop.max_steps
-        bar = tqdm(
-            total=len(workload), unit="req", desc="decode", disable=not progress, leave=False
-        )
+        bar = tqdm(total=len(pending), unit="req", desc="decode", disable=not progress, leave=False)
         self.warm_up()
         if self.speculation is not None:
             self.speculation.capture()
@@ -315,7 +325,10 @@ class DecodeEngine:
                 sched.finish(request, step)
                 if self.speculation is not None:
                     self.speculation.forget(request)
-                result.tokens[request.rid] = list(request.generated)
+                result.finished += 1
+                result.generated_tokens += len(request.generated)
+                if keep_tokens:
+                    result.tokens[request.rid] = list(request.generated)
                 bar.update(1)
             bar.set_postfix(running=len(sched.running), refresh=False)
             step += 1

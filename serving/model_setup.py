@@ -70,11 +70,23 @@ def build_model(config: RunConfig, model_cfg: DSV32Config, device: torch.device)
             actual=config.planner.max_context,
         )
     weights = config.model.weights
+    dtype = torch.float32 if config.model.dtype == "float32" else torch.bfloat16
     if weights and not Path(weights).is_file():
         raise ConfigError("no such weights file", field="model.weights", actual=weights)
     if weights:
-        return DSV32Model.from_file(weights, device=device)
-    dtype = torch.float32 if config.model.dtype == "float32" else torch.bfloat16
+        try:
+            stored, meta = DSV32Model.read_config(weights)
+            check_weights_match(weights, stored, meta, model_cfg, dtype)
+            return DSV32Model.from_file(weights, device=device)
+        except ConfigError as exc:
+            if exc.field == "model.weights":
+                raise
+            raise ConfigError(
+                exc.message + " (model.weights / --load-weights)",
+                field="model.weights",
+                expected=exc.expected,
+                actual=exc.actual,
+            ) from None
     return DSV32Model(model_cfg, seed=config.model.seed, device=device, dtype=dtype)
 
 
@@ -114,3 +126,30 @@ def kv_pages(config: RunConfig, model: DSV32Model, device: torch.device) -> int:
             actual=planner.max_context,
         )
     return min(wanted, fits)
+
+
+def check_weights_match(
+    path: str, stored: DSV32Config, meta: dict[str, str], wanted: DSV32Config, dtype: torch.dtype
+) -> None:
+    """A weights file replaces the configured model only if it holds that very model: the
+    first differing config field (or the dtype) is named, with both values."""
+    a, b = stored.model_dump(), wanted.model_dump()
+    differ = [k for k in b if a.get(k) != b[k]]
+    if differ:
+        first = differ[0]
+        more = f" (and {len(differ) - 1} more: {', '.join(differ[1:])})" if differ[1:] else ""
+        raise ConfigError(
+            f"{path} holds another model than the configured one: {first} differs{more}; "
+            "set model.preset / model.overrides to the file's model, or load another file",
+            field="model.weights",
+            expected=f"{first}={b[first]!r} (configured)",
+            actual=f"{first}={a[first]!r} (in the file)",
+        )
+    stored_dtype = meta.get("dtype", "torch.bfloat16").removeprefix("torch.")
+    if stored_dtype != str(dtype).removeprefix("torch."):
+        raise ConfigError(
+            f"{path} holds {stored_dtype} weights, the config asks for another dtype",
+            field="model.weights",
+            expected=f"model.dtype={str(dtype).removeprefix('torch.')!r} (configured)",
+            actual=f"{stored_dtype!r} (in the file)",
+        )

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
+def _percentile(values: Iterable[float], q: float) -> float:
     ordered = sorted(values)
+    if not ordered:
+        return 0.0
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
 
@@ -34,7 +34,7 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
     """Numbers a serving engineer asks for first, as a flat dict (also the ``--json`` output)."""
     stats = engine.planner.stats
     graph = engine.runner.stats.summary()
-    generated = sum(len(t) for t in result.tokens.values())
+    generated = result.generated_tokens
     decode_mode = engine.decode_mode
     decode_calls = stats.op_calls_per_batch(decode_mode)
     batches, host = stats.batches, stats.host_seconds
@@ -42,7 +42,7 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
     return {
         "device": str(engine.device),
         "layers": engine.model_config.num_hidden_layers,
-        "requests_finished": len(result.tokens),
+        "requests_finished": result.finished,
         "generated_tokens": generated,
         "wall_seconds": result.wall_seconds,
         "tokens_per_second": generated / result.wall_seconds if result.wall_seconds else 0.0,
@@ -61,7 +61,7 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         "prefill_steps": result.prefill_steps,
         "step_ms_p50": 1e3 * _percentile(result.step_seconds, 50),
         "step_ms_p99": 1e3 * _percentile(result.step_seconds, 99),
-        "step_ms_mean": 1e3 * statistics.fmean(result.step_seconds) if result.step_seconds else 0.0,
+        "step_ms_mean": 1e3 * result.step_seconds.mean,
         "planner_us_per_replay": _per(host["replay"], batches["replay"], 1e6),
         "planner_us_per_eager_plan": _per(
             host[f"eager_{decode_mode.value}"], batches[f"eager_{decode_mode.value}"], 1e6
@@ -80,7 +80,9 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
             for mode in stats.program_runs
             if stats.program_runs[mode]
         },
-        "schedule_calls_per_step": decode_calls.get("paged_mqa_schedule") if decode_calls else None,
+        "schedule_calls_per_step": decode_calls.get("paged_mqa_schedule")
+        if decode_calls and result.decode_steps
+        else None,
         "static_bytes": graph["static_bytes"],
         "kv_tokens_capacity": (engine.cache.num_pages - 1) * engine.cache.page_size,
         "kv_cache_bytes": engine.cache.nbytes(),

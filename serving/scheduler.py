@@ -28,7 +28,8 @@ class Scheduler:
         self.page_size = page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.finished: list[Request] = []
+        self.finished_count = 0
+        """Requests finished so far (the requests themselves are not kept)."""
 
     def arrive(self, requests: list[Request]) -> None:
         self.waiting.extend(requests)
@@ -67,7 +68,7 @@ class Scheduler:
         self.cache.free(request.pages)
         self.pool.free(request.pool_idx)
         request.pages = []
-        self.finished.append(request)
+        self.finished_count += 1
 
     def build_extend(
         self, work: list[tuple[Request, int]], mode: ForwardMode

@@ -29,9 +29,10 @@ LAYERS = {
 """Each top-level package and the project packages it may import (besides itself)."""
 EXCEPTIONS = {"planner/__main__.py": {"serving"}}
 """Modules allowed one more package: ``python -m planner`` only calls ``serving.cli.main``."""
-DISPATCH = {"serving/cli.py"}
-"""Modules that import their commands by name (``"module:function"`` strings, so that
-``--help`` needs no torch): those names are checked below as the imports they are."""
+DISPATCH = {"serving/cli.py", "planner/__init__.py"}
+"""Modules that import by name (``"module:function"`` strings): the CLI its commands, so
+that ``--help`` needs no torch, and the core package its public names, on first use (PEP
+562). Those names are checked below as the imports they are."""
 MAX_LINES = 400
 _COMMAND = re.compile(r"^([A-Za-z_][\w.]*):[A-Za-z_]\w*$")
 

@@ -9,13 +9,19 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from planner.errors import ConfigError
 from planner.ops import get_op
 from planner.registry import all_backends, get_backend, load_errors
 
 
 def run_backends(args: argparse.Namespace) -> int:
     """The registered backends, each op field with its providers and the one chosen here."""
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(
+            f"not a torch device: {args.device!r} (cpu, cuda, cuda:1)", field="--device"
+        ) from None
     rows = []
     for name, cls in all_backends().items():
         for field, spec in cls.tensor_specs.items():

@@ -1,14 +1,26 @@
-"""``python -m planner decode``: DeepSeek-V3.2 decode through the planner loop."""
+"""``python -m planner decode``: DeepSeek-V3.2 decode through the planner loop.
+
+Everything the run will write (``--json``, ``--save-weights``, the dump folder) and every
+environment variable it reads is checked before the engine is built, so a run never
+fails at its end and loses its results.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from safetensors import SafetensorError
 
 from planner.errors import ConfigError
 from serving.cli import DEFAULT_DECODE_CONFIG
+from serving.dump_ring import DEFAULT_KEEP, ENV_DIR, ENV_EVERY, ENV_KEEP
 from serving.engine import DecodeEngine, DumpSettings, RunResult
+from serving.outputs import check_output_file, env_count, env_path, new_run_dir
 from serving.report import render, summarize
 from serving.run_config import RunConfig, load_run_config
 
@@ -42,25 +54,98 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class Outputs:
+    """Where this run writes, every path checked; the dump folder already made."""
+
+    json: Path | None
+    weights: Path | None
+    dumps: DumpSettings | None
+
+
+def _dump_settings(args: argparse.Namespace, env: dict[str, str]) -> DumpSettings | None:
+    """The flags first, then ``PLANNER_DUMP_*``; each value named by where it came from."""
+    every = args.dump_every or env_count(env, ENV_EVERY, 1)
+    keep = args.dump_keep or env_count(env, ENV_KEEP, DEFAULT_KEEP)
+    base, field = args.dump_dir, "--dump-dir"
+    if base is None:
+        base, field = env_path(env, ENV_DIR), ENV_DIR
+    if base is None:
+        return None
+    return DumpSettings(new_run_dir(base, field), every=every, keep=keep)
+
+
+def check_outputs(args: argparse.Namespace, env: dict[str, str]) -> Outputs:
+    """Check every path the run writes before it starts (the dump folder is made last)."""
+    json_path = check_output_file(args.json, "--json") if args.json else None
+    weights = check_output_file(args.save_weights, "--save-weights") if args.save_weights else None
+    if json_path and weights and json_path.resolve() == weights.resolve():
+        raise ConfigError("--json and --save-weights name one file", field="--json")
+    return Outputs(json_path, weights, _dump_settings(args, env))
+
+
+def _save_weights(engine: DecodeEngine, path: Path) -> None:
+    try:
+        engine.model.save(path)
+    except (OSError, SafetensorError) as exc:
+        raise ConfigError(
+            f"cannot save the weights to {path}: {exc}", field="--save-weights"
+        ) from None
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Written next to ``path`` first, then renamed: a failed write leaves no half file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(
+            f"cannot write {path} after the run (the summary is printed above): {exc}",
+            field="--json",
+        ) from None
+
+
+def _dump_line(engine: DecodeEngine, directory: Path) -> str:
+    ring = engine.dump_ring
+    kept = len(ring.kept) if ring is not None else 0
+    mismatches = directory / "mismatches"
+    found = sum(1 for _ in mismatches.iterdir()) if mismatches.is_dir() else 0
+    return (
+        f"plan dumps: {directory} ({kept} step dumps, {found} mismatches); "
+        f"list them with: python -m planner inspect {directory}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the engine from the config and flags, serve the workload, print the summary."""
     path = args.config or (DEFAULT_DECODE_CONFIG if DEFAULT_DECODE_CONFIG.is_file() else None)
     config = load_run_config(path, _overrides(args))
-    dumps = (
-        DumpSettings(args.dump_dir, every=args.dump_every, keep=args.dump_keep)
-        if args.dump_dir
-        else None
+    outputs = check_outputs(args, dict(os.environ))
+    try:
+        engine = DecodeEngine(config, dumps=outputs.dumps)
+    except BaseException:
+        if outputs.dumps is not None:
+            outputs.dumps.directory.rmdir()  # made for this run, still empty
+        raise
+    if outputs.weights:
+        _save_weights(engine, outputs.weights)
+    compare = config.speculative.enabled and config.speculative.compare_plain
+    result = engine.run(
+        progress=not args.quiet,
+        max_steps=args.max_steps,
+        keep_tokens=outputs.json is not None or compare,
     )
-    engine = DecodeEngine(config, dumps=dumps)
-    if args.save_weights:
-        engine.model.save(args.save_weights)
-    result = engine.run(progress=not args.quiet, max_steps=args.max_steps)
     summary = summarize(engine, result)
-    if config.speculative.enabled and config.speculative.compare_plain:
+    if compare:
         summary["plain"] = plain_baseline(config, engine, result, args)
     render(summary)
-    if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "tokens": result.tokens}, indent=2))
+    if outputs.dumps is not None:
+        summary["dump_dir"] = str(outputs.dumps.directory)
+        print(_dump_line(engine, outputs.dumps.directory))
+    if outputs.json:
+        _write_json(outputs.json, {"summary": summary, "tokens": result.tokens})
     return 0
 
 
@@ -73,7 +158,7 @@ def plain_baseline(
         update={"speculative": config.speculative.model_copy(update={"draft": "none"})}
     )
     plain_engine = DecodeEngine(plain_config, model=engine.model)
-    plain = plain_engine.run(progress=not args.quiet, max_steps=args.max_steps)
+    plain = plain_engine.run(progress=not args.quiet, max_steps=args.max_steps, keep_tokens=True)
     summary = summarize(plain_engine, plain)
     return {
         "tokens_per_second": summary["tokens_per_second"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,8 +13,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from planner.dumps import LoadedDump, load_dump
+from planner.dumps import INDEX, LoadedDump, load_dump
 from planner.errors import PlanError
+from serving.commands.dump_list import list_dumps, render_listing
 from serving.commands.dump_text import (
     batch_text,
     dump_title,
@@ -25,41 +27,68 @@ from serving.commands.dump_text import (
     tensor_values,
 )
 
+Selection = list[tuple[str, str]]
+"""``(backend, name)`` pairs: tensor fields, or scalars."""
 
-def _select(dump: LoadedDump, name: str | None) -> list[tuple[str, str]]:
-    """``(backend, field)`` pairs that ``--field`` picks (all when None)."""
+
+def _select(dump: LoadedDump, name: str | None) -> tuple[Selection, Selection]:
+    """The tensor fields and the scalars ``--field`` picks (every field, no scalar, when None)."""
     every = [(b, f) for b, f, _, _ in dump.fields()]
     if name is None:
-        return every
+        return every, []
+    scalars = [(b, k) for b, m in dump.manifests.items() for k in m.scalars]
     picked = [(b, f) for b, f in every if name in (f, f"{b}.{f}")]
-    if not picked:
+    picked_scalars = [(b, k) for b, k in scalars if name in (k, f"{b}.{k}")]
+    if not picked and not picked_scalars:
         known = ", ".join(f"{b}.{f}" for b, f in every)
-        raise PlanError(f"no field {name!r} in {dump.path} (fields: {known})")
-    return picked
+        known_scalars = ", ".join(f"{b}.{k}" for b, k in scalars)
+        raise PlanError(
+            f"no field {name!r} in {dump.path} (fields: {known}; scalars: {known_scalars})"
+        )
+    return picked, picked_scalars
 
 
 def run(args: argparse.Namespace) -> int:
-    """Render one dump; 0 on success, 2 on a missing/corrupt dump or unknown field."""
+    """Render one dump, or list the dumps of a run folder; 0 on success, 2 on a
+    missing/corrupt dump or unknown field."""
+    root = Path(args.dump)
+    if root.is_dir() and not (root / INDEX).is_file():
+        found = list_dumps(root)
+        if found["dumps"] or found["runs"]:
+            if args.json:
+                print(json.dumps(found, indent=1))
+            else:
+                render_listing(found, make_console(sys.stdout))
+            return 0
     try:
         dump = load_dump(args.dump)
-        selected = _select(dump, args.field)
+        selected, scalars = _select(dump, args.field)
     except (PlanError, OSError) as exc:
         return fail("inspect", exc)
     if args.json:
-        print(json.dumps(_inspect_json(dump, selected, args.full), indent=1, allow_nan=False))
+        report = _inspect_json(dump, selected, scalars, args.full)
+        print(json.dumps(report, indent=1, allow_nan=False))
     else:
-        _inspect_render(dump, selected, args.full, args.field is not None, make_console(sys.stdout))
+        console = make_console(sys.stdout)
+        _inspect_render(dump, selected, args.full, args.field is not None, console)
+        for backend, name in scalars:
+            console.print(Text(f"{backend}.{name} = {dump.manifests[backend].scalars[name]}"))
     return 0
 
 
-def _inspect_json(dump: LoadedDump, selected: list[tuple[str, str]], full: bool) -> dict[str, Any]:
+def _inspect_json(
+    dump: LoadedDump, selected: Selection, scalars: Selection, full: bool
+) -> dict[str, Any]:
     backends: dict[str, Any] = {}
     for backend, manifest in dump.manifests.items():
         names = [f for b, f in selected if b == backend]
-        if not names:
+        chosen = [k for b, k in scalars if b == backend]
+        if not names and not chosen:
             continue
         data = manifest.model_dump(mode="json")
         data["fields"] = {f: data["fields"][f] for f in names}
+        if chosen:
+            data["scalars"] = {k: data["scalars"][k] for k in chosen}
         if full:
             for f in names:
                 data["fields"][f]["values"] = tensor_values(dump.tensors[backend][f])
@@ -72,7 +101,7 @@ def _inspect_json(dump: LoadedDump, selected: list[tuple[str, str]], full: bool)
 
 
 def _inspect_render(
-    dump: LoadedDump, selected: list[tuple[str, str]], full: bool, one: bool, console: Console
+    dump: LoadedDump, selected: Selection, full: bool, one: bool, console: Console
 ) -> None:
     console.print(Text(f"Plan dump {dump_title(dump)}", style="bold"))
     first = next(iter(dump.manifests.values()), None)

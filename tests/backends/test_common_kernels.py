@@ -394,6 +394,7 @@ def test_2d_kernels_parity_on_random_shapes(data):
     _assert_same(*_both("causal_lengths", (reqs * next_n,), seq_lens, next_n))
 
 
+@needs_triton
 def test_import_order_does_not_matter():
     """Another test module may import triton, or this package, before anything sets
     TRITON_INTERPRET; the launchers must still run under the interpreter then."""

@@ -2,7 +2,8 @@
 
 Simulated on the CPU through the import machinery FlashInfer's availability check uses
 (``importlib.util.find_spec``, ``importlib.import_module``) and a CUDA planner
-(``Limits(device="cuda:0")`` builds and selects providers without touching a GPU).
+(``Limits(device="cuda:0")``, built under ``pretend_cuda``, selects providers without
+touching a GPU).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from backends.flashinfer import wrappers
 from planner import ForwardMode, Planner
 from tests.support.faults import FAULTS, block_import, runtime_warnings
 
-CUDA_LIMITS = FAULTS.make_limits(device="cuda:0")
+CUDA_LIMITS = FAULTS.make_limits(device="cuda:0", fake_cuda=True)
 
 
 def _flashinfer_plan_provider(planner: Planner) -> str:

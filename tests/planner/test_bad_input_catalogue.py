@@ -26,9 +26,12 @@ import dataclasses
 import json
 import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,11 +41,17 @@ from planner import (
     DumpError,
     ForwardBatch,
     ForwardMode,
+    Limits,
+    Plan,
     PlanError,
     Planner,
     SchemaError,
+    Tensor,
+    tensor_field,
 )
 from planner.dumps import INDEX, dump_plans, load_dump
+from planner.registry import get_backend
+from tests.support import REPO
 from tests.support.catalogue import (
     KV_SLOTS,
     NSA_PAGED_64,
@@ -86,6 +95,24 @@ def _meta(*shape: int) -> torch.Tensor:
 
 def _i32(*values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
+
+
+VALUES = "planner/value_checks.py (staging, host values, before any op)"
+TABLE_READ = "planner/value_checks.py (eager plan, capture and debug replay: a device read)"
+
+
+def _table_with(value: int) -> torch.Tensor:
+    """The catalogue's token table with one slot of the good batch's first request changed."""
+    table = TABLE.clone()
+    table[NSA.batch(random.Random(3), bs=3, positions=True).req_pool_indices[0], 0] = value
+    return table
+
+
+def _twice(batch: ForwardBatch) -> ForwardBatch:
+    """The batch with its first request in place of its second (slots, positions kept)."""
+    pools = batch.req_pool_indices.clone()
+    pools[1] = pools[0]
+    return dataclasses.replace(batch, req_pool_indices=pools)
 
 
 # ---- batches: types, ranks, shapes, values, devices, mode; in plan and in replay --------------
@@ -328,6 +355,16 @@ BATCH_CASES = [
     ),
     _door("unknown mode", _paged(mode="prefill"), "mode", DOOR),
     _door(
+        "replay size a float",
+        _paged(),
+        "bs",
+        "Planner.replay",
+        limit="an int in [1, 4]",
+        phases=("replay",),
+        planner={"kv_slots": None},
+        replay_bs=4.0,
+    ),
+    _door(
         "device seq_lens disagree",
         _paged(seq_lens=_i32(1, 1, 1)),
         "seq_lens",
@@ -369,7 +406,7 @@ BATCH_CASES = [
         "expected cuda:0",
         DOOR,
         phases=("plan",),  # replay needs a capture, which a CUDA planner cannot make here
-        planner={"backends": ("nsa",), "device": "cuda:0"},
+        planner={"backends": ("nsa",), "device": "cuda:0", "fake_cuda": True},
     ),
     _nsa_case(
         "NaN in a float tensor given as an index",
@@ -423,6 +460,48 @@ BATCH_CASES = [
     ),
     *SPECULATIVE_CASES,
     _nsa_case(
+        "one KV slot written twice",
+        "batch",
+        _nsa(out_cache_loc=_i32(300, 300, 301)),
+        "out_cache_loc",
+        "got 300",
+        VALUES,
+    ),
+    _nsa_case(
+        "one request twice in a batch",
+        "batch",
+        lambda: _twice(_nsa()()),
+        "req_pool_indices",
+        "a request twice",
+        VALUES,
+    ),
+    _nsa_case(
+        "positions other than the lengths imply",
+        "batch",
+        _nsa(positions=torch.zeros(3, dtype=torch.int32)),
+        "positions",
+        "disagree with the lengths",
+        VALUES,
+    ),
+    _nsa_case(
+        "token table entry at kv_slots",
+        "batch",
+        _nsa(req_to_token=_table_with(KV_SLOTS)),
+        "req_to_token",
+        f"[0, {KV_SLOTS - 1}]",
+        TABLE_READ,
+        phases=("plan",),  # a device read; debug replay: test_table_entries_in_debug_replay
+    ),
+    _nsa_case(
+        "token table entry negative",
+        "batch",
+        _nsa(req_to_token=_table_with(-5)),
+        "req_to_token",
+        "got -5",
+        TABLE_READ,
+        phases=("plan",),
+    ),
+    _nsa_case(
         "not a ForwardBatch",
         "batch",
         lambda: {"seq_lens_cpu": torch.ones(1)},
@@ -439,15 +518,29 @@ devices, dtypes and int64 values on the NSA and paged planner (BatchError, the l
 # ---- calls: plan and capture arguments, Limits, the planner's build ----------------------------
 
 LIMIT_CASES = [
-    ("max_batch", dict(max_batch=0), "greater than or equal to 1"),
-    ("max_context", dict(max_context=float("nan")), "finite number"),
-    ("page_size", dict(page_size=0), "greater than or equal to 1"),
-    ("next_n", dict(next_n=17), "less than or equal to 16"),
-    ("kv_slots", dict(kv_slots=0), "greater than or equal to 1"),
-    ("device", dict(device="gpu"), "not a torch device"),
-    ("max_bs", dict(max_bs=8), "Extra inputs are not permitted"),
+    ("max_batch", "max_batch", dict(max_batch=0), "greater than or equal to 1"),
+    ("max_context", "max_context", dict(max_context=float("nan")), "valid integer"),
+    ("page_size", "page_size", dict(page_size=0), "greater than or equal to 1"),
+    ("next_n", "next_n", dict(next_n=17), "less than or equal to 16"),
+    ("kv_slots", "kv_slots", dict(kv_slots=0), "greater than or equal to 1"),
+    ("device", "device", dict(device="gpu"), "not a torch device"),
+    ("max_bs", "max_bs", dict(max_bs=8), "Extra inputs are not permitted"),
+    ("max_batch as a string", "max_batch", dict(max_batch="8"), "got '8'"),
+    ("num_sms as a float", "num_sms", dict(num_sms=8.0), "valid integer"),
+    (
+        "max_static_bytes negative",
+        "max_static_bytes",
+        dict(max_static_bytes=-1),
+        "greater than or equal to 0",
+    ),
+    *(
+        [("device past the CUDA devices", "device", dict(device="cuda:999"), "CUDA devices")]
+        if torch.cuda.is_available()
+        else [("CUDA device without CUDA", "device", dict(device="cuda:0"), "not available")]
+    ),
 ]
-"""(field, bad value, the limit the message states): Limits' own pydantic validation."""
+"""(kind, field, bad value, the limit the message states): Limits' own validation (strict
+types; a CUDA device must exist here)."""
 
 
 def _build(backends, limits=None, **kwargs) -> Callable[[], Planner]:
@@ -455,6 +548,17 @@ def _build(backends, limits=None, **kwargs) -> Callable[[], Planner]:
 
 
 NSA_CHECK = "backends/nsa/plan.py NSAPlan.check_settings (Planner build)"
+OPTIONS = "planner/options.py check_options (Planner build)"
+
+
+def _user_paged_plan() -> type:
+    """User code declaring a backend named like the installed ``paged`` (same modes)."""
+
+    class MyPaged(Plan, backend="paged"):
+        seq_lens: Tensor = tensor_field(torch.int32, ("reqs",), source="seq_lens", pad=1)
+
+    return MyPaged
+
 
 CALL_CASES = [
     Case(
@@ -486,7 +590,7 @@ CALL_CASES = [
     ),
     *[
         Case(
-            f"Limits.{field}",
+            f"Limits.{kind}",
             "limits",
             lambda bad=bad: NSA.make_limits(**bad),
             ConfigError,
@@ -494,7 +598,7 @@ CALL_CASES = [
             limit,
             "planner/limits.py Limits",
         )
-        for field, bad, limit in LIMIT_CASES
+        for kind, field, bad, limit in LIMIT_CASES
     ],
     Case(
         "unknown backend",
@@ -554,10 +658,83 @@ CALL_CASES = [
         "NSA top-k NaN",
         "config",
         _build(["nsa"], options={"nsa": {"topk": float("nan")}}),
-        SchemaError,
+        ConfigError,
         "nsa.topk",
-        ">= 1",
-        NSA_CHECK,
+        "expected int, got nan (float)",
+        OPTIONS,
+    ),
+    Case(
+        "backend option of the wrong type",
+        "config",
+        _build(["nsa"], options={"nsa": {"topk": "2048"}}),
+        ConfigError,
+        "nsa.topk",
+        "expected int, got '2048' (str)",
+        OPTIONS,
+    ),
+    *[
+        Case(
+            f"backend option a limit owns ({key})",
+            "config",
+            _build([backend], options={backend: {key: value}}),
+            ConfigError,
+            f"{backend}.{key}",
+            f"set it in Limits({key}=...)",
+            OPTIONS,
+        )
+        for backend, key, value in (
+            ("paged", "page_size", 16),
+            ("nsa", "next_n", 2),
+            ("nsa", "num_sms", 8),
+            ("nsa", "max_batch", 2),
+            ("nsa", "kv_slots", 10),
+            ("nsa", "device", "cpu"),
+        )
+    ],
+    Case(
+        "backend option a batch dimension (max_len)",
+        "config",
+        _build(["nsa"], options={"nsa": {"max_len": 5}}),
+        ConfigError,
+        "nsa.max_len",
+        "derived from each batch",
+        OPTIONS,
+    ),
+    Case(
+        "user class taking an installed backend's name",
+        "backend",
+        lambda: _user_paged_plan(),
+        SchemaError,
+        "paged",
+        "already plans",
+        "planner/registry.py register_backend (class definition)",
+    ),
+    Case(
+        "static buffers past the memory budget",
+        "limits",
+        _build(["nsa", "paged"], Limits(max_batch=4096, max_context=1 << 20)),
+        ConfigError,
+        "nsa.token_slots",
+        "over Limits.max_static_bytes",
+        "planner/storages.py Storages.check_budget (Planner build, before any allocation)",
+    ),
+    Case(
+        "capture size a float",
+        "batch",
+        lambda: NSA.planner(["paged"]).capture(4.0, req_to_token=TABLE),
+        BatchError,
+        "bs",
+        "an int in [1, 4]",
+        "Planner.capture",
+    ),
+    Case(
+        "pad_to a float",
+        "batch",
+        lambda: NSA.planner(["paged"]).plan(_nsa()(), pad_to=4.0),
+        BatchError,
+        "pad_to",
+        "an int in [3, 4]",
+        "Planner.plan",
     ),
     Case(
         "NSA schedule layout unknown",
@@ -634,12 +811,6 @@ def test_corrupt_dump_is_a_dump_error(dump_dir, kind):
 # ---- not refused today: each is a finding (see docs/reliability.md) ---------------------------
 
 
-def _table_with(value: int) -> torch.Tensor:
-    table = TABLE.clone()
-    table[_nsa()().req_pool_indices[0], 0] = value
-    return table
-
-
 def _debug_env(tmp: Path) -> object:
     old = os.environ.get("PLANNER_DEBUG")
     os.environ["PLANNER_DEBUG"] = "maybe"  # "true"/"yes"/"on" turn it on; a typo must not be "off"
@@ -662,18 +833,21 @@ NOT_REFUSED = [
         "the cache in nsa.page_table / paged.token_slots",
         lambda tmp: NSA.planner().plan(_nsa(req_to_token=_table_with(10**6))()),
         ("req_to_token", "nsa.token_slots", "paged.token_slots"),
+        fixed=True,
     ),
     Finding(
         "negative token table entry",
         "a slot of -5 becomes page id -1 in nsa.page_table (a negative index in the kernel)",
         lambda tmp: NSA.planner(["nsa"]).plan(_nsa(req_to_token=_table_with(-5))()),
         ("req_to_token", "nsa.token_slots"),
+        fixed=True,
     ),
     Finding(
         "two tokens writing one KV slot",
         "duplicate out_cache_loc entries are accepted; two rows then write the same slot",
         lambda tmp: NSA.planner(["nsa"]).plan(_nsa(out_cache_loc=_i32(300, 300, 301))()),
         ("out_cache_loc",),
+        fixed=True,
     ),
     Finding(
         "positions disagreeing with lengths",
@@ -681,6 +855,7 @@ NOT_REFUSED = [
         "gets the wrong rope silently",
         lambda tmp: NSA.planner(["nsa"]).plan(_nsa(positions=torch.zeros(3, dtype=torch.int32))()),
         ("positions",),
+        fixed=True,
     ),
     Finding(
         "unknown backend option",
@@ -698,11 +873,59 @@ NOT_REFUSED = [
         ("PLANNER_DEBUG",),
         fixed=True,
     ),
+    Finding(
+        "backend option overriding a limit",
+        "options={'paged': {'page_size': 16}} under Limits(page_size=64): the page table has the "
+        "64-token shape but holds 16-token page ids, and debug verify() agrees (eager is wrong "
+        "the same way)",
+        lambda tmp: NSA.planner(["paged"], options={"paged": {"page_size": 16}}),
+        ("paged.page_size",),
+        fixed=True,
+    ),
+    Finding(
+        "backend options the planner ignored",
+        "options={'nsa': {'next_n': 2}} and {'max_len': 5} were accepted and ignored",
+        lambda tmp: NSA.planner(["nsa"], options={"nsa": {"max_len": 5}}),
+        ("nsa.max_len",),
+        fixed=True,
+    ),
+    Finding(
+        "num_sms option failing at the first batch",
+        "options={'nsa': {'num_sms': 8}} built, then failed at the first batch naming the "
+        "internal '[out]'",
+        lambda tmp: NSA.planner(["nsa"], options={"nsa": {"num_sms": 8}}),
+        ("nsa.num_sms",),
+        fixed=True,
+    ),
+    Finding(
+        "user class replacing an installed backend",
+        "class X(Plan, backend='paged') defined before the registry loaded the entry points "
+        "replaced the installed paged backend (its entry point failed with one warning); see "
+        "test_a_user_class_never_replaces_an_installed_backend",
+        lambda tmp: _user_paged_plan(),
+        ("paged",),
+        fixed=True,
+    ),
+    Finding(
+        "size argument a float",
+        "replay(batch, 4.0) and plan(batch, pad_to=4.0) raised a raw TypeError from slicing",
+        lambda tmp: NSA.planner(["paged"]).plan(_nsa()(), pad_to=4.0),
+        ("pad_to",),
+        fixed=True,
+    ),
+    Finding(
+        "static buffers of many GiB",
+        "Limits(max_batch=4096, max_context=1 << 20) built and tried to allocate 16 GiB of "
+        "static buffers at the first capture, with no estimate or warning",
+        lambda tmp: Planner(["nsa", "paged"], Limits(max_batch=4096, max_context=1 << 20)),
+        ("nsa.token_slots",),
+        fixed=True,
+    ),
 ]
 """The planner's findings; the run config's and the engine's are in the serving catalogue."""
 
 if not torch.cuda.is_available():
-    NOT_REFUSED.append(
+    NOT_REFUSED += [
         Finding(
             "CUDA planner without CUDA",
             "Limits(device='cuda') builds, then Planner() raises torch's raw AssertionError "
@@ -710,13 +933,90 @@ if not torch.cuda.is_available():
             lambda tmp: NSA.planner(["paged"], device="cuda"),
             ("device",),
             fixed=True,
-        )
-    )
+        ),
+        Finding(
+            "CUDA device index without CUDA",
+            "Limits(device='cuda:0') on a CPU-only machine built, and failed only at capture",
+            lambda tmp: Limits(max_batch=4, max_context=64, device="cuda:0"),
+            ("device",),
+            fixed=True,
+        ),
+    ]
 
 
 @pytest.mark.parametrize("finding", finding_params(NOT_REFUSED))
 def test_not_refused_today(finding, tmp_path):
     expect_finding_refused(finding, tmp_path)
+
+
+USER_CLASS_FIRST = """
+import warnings
+warnings.simplefilter("error")  # an entry point failing to load would be a warning
+import torch
+from planner import Plan, Planner, Limits, SchemaError, Tensor, tensor_field
+try:
+    class MyPaged(Plan, backend="paged"):
+        seq_lens: Tensor = tensor_field(torch.int32, ("reqs",), source="seq_lens", pad=1)
+except SchemaError as exc:
+    print("refused:", exc.field)
+planner = Planner(["paged"], Limits(max_batch=2, max_context=64))
+print(planner.schemas["paged"].__module__)
+"""
+
+
+def test_a_user_class_never_replaces_an_installed_backend():
+    """Declared before anything loaded the installed backends (a fresh interpreter), a user
+    class named ``paged`` is refused at its definition and the installed one is planned."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", USER_CLASS_FIRST], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["refused:", "paged", "backends.paged.plan"]
+
+
+def test_the_same_class_imported_again_replaces_itself():
+    """A reload (same module and qualified name) is the class again, not a second backend."""
+    first = _user_backend_plan()
+    again = _user_backend_plan()
+    assert get_backend("test-reloaded") is again and again is not first
+
+
+def _user_backend_plan() -> type:
+    class Reloaded(Plan, backend="test-reloaded"):
+        seq_lens: Tensor = tensor_field(torch.int32, ("reqs",), source="seq_lens", pad=1)
+
+    return Reloaded
+
+
+def test_sizes_may_be_numpy_integers():
+    """Sizes are refused as floats or bools, not as numpy integers (an engine's arithmetic)."""
+    planner = NSA.planner(["paged"])
+    captured = planner.capture(np.int64(4), req_to_token=TABLE)
+    assert planner.replay(_nsa()(), np.int32(4)) is captured
+    assert planner.plan(_nsa()(), pad_to=np.int64(4)).reqs == 4
+    with pytest.raises(BatchError):
+        planner.replay(_nsa()(), True)
+
+
+def test_table_entries_in_debug_replay():
+    """Replay reads the token table in debug mode only (a device read); there, an entry past
+    kv_slots is refused like in eager plan() (the table is the captured one, changed in place)."""
+    table = TABLE.clone()
+    batch = dataclasses.replace(_nsa()(), req_to_token=table)
+    for debug in (False, True):
+        planner = NSA.planner(debug=debug)
+        planner.capture(4, req_to_token=table)
+        table[batch.req_pool_indices[0], 0] = KV_SLOTS
+        try:
+            if debug:
+                with pytest.raises(BatchError, match=r"\[0, 5119\]") as info:
+                    planner.replay(batch, 4)
+                assert info.value.field == "req_to_token"
+            else:
+                planner.replay(batch, 4)  # not read on the hot path
+        finally:
+            table.copy_(TABLE)
 
 
 @pytest.mark.parametrize(

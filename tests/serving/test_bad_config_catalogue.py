@@ -21,6 +21,7 @@ from planner import ConfigError, ProviderError, SchemaError
 from serving.dump_ring import DumpRing
 from serving.run_config import load_run_config
 from tests.planner import test_bad_input_catalogue as planner_catalogue
+from tests.serving import test_cli_catalogue as cli_catalogue
 from tests.support import REPO, TINY_YAML
 from tests.support.catalogue import (
     NSA_PAGED_64,
@@ -401,5 +402,6 @@ def test_not_refused_today(finding, tmp_path):
 def test_every_kind_is_in_the_reliability_table():
     text = (REPO / "docs" / "reliability.md").read_text()
     kinds = planner_catalogue.KINDS + CONFIG_KINDS + [f.kind for f in NOT_REFUSED]
+    kinds += cli_catalogue.KINDS
     missing = [k for k in kinds if f"| {k} |" not in text]
     assert not missing, f"docs/reliability.md lacks rows for {missing}"

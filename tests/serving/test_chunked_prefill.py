@@ -164,7 +164,7 @@ def _engine_tokens(chunk: int, mixed: bool) -> dict[int, list[int]]:
         "model.overrides": {"index_n_heads": 32},
     }
     engine = DecodeEngine(load_run_config(None, overrides))
-    return engine.run(progress=False).tokens
+    return engine.run(progress=False, keep_tokens=True).tokens
 
 
 def test_the_decode_loop_serves_the_same_tokens_whatever_the_chunk_budget():

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from planner import ConfigError
 from serving.report import summarize
 from tests.support import REPO
 from tests.support.engines import tiny_engine
@@ -24,7 +25,7 @@ SMALL = {
 
 def _run(**overrides):
     engine = tiny_engine({**SMALL, **overrides})
-    result = engine.run(progress=False)
+    result = engine.run(progress=False, keep_tokens=True)
     return engine, result
 
 
@@ -105,3 +106,31 @@ def test_cli_config_errors_are_one_line(tmp_path):
     )
     assert proc.returncode == 2
     assert "planner.max_batch" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_engine_gives_the_planner_its_kv_slots():
+    """out_cache_loc and the token table are range-checked against the cache the engine has."""
+    engine = tiny_engine(SMALL)
+    assert engine.planner.limits.kv_slots == engine.cache.num_slots > 0
+
+
+def test_tokens_are_kept_only_when_asked(with_graphs):
+    engine, kept = with_graphs
+    result = tiny_engine(SMALL).run(progress=False)
+    assert result.tokens == {} and result.finished == len(kept.tokens) == 6
+    assert result.generated_tokens == sum(len(t) for t in kept.tokens.values())
+    assert summarize(engine, result)["generated_tokens"] == result.generated_tokens
+
+
+def test_no_schedule_figure_without_a_decode_step():
+    engine = tiny_engine(SMALL)
+    result = engine.run(progress=False, max_steps=1)  # the first step only prefills
+    assert result.decode_steps == 0
+    assert summarize(engine, result)["schedule_calls_per_step"] is None
+
+
+@pytest.mark.parametrize("steps", [0, -1, True])
+def test_max_steps_below_one_is_refused(steps):
+    with pytest.raises(ConfigError) as info:
+        tiny_engine(SMALL).run(progress=False, max_steps=steps)
+    assert info.value.field == "max_steps"

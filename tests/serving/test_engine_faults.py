@@ -38,7 +38,7 @@ def eager_tokens():
     """The reference: the same workload with graphs off."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphWarning)
-        return _engine(**{"graphs.enabled": False}).run(progress=False).tokens
+        return _engine(**{"graphs.enabled": False}).run(progress=False, keep_tokens=True).tokens
 
 
 def _fail_capture_of(engine: DecodeEngine, size: int) -> None:
@@ -68,7 +68,7 @@ def test_capture_failure_drops_one_size_and_serves_identical_tokens(eager_tokens
     _fail_capture_of(engine, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", GraphWarning)
-        result = engine.run(progress=False)
+        result = engine.run(progress=False, keep_tokens=True)
     said = [str(w.message) for w in caught if issubclass(w.category, GraphWarning)]
     assert len(said) == 1 and "batch size 4 failed and was dropped" in said[0]
     stats = engine.runner.stats
@@ -86,7 +86,7 @@ def test_failed_warmup_drops_the_largest_size_runs_it_eagerly_and_says_so_once(
     _fail_first_warmup(engine, monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", GraphWarning)
-        result = engine.run(progress=False)
+        result = engine.run(progress=False, keep_tokens=True)
     said = [str(w.message) for w in caught if issubclass(w.category, GraphWarning)]
     assert len(said) == 2, said  # the drop, then the first eager fallback; never per step
     assert "batch size 8 failed" in said[0] and "JIT" in said[0] and SIZE_DROPPED in said[1]

@@ -17,8 +17,14 @@ from tests.support import REPO
 @pytest.mark.parametrize("chunk", [5, 16, 256])
 def test_each_prompt_takes_ceil_of_its_length_over_the_budget_in_prefill_steps(chunk):
     engine = DecodeEngine(load_run_config(None, {"loop.requests": 12, "loop.chunk_tokens": chunk}))
+    finished = []  # the scheduler keeps no finished request: collect them as they finish
+    finish = engine.scheduler.finish
+    engine.scheduler.finish = lambda request, step: (
+        finished.append(request),
+        finish(request, step),
+    )
     result = engine.run(progress=False)
-    finished = engine.scheduler.finished
+    assert engine.scheduler.finished_count == result.finished == 12
     assert len(finished) == 12 and result.prefill_tokens == sum(len(r.prompt) for r in finished)
     for request in finished:
         assert request.prefill_steps == math.ceil(len(request.prompt) / chunk), request.rid

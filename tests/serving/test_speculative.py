@@ -48,7 +48,7 @@ def _model() -> DSV32Model:
 def _run(**speculative):
     overrides = {**LOOP, **{f"speculative.{k}": v for k, v in speculative.items()}}
     engine = DecodeEngine(load_run_config(None, overrides), model=_model())
-    return engine, engine.run(progress=False)
+    return engine, engine.run(progress=False, keep_tokens=True)
 
 
 @cache

@@ -56,7 +56,8 @@ class Case:
     planner: Mapping[str, Any] = field(default_factory=dict)
     """``PlannerSetup.planner`` keywords: other backends, limits."""
     captured: int = 4
-    replay_bs: int = 4
+    replay_bs: int | float = 4
+    """A float tests the size check itself."""
     skip: Mapping[str, str] = field(default_factory=dict)
     """Phases listed but not run, with the reason (a check that phase does not make)."""
 

@@ -9,7 +9,8 @@ import sys
 from tests.support.planners import PlannerSetup
 
 FAULTS = PlannerSetup(("nsa", "paged"), max_batch=4, max_context=256, page_size=64, pool=9)
-"""Small limits; ``planner(device="cuda:0")`` builds and chooses providers without a GPU."""
+"""Small limits; ``planner(device="cuda:0", fake_cuda=True)`` builds and chooses providers
+without a GPU."""
 
 
 def block_import(monkeypatch, name: str, exc: BaseException) -> None:

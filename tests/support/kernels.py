@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 I32 = torch.int32
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None,
+    reason="Triton is not installed (a GPU and the dev extra have it; the main job does not)",
+)
+"""Tests of Triton kernels (run by Triton's interpreter on the CPU)."""
 
 
 def ints(values, dtype: torch.dtype = I32) -> torch.Tensor:

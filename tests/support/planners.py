@@ -8,15 +8,29 @@ capture and replay steps the three-phase tests share.
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 
 from planner import ForwardBatch, ForwardMode, Limits, Planner, PlanSet
 from tests.support.batches import make_pool, random_batch
+
+
+@contextlib.contextmanager
+def pretend_cuda() -> Iterator[None]:
+    """CUDA looks present (one device) while this runs: ``Limits(device="cuda:0")`` refuses a
+    machine without CUDA, but a CUDA planner's provider choice and door checks touch no GPU,
+    so the fault and device tests build its limits under this."""
+    with (
+        mock.patch.object(torch.cuda, "is_available", return_value=True),
+        mock.patch.object(torch.cuda, "device_count", return_value=1),
+    ):
+        yield
 
 
 @dataclass(frozen=True)
@@ -43,15 +57,20 @@ class PlannerSetup:
         table = make_pool(self.pool, self.max_context, self.page_size, seed=self.seed)
         object.__setattr__(self, "table", table)
 
-    def make_limits(self, **overrides: Any) -> Limits:
+    def make_limits(self, *, fake_cuda: bool = False, **overrides: Any) -> Limits:
+        """The setup's limits with ``overrides``; ``fake_cuda`` builds them under
+        :func:`pretend_cuda` (a CUDA device on a machine without one)."""
         base = dict(max_batch=self.max_batch, max_context=self.max_context)
-        return Limits(**{**base, "page_size": self.page_size, **self.limits, **overrides})
+        values = {**base, "page_size": self.page_size, **self.limits, **overrides}
+        with pretend_cuda() if fake_cuda else contextlib.nullcontext():
+            return Limits(**values)
 
     def planner(self, backends: Sequence[str] | None = None, **kwargs: Any) -> Planner:
         """A planner of ``backends`` (default: the setup's); keywords naming a ``Limits``
-        field override the setup's limits, the others go to ``Planner``."""
+        field (or ``fake_cuda``) go to :meth:`make_limits`, the others to ``Planner``."""
         names = list(backends or self.backends)
-        limits = {k: kwargs.pop(k) for k in list(kwargs) if k in Limits.model_fields}
+        limit_keys = {*Limits.model_fields, "fake_cuda"}
+        limits = {k: kwargs.pop(k) for k in list(kwargs) if k in limit_keys}
         options = {b: dict(o) for b, o in self.options.items() if b in names}
         if options:
             kwargs.setdefault("options", options)

@@ -1,0 +1,155 @@
+"""The stager: one batch's inputs (or a stepped batch's) into the device in one copy.
+
+A static stager (capture and replay) keeps a ring of pinned host buffers
+and one device buffer for the planner's life. A fresh one (eager plans)
+copies into a new device buffer per call, from a ring of pinned host buffers
+on CUDA (a pageable copy costs several times a pinned one), after the host
+pass has added its outputs. Either way a pinned buffer is refilled only once
+the copy out of it is done, so two batches never race on one. What is
+written where, and the range check, are ``planner.staging``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from planner.batch import ForwardBatch
+from planner.errors import BatchError
+from planner.staging import Ranges, Segment, StagingLayout
+
+RING = 4
+"""Pinned host buffers a static stager cycles through: a step fills one while the copies
+of the last few may still be queued behind their graphs, so it never waits for them."""
+
+
+class Stager:
+    """Stages batches through one host buffer into one device buffer; see the module docstring.
+
+    A static stager keeps a ring of pinned host buffers: the copy out of one is
+    asynchronous and queued behind the GPU work of earlier steps, so the next
+    step fills the next buffer instead of waiting for it (waiting would make the
+    host wait for the previous step's graph, a hidden synchronisation).
+
+    ``regions`` batches share it side by side (a stepped batch's steps): each
+    fills and is checked in its own region, and one copy moves them all.
+    """
+
+    def __init__(
+        self, layout: StagingLayout, device: torch.device, *, static: bool, regions: int = 1
+    ) -> None:
+        self.layout = layout
+        self.device = device
+        self.static = static
+        self.regions = regions
+        self.copies = 0
+        self.device_buf: torch.Tensor | None = None
+        self._size = max(layout.size, 1)
+        self._pinned = device.type == "cuda"
+        self._ring: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
+        if static or self._pinned:
+            for _ in range(RING if self._pinned else 1):
+                self._ring.append(self._host_buffer(self._size * regions))
+        if static:
+            self.host, self.host_view = self._ring[0][0], self._ring[0][1]
+            self.device_buf = torch.zeros(self._size * regions, dtype=torch.int32, device=device)
+
+    def _host_buffer(self, size: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
+        host = torch.zeros(size, dtype=torch.int32, pin_memory=self._pinned)
+        # numpy views made once: .numpy() costs a microsecond and more a call
+        return host, host.numpy(), torch.cuda.Event() if self._pinned else None
+
+    def _next_host(self, size: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
+        """The next pinned buffer of the ring, once the copy out of it (``RING`` calls ago)
+        is done; grown when a fresh plan's host pass needs more room."""
+        slot = self.copies % len(self._ring)
+        host, view, done = self._ring[slot]
+        if done is not None and self.copies >= len(self._ring):
+            done.synchronize()  # queued behind a few steps' GPU work at most: long finished
+        if host.shape[0] < size:
+            host, view, done = self._ring[slot] = self._host_buffer(max(size, 2 * host.shape[0]))
+        return host, view, done
+
+    def view(self, segment: Segment, n: int) -> torch.Tensor:
+        """The first ``n`` staged values of ``segment`` (static stagers only)."""
+        return self.device_buf[segment.offset : segment.offset + n]
+
+    def stage(
+        self,
+        batch: ForwardBatch,
+        reqs: int,
+        tokens: int,
+        ranges: Ranges,
+        *,
+        read_device: bool,
+        extra: int = 0,
+        host_work: Callable[[np.ndarray], None] | None = None,
+    ) -> torch.Tensor:
+        """Fill, check, ``host_work`` (a fresh plan's host pass, writing its outputs in the
+        ``extra`` elements after the inputs), one host-to-device copy, then device-resident
+        inputs; the device buffer."""
+        return self.stage_all(
+            [batch], reqs, tokens, ranges, read_device=read_device, extra=extra, host_work=host_work
+        )[0]
+
+    def stage_all(
+        self,
+        batches: list[ForwardBatch],
+        reqs: int,
+        tokens: int,
+        ranges: Ranges,
+        *,
+        read_device: bool,
+        extra: int = 0,
+        host_work: Callable[[np.ndarray], None] | None = None,
+    ) -> list[torch.Tensor]:
+        """:meth:`stage` for several batches, one region each, in one copy; a view per batch
+        (``extra`` and ``host_work`` for a single batch only)."""
+        n = len(batches)
+        if n > self.regions and self.static:
+            raise BatchError(
+                "more batches than staging regions", field="steps", expected=self.regions, actual=n
+            )
+        size = self._size + extra if n == 1 else self._size
+        total = size * n
+        if self.static:  # fixed size: the ring's buffers as they are
+            host, view, done = self._next_host(total)
+        elif self._ring:
+            host, view, done = self._next_host(total)
+            host, view = host[:total], view[:total]
+        else:  # fresh on the CPU: the buffer is the plan's own memory, so it is new per call
+            host = torch.empty(total, dtype=torch.int32)
+            view, done = host.numpy(), None
+        pending = []
+        for r, batch in enumerate(batches):
+            region = view[r * size : (r + 1) * size] if n > 1 else view
+            on_device = self.layout.fill(
+                region, batch, reqs, tokens, ranges, read_device=read_device
+            )
+            self.layout.check(region, batch, ranges, on_device)
+            if read_device:
+                self.layout.check_table(region, batch, ranges)
+            pending.append(on_device)
+        if host_work is not None:
+            host_work(view)
+        if not self.static:
+            dev = (
+                host if done is None else torch.empty(total, dtype=torch.int32, device=self.device)
+            )
+        else:
+            dev = self.device_buf
+        if done is None:
+            if dev is not host:
+                dev.copy_(host)
+        else:
+            dev.copy_(host, non_blocking=True)
+            done.record()
+        self.copies += 1
+        views = [dev[r * size : (r + 1) * size] for r in range(n)] if n > 1 else [dev]
+        for batch, region, on_device in zip(batches, views, pending):
+            for seg, tensor in on_device:
+                n_real = batch.num_tokens if seg.per_token else batch.bs
+                region[seg.offset : seg.offset + n_real].copy_(tensor)
+        return views

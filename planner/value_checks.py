@@ -1,0 +1,116 @@
+"""Relations between a batch's values that ranges alone cannot catch.
+
+Each input can be in range and the batch still be wrong: two tokens writing one KV slot
+(a race on the GPU), one request twice in a batch, positions that disagree with the
+lengths (rope at the wrong position), a token table entry past the KV cache (a page id
+past the cache). The first three are checked on the staged host values, vectorised, in
+every phase (microseconds at serving batch sizes; see ``docs/reliability.md``); the
+token table is engine memory on the device, so its entries are read only where a device
+read is allowed (eager ``plan()``, capture, debug mode), like every device-resident input.
+
+The null request (row 0) and the null slot 0 are this repository's padding convention:
+they may repeat.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from planner.batch import implied_positions
+from planner.errors import BatchError
+
+_SMALL = 128
+"""Up to this many values a Python set beats numpy's sort (~0.4 us against ~3.5 us at 8)."""
+
+
+def first_duplicate(values: np.ndarray) -> int | None:
+    """The smallest value other than the null 0 that occurs more than once, else None."""
+    if values.size < 2:
+        return None
+    if values.size <= _SMALL:
+        listed = values.tolist()
+        if len(set(listed)) == len(listed):  # the usual case, answered at once
+            return None
+    ordered = np.sort(values)
+    same = ordered[1:] == ordered[:-1]
+    same &= ordered[1:] != 0
+    if not same.any():
+        return None
+    return int(ordered[1:][same][0])
+
+
+def check_unique(field: str, values: np.ndarray, what: str) -> None:
+    """Refuse a value that occurs twice in ``values`` (the real entries of one input)."""
+    value = first_duplicate(values)
+    if value is not None:
+        where = np.flatnonzero(values == value)[:2].tolist()
+        raise BatchError(
+            f"{what} twice in one batch (entries {where[0]} and {where[1]})",
+            field=field,
+            expected="distinct values (0, the null entry, may repeat)",
+            actual=value,
+        )
+
+
+def check_positions(positions: np.ndarray, lens: np.ndarray, new: np.ndarray | None) -> None:
+    """Given positions must be what the lengths imply: request ``b`` of KV length ``L``
+    adding ``n`` tokens holds positions ``L - n .. L - 1`` (``new`` None: one token each)."""
+    if new is None:  # decode: one token per request, at L - 1
+        if lens.size <= 16 and positions.tolist() == [n - 1 for n in lens.tolist()]:
+            return  # the usual case, in Python: numpy's call overhead is most of the cost
+        implied = lens - 1
+    else:
+        implied = implied_positions(lens, new)
+    wrong = np.flatnonzero(positions != implied)
+    if wrong.size:
+        i = int(wrong[0])
+        raise BatchError(
+            "positions disagree with the lengths (a request of KV length L adding n tokens "
+            f"holds positions L-n .. L-1); first at token {i}",
+            field="positions",
+            expected=int(implied[i]),
+            actual=int(positions[i]),
+        )
+
+
+def check_table_entries(
+    table: torch.Tensor, pools: np.ndarray, lens: np.ndarray, kv_slots: int | None
+) -> None:
+    """Every token table entry the plans read (row ``pools[b]``, columns ``< lens[b]``) is a
+    slot in ``[0, kv_slots)`` (only ``>= 0`` without ``kv_slots``). A device read where the
+    table lives on the device. Pools and lengths are already range-checked."""
+    if not lens.size:
+        return
+    longest = int(lens.max())
+    high = kv_slots if kv_slots is not None else np.iinfo(np.int32).max + 1
+    if table.device.type == "cpu":
+        rows = table.numpy()[pools.astype(np.int64), :longest]
+        # one comparison for both bounds (a negative slot is a huge unsigned one); the columns
+        # past each length are masked out only when something is out of range at all
+        if not (rows.view(np.uint32) >= high).any():
+            return
+        used = np.arange(longest) < lens[:, None]
+        bad = used & ((rows < 0) | (rows >= high))
+        if not bad.any():
+            return
+        b, col = (int(i[0]) for i in np.nonzero(bad))
+        value = int(rows[b, col])
+    else:
+        index = torch.from_numpy(pools.astype(np.int64)).to(table.device)
+        rows = table.index_select(0, index)[:, :longest]
+        limit = torch.from_numpy(lens.astype(np.int64)).to(table.device)
+        used = torch.arange(longest, device=table.device) < limit[:, None]
+        bad = used & ((rows < 0) | (rows >= high))
+        found = torch.nonzero(bad)[:1].cpu()  # the one sync
+        if not found.numel():
+            return
+        b, col = int(found[0, 0]), int(found[0, 1])
+        value = int(rows[b, col])
+    raise BatchError(
+        f"token table entry outside the KV cache (req_to_token[{int(pools[b])}, {col}], "
+        f"request {b})",
+        field="req_to_token",
+        expected=f"[0, {high - 1}]",
+        actual=value,
+    )

@@ -1,0 +1,231 @@
+"""The CLI's catalogue of bad arguments: every command refuses them in one line, exit 2.
+
+Each case is data: the kind (its row in ``docs/reliability.md``), the arguments, the
+environment, and what the one line must name (the flag, variable or config field). Every
+case runs ``serving.cli.main`` in this process (an exception escaping it fails the test,
+as it would print a traceback), and a few run as ``python -m planner`` to see the process
+itself: exit status 2, one line on stderr, no ``Traceback``. Nothing a case refuses
+writes anything: the checks run before any run starts.
+
+Also here: ``--help`` answers without importing torch, in well under 0.5 s, and the main
+job runs with Triton unimportable.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.config import DSV32Config
+from models.model import DSV32Model
+from serving.cli import main
+from tests.support import REPO
+from tests.support.dumps import probe_dump
+
+
+@dataclass(frozen=True)
+class CliCase:
+    kind: str
+    argv: Callable[[Path], list[str]]
+    """The arguments, given a scratch directory holding ``file``, ``dir``, ``dump``, ..."""
+    names: str
+    """What the error line must contain: the flag, variable or field."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables (``{tmp}`` is the scratch directory)."""
+
+
+def _decode(*args: str) -> Callable[[Path], list[str]]:
+    return lambda tmp: ["decode", "--quiet", *(a.format(tmp=tmp) for a in args)]
+
+
+def _args(*args: str) -> Callable[[Path], list[str]]:
+    return lambda tmp: [a.format(tmp=tmp) for a in args]
+
+
+CASES = [
+    CliCase("--json in a missing directory", _decode("--json", "/nonexistent/x.json"), "--json"),
+    CliCase("--json naming a directory", _decode("--json", "{tmp}/dir"), "--json"),
+    CliCase(
+        "--save-weights in a missing directory",
+        _decode("--save-weights", "/nonexistent/w.safetensors"),
+        "--save-weights",
+    ),
+    CliCase(
+        "--save-weights naming a directory",
+        _decode("--save-weights", "{tmp}/dir"),
+        "--save-weights",
+    ),
+    CliCase(
+        "--json and --save-weights one file",
+        _decode("--json", "{tmp}/out", "--save-weights", "{tmp}/out"),
+        "--json",
+    ),
+    CliCase(
+        "--load-weights missing",
+        _decode("--load-weights", "{tmp}/none.safetensors"),
+        "model.weights",
+    ),
+    CliCase(
+        "--load-weights not safetensors",
+        _decode("--load-weights", "{tmp}/file"),
+        "not a readable safetensors file",
+    ),
+    CliCase(
+        "--load-weights truncated",
+        _decode("--load-weights", "{tmp}/truncated.safetensors"),
+        "not a readable safetensors file",
+    ),
+    CliCase(
+        "--load-weights of another model",
+        _decode("--load-weights", "{tmp}/other.safetensors"),
+        "num_hidden_layers differs",
+    ),
+    CliCase("--dump-dir naming a file", _decode("--dump-dir", "{tmp}/file"), "--dump-dir"),
+    CliCase(
+        "PLANNER_DUMP_DIR naming a file",
+        _decode(),
+        "PLANNER_DUMP_DIR",
+        {"PLANNER_DUMP_DIR": "{tmp}/file"},
+    ),
+    CliCase(
+        "PLANNER_DUMP_EVERY not a number",
+        _decode(),
+        "PLANNER_DUMP_EVERY",
+        {"PLANNER_DUMP_DIR": "{tmp}/ring", "PLANNER_DUMP_EVERY": "abc"},
+    ),
+    CliCase(
+        "PLANNER_DUMP_KEEP zero",
+        _decode(),
+        "PLANNER_DUMP_KEEP",
+        {"PLANNER_DUMP_DIR": "{tmp}/ring", "PLANNER_DUMP_KEEP": "0"},
+    ),
+    CliCase("PLANNER_DEBUG not a boolean", _decode(), "PLANNER_DEBUG", {"PLANNER_DEBUG": "maybe"}),
+    CliCase("--max-steps negative", _decode("--max-steps", "-1"), "--max-steps"),
+    CliCase("--max-steps zero", _decode("--max-steps", "0"), "--max-steps"),
+    CliCase("--requests zero", _decode("--requests", "0"), "--requests"),
+    CliCase("--dump-every zero", _decode("--dump-every", "0"), "--dump-every"),
+    CliCase("--dump-keep not a number", _decode("--dump-keep", "abc"), "--dump-keep"),
+    CliCase("--next-n 3", _decode("--next-n", "3"), "--next-n"),
+    CliCase("--provider without a name", _decode("--provider", "page_table"), "--provider"),
+    CliCase("--provider unknown", _decode("--provider", "page_table=cutlass"), "page_table"),
+    CliCase("--config missing", _decode("--config", "{tmp}/none.yaml"), "--config"),
+    CliCase("--config not YAML", _decode("--config", "{tmp}/bad.yaml"), "--config"),
+    CliCase("--device unknown (decode)", _decode("--device", "tpu"), "device"),
+    CliCase("unknown flag", _decode("--max-stpes", "3"), "unrecognized arguments"),
+    CliCase("backends --device unknown", _args("backends", "--device", "foo"), "--device"),
+    CliCase("schema of an unknown backend", _args("schema", "nope"), "backend"),
+    CliCase("inspect a missing dump", _args("inspect", "{tmp}/none"), "does not exist"),
+    CliCase("inspect an empty folder", _args("inspect", "{tmp}/dir"), "dump.json is missing"),
+    CliCase(
+        "inspect an unknown field",
+        _args("inspect", "{tmp}/d", "--field", "nope"),
+        "no field 'nope'",
+    ),
+    CliCase("diff of one plain dump", _args("diff", "{tmp}/d"), "two dumps"),
+    CliCase("no command", _args(), "required"),
+    CliCase("unknown command", _args("serve"), "invalid choice"),
+]
+"""Every command with the bad arguments a user is likely to give."""
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> Path:
+    """A directory, a plain file, a dump, a bad YAML and three bad weights files."""
+    tmp = tmp_path_factory.mktemp("cli")
+    (tmp / "dir").mkdir()
+    (tmp / "file").write_text("not a weights file\n")
+    (tmp / "bad.yaml").write_text("planner: [1\n")
+    probe_dump(tmp)  # tmp/d
+    tiny = DSV32Config.tiny()
+    other = tiny.model_copy(update={"num_hidden_layers": 1})
+    DSV32Model(other, device="cpu", dtype=torch.float32).save(tmp / "other.safetensors")
+    data = (tmp / "other.safetensors").read_bytes()
+    (tmp / "truncated.safetensors").write_bytes(data[: len(data) // 2])
+    return tmp
+
+
+def _fill(value: str, tmp: Path) -> str:
+    return value.format(tmp=tmp)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.kind for c in CASES])
+def test_bad_arguments_are_one_line_errors(case, scratch, capsys, monkeypatch):
+    for name in ("PLANNER_DEBUG", "PLANNER_DUMP_DIR", "PLANNER_DUMP_EVERY", "PLANNER_DUMP_KEEP"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in case.env.items():
+        monkeypatch.setenv(name, _fill(value, scratch))
+    before = sorted(p.name for p in scratch.iterdir())
+    try:
+        code = main(case.argv(scratch))
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2, (code, err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert case.names in lines[0], lines[0]
+    assert sorted(p.name for p in scratch.iterdir()) == before  # nothing written, no run folder
+
+
+PROCESS_CASES = ["--json in a missing directory", "PLANNER_DUMP_EVERY not a number"]
+PROCESS_CASES += ["backends --device unknown", "--max-steps negative"]
+
+
+def test_the_process_exits_2_with_one_line(scratch):
+    """The same, as a user runs it (one interpreter per case: torch is imported each time)."""
+    for case in (c for c in CASES if c.kind in PROCESS_CASES):
+        env = {**os.environ, **{k: _fill(v, scratch) for k, v in case.env.items()}}
+        cmd = [sys.executable, "-m", "planner", *case.argv(scratch)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2, (case.kind, proc.stderr)
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, (case.kind, proc.stderr)
+        assert case.names in lines[0] and proc.stdout == "", case.kind
+
+
+def test_help_imports_no_torch_and_is_quick():
+    """``python -m planner --help`` (and every command's) builds the parser without torch."""
+    probe = (
+        "import sys, runpy\n"
+        "sys.argv = ['planner'] + sys.argv[1:]\n"
+        "try:\n    runpy.run_module('planner', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    for argv in ([], ["decode"], ["inspect"], ["backends"]):
+        cmd = [sys.executable, "-c", probe, *argv, "--help"]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "planner", "--help"], cwd=REPO, capture_output=True
+    )
+    assert proc.returncode == 0 and time.perf_counter() - start < 0.5
+
+
+NO_TRITON = (
+    "import sys, runpy\n"
+    "sys.modules['triton'] = None  # 'import triton' raises ImportError, as when not installed\n"
+    "sys.argv = ['planner', 'decode', '--quiet', '--requests', '3']\n"
+    "runpy.run_module('planner', run_name='__main__')\n"
+)
+
+
+def test_the_main_job_runs_without_triton():
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TRITON], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "requests finished" in proc.stdout and "Traceback" not in proc.stderr
+
+
+KINDS = [c.kind for c in CASES]
+"""Every kind of this catalogue: each has its row in docs/reliability.md."""
