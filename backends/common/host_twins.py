@@ -71,33 +71,31 @@ def token_request(out: np.ndarray, qo_indptr: np.ndarray, pad: int) -> None:
     out[:] = np.where(real, b, I32(pad))
 
 
-@ragged_ops.token_positions.host_twin()
-def token_positions(out: np.ndarray, qo_indptr: np.ndarray, seq_lens: np.ndarray) -> None:
+def _per_position(out: np.ndarray, qo_indptr: np.ndarray, seq_lens: np.ndarray, of, pad: int):
+    """``out[t] = of(position)`` for real tokens, ``pad`` for padding (and every token of an
+    empty batch): the shape the per-token length ops share."""
     if qo_indptr.shape[0] == 1:
-        out.fill(0)
+        out.fill(pad)
         return
     pos, real = _positions(out.shape[0], qo_indptr, seq_lens)
-    out[:] = np.where(real, pos, I32(0))
+    out[:] = np.where(real, of(pos), I32(pad))
+
+
+@ragged_ops.token_positions.host_twin()
+def token_positions(out: np.ndarray, qo_indptr: np.ndarray, seq_lens: np.ndarray) -> None:
+    _per_position(out, qo_indptr, seq_lens, lambda pos: pos, 0)
 
 
 @ragged_ops.token_causal_lengths.host_twin()
 def token_causal_lengths(out: np.ndarray, qo_indptr: np.ndarray, seq_lens: np.ndarray) -> None:
-    if qo_indptr.shape[0] == 1:
-        out.fill(1)
-        return
-    pos, real = _positions(out.shape[0], qo_indptr, seq_lens)
-    out[:] = np.where(real, pos + I32(1), I32(1))
+    _per_position(out, qo_indptr, seq_lens, lambda pos: pos + I32(1), 1)
 
 
 @ragged_ops.token_topk_lengths.host_twin()
 def token_topk_lengths(
     out: np.ndarray, qo_indptr: np.ndarray, seq_lens: np.ndarray, topk: int
 ) -> None:
-    if qo_indptr.shape[0] == 1:
-        out.fill(1)
-        return
-    pos, real = _positions(out.shape[0], qo_indptr, seq_lens)
-    out[:] = np.where(real, np.minimum(pos + I32(1), I32(topk)), I32(1))
+    _per_position(out, qo_indptr, seq_lens, lambda pos: np.minimum(pos + I32(1), I32(topk)), 1)
 
 
 @ragged_ops.token_kv_ranges.host_twin()
