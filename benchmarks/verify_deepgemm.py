@@ -287,13 +287,16 @@ def make_plan(seq_lens: list[int], next_n: int, topk: int, width: int, device, s
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     kv = torch.stack([seq - (next_n - 1 - i) for i in range(next_n)], 1).reshape(-1)
     kv = kv.clamp(min=0).to(torch.int32)
+    page_table = (slots[:, ::PAGE] // PAGE).contiguous().to(device)
     return SimpleNamespace(
         next_n=next_n,
+        kernel_next_n=next_n,  # native rows: deep_gemm takes next_n 1 and 2 as they are
         topk=topk,
         max_seq_len=width,
         kv_lens=kv.to(device),
         token_slots=slots.to(device),
-        page_table=(slots[:, ::PAGE] // PAGE).contiguous().to(device),
+        page_table=page_table,
+        kernel_page_table=page_table,
         schedule=reference_paged_mqa_schedule(
             kv.view(-1, next_n), 64, num_sms_of(torch.device(device))
         ).to(device),

@@ -82,31 +82,12 @@ def check_table_entries(
     table lives on the device. Pools and lengths are already range-checked."""
     if not lens.size:
         return
-    longest = int(lens.max())
-    high = kv_slots if kv_slots is not None else np.iinfo(np.int32).max + 1
-    if table.device.type == "cpu":
-        rows = table.numpy()[pools.astype(np.int64), :longest]
-        # one comparison for both bounds (a negative slot is a huge unsigned one); the columns
-        # past each length are masked out only when something is out of range at all
-        if not (rows.view(np.uint32) >= high).any():
-            return
-        used = np.arange(longest) < lens[:, None]
-        bad = used & ((rows < 0) | (rows >= high))
-        if not bad.any():
-            return
-        b, col = (int(i[0]) for i in np.nonzero(bad))
-        value = int(rows[b, col])
-    else:
-        index = torch.from_numpy(pools.astype(np.int64)).to(table.device)
-        rows = table.index_select(0, index)[:, :longest]
-        limit = torch.from_numpy(lens.astype(np.int64)).to(table.device)
-        used = torch.arange(longest, device=table.device) < limit[:, None]
-        bad = used & ((rows < 0) | (rows >= high))
-        found = torch.nonzero(bad)[:1].cpu()  # the one sync
-        if not found.numel():
-            return
-        b, col = int(found[0, 0]), int(found[0, 1])
-        value = int(rows[b, col])
+    high = kv_slots if kv_slots is not None else _NO_LIMIT
+    find = first_bad_entry_numpy if table.device.type == "cpu" else first_bad_entry_torch
+    found = find(table, pools, lens, high)
+    if found is None:
+        return
+    b, col, value = found
     raise BatchError(
         f"token table entry outside the KV cache (req_to_token[{int(pools[b])}, {col}], "
         f"request {b})",
@@ -114,3 +95,46 @@ def check_table_entries(
         expected=f"[0, {high - 1}]",
         actual=value,
     )
+
+
+_NO_LIMIT = np.iinfo(np.int32).max + 1
+"""Without ``kv_slots`` only negative entries are wrong: every int32 is below 2**31."""
+
+
+def first_bad_entry_numpy(
+    table: torch.Tensor, pools: np.ndarray, lens: np.ndarray, high: int
+) -> tuple[int, int, int] | None:
+    """``(request, column, value)`` of the first entry outside ``[0, high)``, on the host."""
+    longest = int(lens.max())
+    rows = table.numpy()[pools.astype(np.int64), :longest]
+    # one comparison for both bounds (a negative slot is a huge unsigned one); the columns
+    # past each length are masked out only when something is out of range at all
+    if not (rows.view(np.uint32) >= high).any():
+        return None
+    used = np.arange(longest) < lens[:, None]
+    bad = used & ((rows < 0) | (rows >= high))
+    if not bad.any():
+        return None
+    b, col = (int(i[0]) for i in np.nonzero(bad))
+    return b, col, int(rows[b, col])
+
+
+def first_bad_entry_torch(
+    table: torch.Tensor, pools: np.ndarray, lens: np.ndarray, high: int
+) -> tuple[int, int, int] | None:
+    """The same where the table lives, one sync. The upper bound is compared only when it is
+    an int32: torch wraps a larger Python int to the tensor's dtype (2**31 would become
+    -2**31 and flag every entry)."""
+    longest = int(lens.max())
+    index = torch.from_numpy(pools.astype(np.int64)).to(table.device)
+    rows = table.index_select(0, index)[:, :longest]
+    limit = torch.from_numpy(lens.astype(np.int64)).to(table.device)
+    used = torch.arange(longest, device=table.device) < limit[:, None]
+    wrong = rows < 0
+    if high < _NO_LIMIT:
+        wrong |= rows >= high
+    found = torch.nonzero(used & wrong)[:1].cpu()  # the one sync
+    if not found.numel():
+        return None
+    b, col = int(found[0, 0]), int(found[0, 1])
+    return b, col, int(rows[b, col])
