@@ -83,6 +83,16 @@ class CapturedBatch:
     def table_shape(self) -> tuple[int, ...]:
         return self.steps[0].table_shape
 
+    def check_table(self, table: torch.Tensor) -> None:
+        """The graph reads the token table it was captured with: the same memory and shape."""
+        if table.data_ptr() != self.table_ptr or tuple(table.shape) != self.table_shape:
+            raise ReplayError(
+                "req_to_token is not the table the graph was captured with (moved or reallocated)",
+                field="req_to_token",
+                expected=(hex(self.table_ptr), self.table_shape),
+                actual=(hex(table.data_ptr()), tuple(table.shape)),
+            )
+
     def check_unmoved(self, handles: list[Handles]) -> None:
         for step, step_handles in zip(self.steps, handles):
             step.check_unmoved(step_handles)

@@ -140,6 +140,7 @@ class FreshStorage:
         ranges: Ranges,
         *,
         read_device: bool,
+        read_table: bool = False,
     ) -> tuple[dict[Key, torch.Tensor], frozenset]:
         """Stage (running the host pass before the copy) and lay out; the tensors, and the
         outputs already computed. A host twin that fails is retired for good and the plan
@@ -162,11 +163,14 @@ class FreshStorage:
                 tokens,
                 ranges,
                 read_device=read_device,
+                read_table=read_table,
                 extra=layout.staged_size - self.stager.layout.size,
                 host_work=work,
             )
         except HostPassFailed:
-            return self.prepare(batch, reqs, dims, ranges, read_device=read_device)
+            return self.prepare(
+                batch, reqs, dims, ranges, read_device=read_device, read_table=read_table
+            )
         tensors: dict[Key, torch.Tensor] = {}
         layout.staged.views(staged, tensors)
         for dtype, (total, cuts) in layout.arenas.items():

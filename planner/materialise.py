@@ -143,9 +143,12 @@ class StaticStorage:
         ranges: Ranges,
         *,
         read_device: bool,
+        read_table: bool = False,
     ) -> tuple[Tensors, frozenset]:
         """Stage into the static buffers; their views for this size, nothing computed yet."""
-        staged = self.stager.stage(batch, reqs, dims["tokens"], ranges, read_device=read_device)
+        staged = self.stager.stage(
+            batch, reqs, dims["tokens"], ranges, read_device=read_device, read_table=read_table
+        )
         return self.tensors(staged, reqs, dims), frozenset()
 
     def tensors(self, staged: torch.Tensor, reqs: int, dims: Mapping[str, int]) -> Tensors:
@@ -180,9 +183,15 @@ def materialise(
     steps: Sequence[Step],
     *,
     read_device: bool,
+    read_table: bool = False,
 ) -> tuple[Tensors, Handles]:
-    """Stage, lay out, run ``steps``: the batch's tensors, and the handles host ops returned."""
-    tensors, done = storage.prepare(batch, reqs, dims, ranges, read_device=read_device)
+    """Stage, lay out, run ``steps``: the batch's tensors, and the handles host ops returned.
+
+    ``read_device`` reads device-resident inputs to stage and check them; ``read_table``
+    also checks the token table entries the plans read (``planner.value_checks``)."""
+    tensors, done = storage.prepare(
+        batch, reqs, dims, ranges, read_device=read_device, read_table=read_table
+    )
     return tensors, _run(steps, tensors, batch, storage.static, done)
 
 
@@ -195,16 +204,28 @@ def materialise_all(
     steps: Iterable[Step],
     *,
     read_device: bool,
+    read_table: bool = False,
 ) -> list[tuple[Tensors, Handles]]:
     """:func:`materialise` for the steps of a stepped batch: one storage each, sharing one
     stager, so every step's inputs go to the device in one copy."""
     steps = tuple(steps)
     if len(batches) == 1:
         return [
-            materialise(storages[0], batches[0], reqs, dims, ranges, steps, read_device=read_device)
+            materialise(
+                storages[0],
+                batches[0],
+                reqs,
+                dims,
+                ranges,
+                steps,
+                read_device=read_device,
+                read_table=read_table,
+            )
         ]
     stager = storages[0].stager
-    staged = stager.stage_all(list(batches), reqs, dims["tokens"], ranges, read_device=read_device)
+    staged = stager.stage_all(
+        list(batches), reqs, dims["tokens"], ranges, read_device=read_device, read_table=read_table
+    )
     out = []
     for storage, batch, region in zip(storages, batches, staged):
         tensors = storage.tensors(region, reqs, dims)

@@ -251,8 +251,17 @@ class Planner:
             dims = self.dims(mode, reqs, max_len, tokens, int(lens.sum()) if lens.size else 1)
         ranges = self.storages.ranges(planned, batch.req_to_token)
         storage = self.storages.fresh(planned, reqs)
+        # The token table is read on the host for free; on a GPU only in debug mode (a sync).
+        table_read = self.debug or not batch.req_to_token.is_cuda
         tensors, handles = materialise(
-            storage, batch, reqs, dims, ranges, program.steps, read_device=True
+            storage,
+            batch,
+            reqs,
+            dims,
+            ranges,
+            program.steps,
+            read_device=True,
+            read_table=table_read,
         )
         return PlanSet(build_plans(program, tensors, handles, dims), "eager", mode, reqs, batch.bs)
 
@@ -280,7 +289,7 @@ class Planner:
         storages = self.storages.static(mode, len(batches))
         ranges = self.storages.ranges(mode, req_to_token)
         results = materialise_all(
-            storages, batches, bs, dims, ranges, program.steps, read_device=True
+            storages, batches, bs, dims, ranges, program.steps, read_device=True, read_table=True
         )
         captured = capture_steps(program, mode, bs, batches, results, dims, req_to_token)
         captured.storages, captured.dims, captured.ranges = storages, dims, ranges
@@ -338,14 +347,7 @@ class Planner:
             )
         planned = mode.plans_as
         captured = self._captured_for(planned, bs)
-        table = batch.req_to_token
-        if table.data_ptr() != captured.table_ptr or tuple(table.shape) != captured.table_shape:
-            raise ReplayError(
-                "req_to_token is not the table the graph was captured with (moved or reallocated)",
-                field="req_to_token",
-                expected=(hex(captured.table_ptr), captured.table_shape),
-                actual=(hex(table.data_ptr()), tuple(table.shape)),
-            )
+        captured.check_table(batch.req_to_token)
         batches = batches_of(batch) if mode.stepped else [batch]
         results = materialise_all(
             captured.storages,
@@ -355,6 +357,7 @@ class Planner:
             captured.ranges,
             captured.host_steps,
             read_device=self.debug,
+            read_table=self.debug,
         )
         captured.check_unmoved([handles for _, handles in results])
         captured.plans.mark("replay", mode, batch.bs)

@@ -84,6 +84,7 @@ class Stager:
         ranges: Ranges,
         *,
         read_device: bool,
+        read_table: bool = False,
         extra: int = 0,
         host_work: Callable[[np.ndarray], None] | None = None,
     ) -> torch.Tensor:
@@ -91,7 +92,14 @@ class Stager:
         ``extra`` elements after the inputs), one host-to-device copy, then device-resident
         inputs; the device buffer."""
         return self.stage_all(
-            [batch], reqs, tokens, ranges, read_device=read_device, extra=extra, host_work=host_work
+            [batch],
+            reqs,
+            tokens,
+            ranges,
+            read_device=read_device,
+            read_table=read_table,
+            extra=extra,
+            host_work=host_work,
         )[0]
 
     def stage_all(
@@ -102,6 +110,7 @@ class Stager:
         ranges: Ranges,
         *,
         read_device: bool,
+        read_table: bool = False,
         extra: int = 0,
         host_work: Callable[[np.ndarray], None] | None = None,
     ) -> list[torch.Tensor]:
@@ -129,7 +138,7 @@ class Stager:
                 region, batch, reqs, tokens, ranges, read_device=read_device
             )
             self.layout.check(region, batch, ranges, on_device)
-            if read_device:
+            if read_table:
                 self.layout.check_table(region, batch, ranges)
             pending.append(on_device)
         if host_work is not None:

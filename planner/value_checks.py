@@ -5,8 +5,11 @@ Each input can be in range and the batch still be wrong: two tokens writing one 
 lengths (rope at the wrong position), a token table entry past the KV cache (a page id
 past the cache). The first three are checked on the staged host values, vectorised, in
 every phase (microseconds at serving batch sizes; see ``docs/reliability.md``); the
-token table is engine memory on the device, so its entries are read only where a device
-read is allowed (eager ``plan()``, capture, debug mode), like every device-resident input.
+token table is engine memory on the device: its entries are read in eager ``plan()`` when
+the table is on the host (free), and on a GPU at capture and in debug mode only, where a
+device read is allowed. Reading them in every eager plan on a GPU would synchronise with
+the device each time (measured on the H200: about 0.5 ms a plan, and a stall behind
+whatever the GPU has queued); debug mode is where an engine bug of this kind is hunted.
 
 The null request (row 0) and the null slot 0 are this repository's padding convention:
 they may repeat.

@@ -62,18 +62,16 @@ def plan_chunks(
     causal = (seq - new)[owner] + (np.arange(owner.shape[0]) - start) + 1
     scored = np.flatnonzero(causal > topk)
     chunks = []
-    i = 0
-    while i < scored.shape[0]:
-        # Consecutive scored tokens only: a chunk never spans a token taken whole.
-        run_end = i + 1
-        while run_end < scored.shape[0] and scored[run_end] == scored[run_end - 1] + 1:
-            run_end += 1
-        while i < run_end:
-            widths = np.maximum.accumulate(causal[scored[i:run_end]])
+    # Runs of consecutive scored tokens: a chunk never spans a token taken whole.
+    bounds = np.flatnonzero(np.diff(scored) != 1) + 1
+    for run in np.split(scored, bounds) if scored.size else ():
+        i = 0
+        while i < run.shape[0]:
+            widths = np.maximum.accumulate(causal[run[i:]])  # each row as wide as the widest
             padded = -(-widths // ROW_ALIGN) * ROW_ALIGN
             cost = np.arange(1, widths.shape[0] + 1) * padded * 4
             take = max(1, int(np.searchsorted(cost, budget_bytes, side="right")))
-            first = int(scored[i])
+            first = int(run[i])
             chunks.append((first, first + take, int(widths[take - 1])))
             i += take
     return IndexerChunks(tuple(chunks), int(scored.shape[0]), int(owner.shape[0] - scored.shape[0]))
