@@ -20,7 +20,7 @@ import torch
 
 from backends.common import ragged_ref as ref
 from backends.common import triton_kernels as tri
-from backends.common.triton_kernels import LazyKernel, block_size
+from backends.common.triton_kernels import LazyKernel
 
 try:
     import triton
@@ -39,6 +39,10 @@ __all__ = [
     "token_request",
     "token_topk_lengths",
 ]
+
+# One block size for every launch: these kernels run in eager extend plans, whose sizes
+# change every batch, and each block size is one more compile mid-serving.
+_BLOCK = 1024
 
 # What the per-token kernel writes (a compile-time switch: one search, five outputs).
 _REQUEST, _POSITION, _CAUSAL, _TOPK, _RANGES = range(5)
@@ -151,7 +155,7 @@ def _launch_token(
     if n == 0:
         return
     reqs = qo_indptr.shape[0] - 1
-    block = block_size(n)
+    block = _BLOCK
     _token[(triton.cdiv(n, block),)](
         out,
         qo_indptr,
@@ -213,7 +217,7 @@ def kv_gather_slots(
     cap = out.shape[0]
     if cap == 0:
         return
-    block = block_size(cap)
+    block = _BLOCK
     _kv_gather[(triton.cdiv(cap, block),)](
         out,
         req_to_token,
@@ -234,7 +238,7 @@ def last_token_rows(out: torch.Tensor, qo_indptr: torch.Tensor) -> None:
     tri._require(out.device)
     if reqs == 0:
         return
-    block = block_size(reqs)
+    block = _BLOCK
     _last_rows[(triton.cdiv(reqs, block),)](out, qo_indptr, reqs, BLOCK=block)
 
 
@@ -244,7 +248,7 @@ def slot_pages(out: torch.Tensor, out_cache_loc: torch.Tensor, page_size: int) -
     tri._require(out.device)
     if n == 0:
         return
-    block = block_size(n)
+    block = _BLOCK
     _slot_pages[(triton.cdiv(n, block),)](
         out, out_cache_loc, n, page_size, out.stride(0), BLOCK=block
     )

@@ -95,6 +95,11 @@ def _plan_chunks(
         ),
         default=0,
     )
-    summary = torch.tensor([len(chunks.chunks), chunks.scored, chunks.whole, largest])
-    out.copy_(summary)
+    # Pinned, so the copy to a device plan is asynchronous: from pageable memory torch
+    # synchronises the stream, and an eager extend plan would wait for queued GPU work.
+    summary = torch.tensor(
+        [len(chunks.chunks), chunks.scored, chunks.whole, largest],
+        pin_memory=out.is_cuda,
+    )
+    out.copy_(summary, non_blocking=out.is_cuda)
     return chunks

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from backends.common.triton_kernels import triton_available
+from backends.common.triton_kernels import triton_available, unspecialised
 
 try:
     import triton
@@ -37,7 +37,9 @@ def _interpreting() -> bool:
 class _SpecialisingKernel:
     """Decorates on first launch per interpreter mode, like ``LazyKernel``, but lets Triton
     specialise on sizes and strides: here they are the model's (fixed for a run), and
-    their divisibility by 16 is what turns loads into wide vector loads."""
+    their divisibility by 16 is what turns loads into wide vector loads. The group count
+    and the group ends change with every batch's routing: specialising on them compiled a
+    new variant in the first prefill of a run (0.38 s on the H200)."""
 
     def __init__(self, fn) -> None:
         self._fn = fn
@@ -47,7 +49,9 @@ class _SpecialisingKernel:
         mode = _interpreting()
         kernel = self._variants.get(mode)
         if kernel is None:
-            kernel = self._variants[mode] = triton.jit(self._fn)
+            kernel = self._variants[mode] = triton.jit(
+                self._fn, **unspecialised(["n_groups"], ["ends_ptr"])
+            )
         return kernel[grid]
 
 
