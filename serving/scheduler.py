@@ -150,33 +150,33 @@ class Scheduler:
     def build_draft_extend(self, work: list[tuple[Request, int, int]], next_n: int) -> ForwardBatch:
         """The draft's catch-up on ``(request, first position, accepted)``: positions
         ``first .. first + accepted - 1``, flat; the planner spreads them over ``next_n`` rows."""
-        lens, new, pools, locs, positions = [], [], [], [], []
-        for request, first, accepted in work:
-            lens.append(first + accepted)
-            new.append(accepted)
-            pools.append(request.pool_idx)
-            for position in range(first, first + accepted):
-                positions.append(position)
-                locs.append(self.slot(request, position))
-        return ForwardBatch(
-            seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
-            req_pool_indices=torch.tensor(pools, dtype=torch.int32),
-            req_to_token=self.pool.req_to_token,
-            out_cache_loc=torch.tensor(locs, dtype=torch.int32),
-            positions=torch.tensor(positions, dtype=torch.int32),
-            mode=ForwardMode.DRAFT_EXTEND,
-            next_n=next_n,
-            extend_lens_cpu=torch.tensor(new, dtype=torch.int32),
+        return self._span_batch(
+            work,
+            ForwardMode.DRAFT_EXTEND,
+            next_n,
+            extend_lens=torch.tensor([accepted for _, _, accepted in work], dtype=torch.int32),
         )
 
     def build_draft_decode(self, requests: list[Request], steps: int) -> ForwardBatch:
         """``steps`` one-token draft steps of each request at positions ``fed .. fed + steps - 1``
         (the KV length after the last step, every step's slot, request-major)."""
+        work = [(request, request.fed, steps) for request in requests]
+        return self._span_batch(work, ForwardMode.DRAFT_DECODE, steps)
+
+    def _span_batch(
+        self,
+        work: list[tuple[Request, int, int]],
+        mode: ForwardMode,
+        next_n: int,
+        extend_lens: torch.Tensor | None = None,
+    ) -> ForwardBatch:
+        """Each ``(request, first, n)`` as positions ``first .. first + n - 1`` and their slots,
+        flat and request-major, with KV length ``first + n``."""
         lens, pools, locs, positions = [], [], [], []
-        for request in requests:
-            lens.append(request.fed + steps)
+        for request, first, n in work:
+            lens.append(first + n)
             pools.append(request.pool_idx)
-            for position in range(request.fed, request.fed + steps):
+            for position in range(first, first + n):
                 positions.append(position)
                 locs.append(self.slot(request, position))
         return ForwardBatch(
@@ -185,6 +185,7 @@ class Scheduler:
             req_to_token=self.pool.req_to_token,
             out_cache_loc=torch.tensor(locs, dtype=torch.int32),
             positions=torch.tensor(positions, dtype=torch.int32),
-            mode=ForwardMode.DRAFT_DECODE,
-            next_n=steps,
+            mode=mode,
+            next_n=next_n,
+            extend_lens_cpu=extend_lens,
         )
