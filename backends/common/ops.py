@@ -36,15 +36,21 @@ causal_lengths = metadata_op(
     "out[r*n + i] = seq_lens[r] - (n - 1 - i): per-token KV lengths of n verify tokens per request.",
 )
 
-cumsum_with_zero.provider("torch")(ref.cumsum_with_zero)
-cumsum_with_zero.provider("triton", available=triton_usable)(tri.cumsum_with_zero)
-clamp.provider("torch")(ref.clamp_into)
-clamp.provider("triton", available=triton_usable)(tri.clamp_into)
-uniform_offsets.provider("torch")(ref.uniform_offsets)
-uniform_offsets.provider("triton", available=triton_usable)(tri.uniform_offsets)
-gather_token_slots.provider("torch")(ref.gather_token_slots)
-gather_token_slots.provider("triton", available=triton_usable)(tri.gather_token_slots)
-page_table.provider("torch")(ref.page_table_from_slots)
-page_table.provider("triton", available=triton_usable)(tri.page_table_from_slots)
-causal_lengths.provider("torch")(ref.causal_lengths)
-causal_lengths.provider("triton", available=triton_usable)(tri.causal_lengths)
+
+def with_providers(pairs) -> None:
+    """Each op gets its exact torch reference and its Triton kernel (where Triton runs)."""
+    for op, reference, kernel in pairs:
+        op.provider("torch")(reference)
+        op.provider("triton", available=triton_usable)(kernel)
+
+
+with_providers(
+    [
+        (cumsum_with_zero, ref.cumsum_with_zero, tri.cumsum_with_zero),
+        (clamp, ref.clamp_into, tri.clamp_into),
+        (uniform_offsets, ref.uniform_offsets, tri.uniform_offsets),
+        (gather_token_slots, ref.gather_token_slots, tri.gather_token_slots),
+        (page_table, ref.page_table_from_slots, tri.page_table_from_slots),
+        (causal_lengths, ref.causal_lengths, tri.causal_lengths),
+    ]
+)

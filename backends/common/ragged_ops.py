@@ -14,10 +14,8 @@ from __future__ import annotations
 
 from backends.common import ragged_ref as ref
 from backends.common import ragged_triton as tri
-from backends.common.triton_kernels import triton_available
+from backends.common.ops import with_providers
 from planner.ops import metadata_op
-
-triton_usable = triton_available
 
 token_request = metadata_op(
     "token_request",
@@ -56,19 +54,15 @@ slot_pages = metadata_op(
     "KV goes in a paged cache; padding (0, 0).",
 )
 
-token_request.provider("torch")(ref.token_request)
-token_request.provider("triton", available=triton_usable)(tri.token_request)
-token_positions.provider("torch")(ref.token_positions)
-token_positions.provider("triton", available=triton_usable)(tri.token_positions)
-token_causal_lengths.provider("torch")(ref.token_causal_lengths)
-token_causal_lengths.provider("triton", available=triton_usable)(tri.token_causal_lengths)
-token_topk_lengths.provider("torch")(ref.token_topk_lengths)
-token_topk_lengths.provider("triton", available=triton_usable)(tri.token_topk_lengths)
-token_kv_ranges.provider("torch")(ref.token_kv_ranges)
-token_kv_ranges.provider("triton", available=triton_usable)(tri.token_kv_ranges)
-kv_gather_slots.provider("torch")(ref.kv_gather_slots)
-kv_gather_slots.provider("triton", available=triton_usable)(tri.kv_gather_slots)
-last_token_rows.provider("torch")(ref.last_token_rows)
-last_token_rows.provider("triton", available=triton_usable)(tri.last_token_rows)
-slot_pages.provider("torch")(ref.slot_pages)
-slot_pages.provider("triton", available=triton_usable)(tri.slot_pages)
+with_providers(
+    [
+        (token_request, ref.token_request, tri.token_request),
+        (token_positions, ref.token_positions, tri.token_positions),
+        (token_causal_lengths, ref.token_causal_lengths, tri.token_causal_lengths),
+        (token_topk_lengths, ref.token_topk_lengths, tri.token_topk_lengths),
+        (token_kv_ranges, ref.token_kv_ranges, tri.token_kv_ranges),
+        (kv_gather_slots, ref.kv_gather_slots, tri.kv_gather_slots),
+        (last_token_rows, ref.last_token_rows, tri.last_token_rows),
+        (slot_pages, ref.slot_pages, tri.slot_pages),
+    ]
+)

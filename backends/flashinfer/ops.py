@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from backends.common.ops import with_providers
 from backends.flashinfer import kernels as tri
 from backends.flashinfer import reference as ref
 from backends.flashinfer import wrappers
@@ -48,12 +49,13 @@ flashinfer_plan = metadata_op(
     " tokens, longest].",
 )
 
-pages_per_request.provider("torch")(ref.pages_per_request)
-pages_per_request.provider("triton", available=tri.triton_usable)(tri.pages_per_request)
-last_page_len.provider("torch")(ref.last_page_len)
-last_page_len.provider("triton", available=tri.triton_usable)(tri.last_page_len)
-paged_kv_indices.provider("torch")(ref.paged_kv_indices)
-paged_kv_indices.provider("triton", available=tri.triton_usable)(tri.paged_kv_indices)
+with_providers(
+    [
+        (pages_per_request, ref.pages_per_request, tri.pages_per_request),
+        (last_page_len, ref.last_page_len, tri.last_page_len),
+        (paged_kv_indices, ref.paged_kv_indices, tri.paged_kv_indices),
+    ]
+)
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _KV_DTYPES = {**_DTYPES, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
