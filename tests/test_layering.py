@@ -8,12 +8,15 @@ and ``serving/`` on anything below it. Every ``.py`` file of those packages is r
 point down, no function imports a project module (a lazy import hides a dependency, and
 a cycle, from this check; optional GPU libraries such as ``deep_gemm`` or ``flashinfer``
 may still be imported lazily through ``importlib``), and no module is over 400 lines.
+``benchmarks/`` is no layer (a benchmark may import anything), but its scripts and their
+helper modules are held to the same line limit.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +37,8 @@ DISPATCH = {"serving/cli.py", "planner/__init__.py"}
 that ``--help`` needs no torch, and the core package its public names, on first use (PEP
 562). Those names are checked below as the imports they are."""
 MAX_LINES = 400
+UNLAYERED = ("benchmarks",)
+"""Directories of scripts outside ``LAYERS`` whose modules are still held to ``MAX_LINES``."""
 _COMMAND = re.compile(r"^([A-Za-z_][\w.]*):[A-Za-z_]\w*$")
 
 
@@ -112,8 +117,14 @@ def _exists(root: Path, module: str) -> bool:
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
-def source_files(root: Path) -> list[Path]:
-    return sorted(p.relative_to(root) for top in LAYERS for p in (root / top).rglob("*.py"))
+def source_files(root: Path, tops: Iterable[str] = LAYERS) -> list[Path]:
+    return sorted(p.relative_to(root) for top in tops for p in (root / top).rglob("*.py"))
+
+
+def too_long(root: Path, rel: Path) -> list[str]:
+    """``file: N lines, ...`` when ``root / rel`` is over ``MAX_LINES`` lines, else nothing."""
+    lines = len((root / rel).read_text().splitlines())
+    return [f"{rel.as_posix()}: {lines} lines, more than {MAX_LINES}"] if lines > MAX_LINES else []
 
 
 def violations(root: Path) -> list[str]:
@@ -122,9 +133,7 @@ def violations(root: Path) -> list[str]:
     found = []
     for rel in source_files(root):
         path, top = rel.as_posix(), rel.parts[0]
-        lines = len((root / rel).read_text().splitlines())
-        if lines > MAX_LINES:
-            found.append(f"{path}: {lines} lines, more than {MAX_LINES}")
+        found += too_long(root, rel)
         allowed = {top} | LAYERS[top] | EXCEPTIONS.get(path, set())
         for imp in imports_of(root, rel):
             target = imp.module.split(".")[0]
@@ -145,6 +154,31 @@ def violations(root: Path) -> list[str]:
 def test_every_import_points_down_and_no_module_is_long():
     found = violations(REPO)
     assert not found, "layering violations:\n" + "\n".join(found)
+
+
+def test_no_benchmark_module_is_long():
+    """Benchmark scripts grow fastest (one more section, one more check): split them too."""
+    files = source_files(REPO, UNLAYERED)
+    assert files, "no benchmark modules found"
+    found = [v for rel in files for v in too_long(REPO, rel)]
+    assert not found, "modules over the line limit:\n" + "\n".join(found)
+
+
+def test_the_benchmark_line_check_finds_long_modules(tmp_path):
+    """A long script and a long module in a subpackage are named; a short one is not."""
+    files = {
+        "benchmarks/short.py": "x = 1\n" * MAX_LINES,
+        "benchmarks/long.py": "x = 1\n" * (MAX_LINES + 1),
+        "benchmarks/parts/deep.py": "x = 1\n" * (MAX_LINES + 2),
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = [v for rel in source_files(tmp_path, UNLAYERED) for v in too_long(tmp_path, rel)]
+    assert found == [
+        f"benchmarks/long.py: {MAX_LINES + 1} lines, more than {MAX_LINES}",
+        f"benchmarks/parts/deep.py: {MAX_LINES + 2} lines, more than {MAX_LINES}",
+    ]
 
 
 def test_every_top_level_package_has_a_layer():

@@ -2,14 +2,13 @@
 
 Skipped cleanly without CUDA; the tests that call deep_gemm are skipped when it does not
 import. The case generators and checks are those of ``benchmarks/verify_deepgemm.py``
-(one source of truth), here over a smaller sweep. Expect ~1-2 s of JIT compilation per
+(``benchmarks/deepgemm_cases.py``, ``deepgemm_checks.py``, ``deepgemm_graphs.py``: one
+source of truth), here over a smaller sweep. Expect ~1-2 s of JIT compilation per
 new (batch bucket, num_sms) for the metadata kernel and per (next_n, heads) for the
 logits kernel on a cold cache.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
@@ -21,12 +20,14 @@ if not torch.cuda.is_available():
 
 from backends import deepgemm  # noqa: E402
 from backends.deepgemm import _native  # noqa: E402
-from tests.support import REPO  # noqa: E402
-
-_SCRIPT = REPO / "benchmarks" / "verify_deepgemm.py"
-_spec = importlib.util.spec_from_file_location("verify_deepgemm", _SCRIPT)
-verify = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(verify)
+from benchmarks.deepgemm_cases import (  # noqa: E402
+    logits_cases,
+    make_lens,
+    make_logits_inputs,
+    schedule_cases,
+)
+from benchmarks.deepgemm_checks import check_logits, check_schedule  # noqa: E402
+from benchmarks.deepgemm_graphs import graph_checks  # noqa: E402
 
 DG = _native.load()
 DEV = torch.device("cuda")
@@ -41,8 +42,8 @@ def _lid(c: dict) -> str:
     return f"b{c['batch']}-n{c['next_n']}-h{c['heads']}-{c['kind']}-{c['max_len']}"
 
 
-SCHED_CASES = verify.schedule_cases(160, seed=7)
-LOGITS_CASES = verify.logits_cases(16, seed=7)
+SCHED_CASES = schedule_cases(160, seed=7)
+LOGITS_CASES = logits_cases(16, seed=7)
 
 
 @needs_dg
@@ -54,7 +55,7 @@ def test_installed_build_is_the_documented_layout():
 @needs_dg
 @pytest.mark.parametrize("case", SCHED_CASES, ids=[_sid(c) for c in SCHED_CASES])
 def test_schedule_bit_equal(case):
-    res = verify.check_schedule(case, DG.get_paged_mqa_logits_metadata, DEV)
+    res = check_schedule(case, DG.get_paged_mqa_logits_metadata, DEV)
     assert res["ok"], res
 
 
@@ -62,7 +63,7 @@ def test_schedule_bit_equal(case):
 def test_schedule_sweep_saw_both_layouts_differ():
     """The sweep is only meaningful if it has cases where 0.1.0 and 'new' disagree."""
     differ = [
-        verify.check_schedule(c, DG.get_paged_mqa_logits_metadata, DEV)["layouts_differ"]
+        check_schedule(c, DG.get_paged_mqa_logits_metadata, DEV)["layouts_differ"]
         for c in SCHED_CASES[:40]
     ]
     assert sum(differ) >= 10
@@ -72,30 +73,30 @@ def test_schedule_sweep_saw_both_layouts_differ():
 @pytest.mark.parametrize("case", LOGITS_CASES, ids=[_lid(c) for c in LOGITS_CASES])
 def test_logits_within_fp8_tolerance(case):
     torch.cuda.empty_cache()
-    res = verify.check_logits(case, DG.fp8_paged_mqa_logits, DEV)
+    res = check_logits(case, DG.fp8_paged_mqa_logits, DEV)
     assert res["ok"], res
     assert res["rows_cover_last_len"], res  # both MTP rows run over the last column's length
 
 
 @needs_dg
 def test_dispatch_uses_the_real_kernels():
-    lens = verify.make_lens(77, 2, 9000, "uniform", 1)
+    lens = make_lens(77, 2, 9000, "uniform", 1)
     got = deepgemm.get_paged_mqa_logits_metadata(lens.cuda(), 64, 132, backend="native")
     assert torch.equal(got.cpu(), deepgemm.reference_paged_mqa_schedule(lens, 64, 132))
-    q, cache, w, lens_d, table = verify.make_logits_inputs(77, 2, 64, lens, 1, DEV)
+    q, cache, w, lens_d, table = make_logits_inputs(77, 2, 64, lens, 1, DEV)
     out = deepgemm.fp8_paged_mqa_logits(q, cache, w, lens_d, table, got, 9000, backend="native")
     assert out.shape == (154, 9000) and out.dtype == torch.float32
 
 
 def test_references_on_cuda_equal_cpu():
-    lens = verify.make_lens(300, 2, 70_000, "skewed", 3)
+    lens = make_lens(300, 2, 70_000, "skewed", 3)
     for layout in ("0.1.0", "new"):
         on_gpu = deepgemm.reference_paged_mqa_schedule(lens.cuda(), 64, 132, layout)
         assert torch.equal(
             on_gpu.cpu(), deepgemm.reference_paged_mqa_schedule(lens, 64, 132, layout)
         )
-    small = verify.make_lens(4, 2, 700, "uniform", 4)
-    gpu_in = verify.make_logits_inputs(4, 2, 32, small, 4, DEV)
+    small = make_lens(4, 2, 700, "uniform", 4)
+    gpu_in = make_logits_inputs(4, 2, 32, small, 4, DEV)
     cpu_in = [t.cpu() for t in gpu_in]
     sched = deepgemm.reference_paged_mqa_schedule(small, 64, 132)
     a = deepgemm.reference_fp8_paged_mqa_logits(*gpu_in, sched.cuda(), 800)
@@ -105,5 +106,5 @@ def test_references_on_cuda_equal_cpu():
 
 
 def test_cuda_graph_capture_and_replay():
-    results = verify.graph_checks(DEV, DG)
+    results = graph_checks(DEV, DG)
     assert results and all(r["ok"] for r in results), results
