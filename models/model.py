@@ -14,7 +14,7 @@ them bit-exactly through safetensors with the config in the metadata.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
@@ -54,8 +54,15 @@ def _open_weights(path: str | Path, **kwargs: str) -> Iterator[Any]:
         ) from None
 
 
+FfnExchange = Callable[[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
+"""``exchange(x, ffn) -> ffn's output for x's rows``: how a data-parallel rank runs its FFN
+over every rank's rows (a collective in every layer); see ``DSV32Model.set_ffn_exchange``."""
+
+
 class Block(nn.Module):
     """Pre-norm decoder layer: ``h += attn(norm(h)); h += ffn(norm(h))``."""
+
+    exchange: FfnExchange | None = None
 
     def __init__(self, cfg: DSV32Config, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -79,7 +86,8 @@ class Block(nn.Module):
         index_cache: torch.Tensor,
     ) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), cos, sin, plan, kv_cache, index_cache)
-        return h + self.ffn(self.ffn_norm(h))
+        x = self.ffn_norm(h)
+        return h + (self.ffn(x) if self.exchange is None else self.exchange(x, self.ffn))
 
 
 class DSV32Model(nn.Module):
@@ -132,6 +140,17 @@ class DSV32Model(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.head.weight.device
+
+    def set_ffn_exchange(self, exchange: FfnExchange | None) -> None:
+        """Run every layer's FFN through ``exchange`` (``None``: locally, the default).
+
+        Data-parallel attention gives each rank its own requests but runs the MoE over
+        every rank's tokens; the exchange is that collective, injected so this package
+        needs no distributed code. It must keep the rows' own outputs (replicated FFN
+        weights do), and it runs inside captured graphs like the rest of the forward.
+        """
+        for block in self.layers:
+            block.exchange = exchange
 
     def _reset_buffers(self) -> None:
         cfg = self.config
