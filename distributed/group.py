@@ -15,6 +15,7 @@ on its peers instead of a hang. Ranks come from ``torchrun`` (``RANK``, ``WORLD_
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -44,7 +45,11 @@ class DistContext:
     """Where this rank's model and plans live (``cuda:LOCAL_RANK`` with NCCL)."""
     timeout_s: float
     device_group: Any = None
+    """``None``: the default group (which is what it is); kept as ``None`` so nothing holds
+    the default group's object past :func:`shutdown`."""
     host_group: Any = None
+    """The gloo group of per-step metadata: its own group under NCCL, else ``None`` (the
+    default group, gloo already)."""
 
     @property
     def is_first(self) -> bool:
@@ -112,17 +117,21 @@ def init(
     dist.init_process_group(
         chosen, init_method=init_method, rank=rank, world_size=world, timeout=timeout, **kwargs
     )
-    host = dist.new_group(backend="gloo", timeout=timeout) if chosen != "gloo" else dist.group.WORLD
-    return DistContext(rank, world, chosen, device, timeout_s, dist.group.WORLD, host)
+    host = dist.new_group(backend="gloo", timeout=timeout) if chosen != "gloo" else None
+    return DistContext(rank, world, chosen, device, timeout_s, None, host)
 
 
 def shutdown() -> None:
     """Leave the job (a no-op when it was never joined).
 
-    A barrier first: a rank that closes its connections while a peer's gloo transport
-    still talks to it made that peer abort at exit (seen on the CPU, one run in five). A
-    group already broken (a peer timed out) cannot pass one and is destroyed as it is.
+    Garbage is collected first: an engine lives in a reference cycle (its runner holds its
+    bound forward), and a gloo group still referenced from one was destroyed at interpreter
+    exit with its threads running, which aborts the process. Then a barrier: a rank that
+    closes its connections while a peer's transport still talks to it made that peer abort
+    at exit too (both seen on the CPU, about one run in five). A group already broken (a
+    peer timed out) cannot pass a barrier and is destroyed as it is.
     """
+    gc.collect()
     if dist.is_initialized():
         with contextlib.suppress(RuntimeError):
             dist.barrier()
