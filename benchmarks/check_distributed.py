@@ -28,10 +28,10 @@ def check_tp(rc: int | None, data: dict[str, Any] | None, steps: int) -> dict[st
     total = (data or {}).get("aggregate", {})
     checks = {
         "finished (rc 0, no hang)": rc == 0,
-        "digests agreed every step": min(total.get("digest_checks", [0])) >= steps,
-        "digest mismatches 0": total.get("digest_mismatches") == 0,
+        "digests agreed for every forward": bool(total.get("digests_every_forward")),
+        f"at least {steps} digest checks per rank": min(total.get("digest_checks", [0])) >= steps,
         "tokens equal across ranks": bool(total.get("tokens_equal_across_ranks")),
-        "graphs replayed": total.get("graph_replays", 0) > 0,
+        "graphs replayed": min(total.get("graph_replays", [0])) > 0,
     }
     return {"rc": rc, "checks": checks, "ok": all(checks.values()), "aggregate": total}
 
@@ -42,11 +42,10 @@ def check_dp(rc: int | None, data: dict[str, Any] | None, steps: int) -> dict[st
     idle = total.get("idle_forwards", [0, 0])
     checks = {
         "finished (rc 0, no hang)": rc == 0,
-        "replays verified, mismatches 0": min(total.get("verified_replays", [0])) > 0
-        and total.get("replay_mismatches") == 0,
+        "every replay verified against eager": bool(total.get("every_replay_verified")),
         "same sizes and exchanges on every rank": bool(equal) and all(equal.values()),
         "every rank idle for stretches": min(idle) >= steps // 20,
-        "graphs replayed": total.get("graph_replays", 0) > 0,
+        "graphs replayed": min(total.get("graph_replays", [0])) > 0,
     }
     return {"rc": rc, "checks": checks, "ok": all(checks.values()), "aggregate": total}
 

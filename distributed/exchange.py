@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from distributed.group import DistContext, all_gather_flat
 
@@ -50,3 +51,17 @@ class RowExchange:
         self.calls += 1
         start = self.ctx.rank * target
         return ffn(gathered)[start : start + own]
+
+
+class HeadReduce:
+    """``reduce(partial)``: the tensor-parallel all-reduce (sum) of ``wo``'s partial outputs,
+    in place, over the device group; one per layer per forward, inside graphs too."""
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.calls = 0
+
+    def __call__(self, partial: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(partial, group=self.ctx.device_group)
+        self.calls += 1
+        return partial

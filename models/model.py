@@ -141,6 +141,32 @@ class DSV32Model(nn.Module):
     def device(self) -> torch.device:
         return self.head.weight.device
 
+    @property
+    def attention_heads(self) -> int:
+        """Attention heads this model computes: all of them, or this rank's share."""
+        return self.layers[0].attn.n_heads if len(self.layers) else 0
+
+    def shard_attention_heads(
+        self, rank: int, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Tensor parallel: keep this rank's ``H / world`` heads of every layer (``wq_b`` and
+        ``wkv_b`` rows, ``wo`` columns); ``reduce`` all-reduces ``wo``'s partial sums.
+
+        Everything else (embedding, norms, the indexer, the FFN, the head, the KV cache) stays
+        whole on every rank. Call before any graph is captured; saving is refused after.
+        """
+        heads = self.config.num_attention_heads
+        if world < 1 or heads % world:
+            raise ConfigError(
+                "tensor-parallel ranks must divide the attention heads",
+                field="distributed.tp",
+                expected=f"a divisor of num_attention_heads = {heads}",
+                actual=world,
+            )
+        for block in self.layers:
+            block.attn.shard_heads(rank, world, reduce)
+        self.sharded = (rank, world)
+
     def set_ffn_exchange(self, exchange: FfnExchange | None) -> None:
         """Run every layer's FFN through ``exchange`` (``None``: locally, the default).
 
@@ -239,8 +265,18 @@ class DSV32Model(nn.Module):
 
     # ------------------------------------------------------------- persistence
 
+    sharded: tuple[int, int] | None = None
+    """``(rank, world)`` once ``shard_attention_heads`` kept one rank's heads."""
+
     def save(self, path: str | Path) -> None:
         """Weights as safetensors; config and dtype in the metadata (never pickle)."""
+        if self.sharded is not None:
+            raise ConfigError(
+                "a head-sharded model holds one rank's heads",
+                field="save",
+                expected="the unsharded model",
+                actual=self.sharded,
+            )
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         meta = {"format": FORMAT, "config": self.config.model_dump_json(), "dtype": str(self.dtype)}
         save_file(tensors, str(path), metadata=meta)

@@ -3,6 +3,8 @@
 #
 #   bash scripts/gpu_distributed.sh [tp] [dp]      (from the repo root, .whl carried)
 #
+# One run per device call (a call has 10 minutes): STEP_TIMEOUT=540 bash ... tp, then ... dp.
+#
 #   tp  dsv32-small, TP = 2, CUDA graphs, plan digests all-gathered after every forward,
 #       1,000 loop steps                                        -> dist_tp.json
 #   dp  dsv32-small, DP attention = 2, CUDA graphs (the FFN's NCCL all-gather captured in

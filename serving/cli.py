@@ -110,8 +110,9 @@ def _add_distributed(p: Any) -> None:
         "--tp",
         type=count,
         metavar="N",
-        help="tensor-parallel ranks: every rank serves the same workload with its own planner; "
-        "batch signatures are agreed every step (override distributed.tp)",
+        help="tensor-parallel ranks: attention heads split over the ranks (N must divide them), "
+        "every rank plans the same batches with its own planner, batch signatures agreed "
+        "every step (override distributed.tp)",
     )
     g.add_argument(
         "--dp-attention",

@@ -112,7 +112,7 @@ class DecodeEngine:
                 "nsa": {
                     "topk": self.model_config.index_topk,
                     "schedule_layout": p.schedule_layout,
-                    "mla_heads": self.model_config.num_attention_heads,
+                    "mla_heads": model.attention_heads,  # this rank's, head-sharded
                     "mla_kernel": p.mla_kernel,
                 }
             },

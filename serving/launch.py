@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from distributed.group import DistContext, env_rank, init, launched_by_torchrun, shutdown, spawn
 from planner.errors import ConfigError, PlanError
+from serving.model_setup import model_config
 from serving.rank_engines import DPEngine, TPEngine
 from serving.report import summarize
 from serving.run_config import RunConfig
@@ -73,15 +74,17 @@ def aggregate(kind: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "generated_tokens": generated,
         "wall_seconds": wall,
         "tokens_per_second": generated / wall if wall else 0.0,
-        "graph_replays": sum(r["graph_replays"] for r in ranks),
-        "hangs": 0,  # a stalled collective raises (group timeout): a finished run had none
+        "graph_replays": [r["graph_replays"] for r in ranks],
+        # debug mode: each replay compared bit for bit with eager (a mismatch raises)
         "verified_replays": [r["verified_replays"] for r in ranks],
-        "replay_mismatches": 0,  # debug mode: a replay that differs from eager raises
+        "every_replay_verified": all(r["verified_replays"] == r["graph_replays"] for r in ranks),
     }
     if kind == "tp":
         out["signature_checks"] = [r["signature_checks"] for r in ranks]
-        out["digest_checks"] = [r["digest_checks"] for r in ranks]
-        out["digest_mismatches"] = 0  # a mismatch raises on every rank
+        out["digest_checks"] = [r["digest_checks"] for r in ranks]  # a mismatch raises
+        out["digests_every_forward"] = all(
+            r["digest_checks"] == r["signature_checks"] for r in ranks
+        )
         out["tokens_equal_across_ranks"] = all(r["tokens"] == ranks[0]["tokens"] for r in ranks)
         out["agree"] = out["tokens_equal_across_ranks"]
     else:
@@ -156,7 +159,11 @@ def rank_main(data: dict[str, Any], options: dict[str, Any]) -> None:
         )
         try:
             mine = serve_rank(config, ctx, options)
-            print(_line(mine), flush=True)
+            for turn in range(world):  # one line per rank, in rank order
+                if turn == rank:
+                    sys.stdout.write(_line(mine) + "\n")
+                    sys.stdout.flush()
+                dist.barrier(group=ctx.host_group)
             every: list[Any] = [None] * world
             dist.all_gather_object(every, mine, group=ctx.host_group)
         finally:
@@ -189,8 +196,22 @@ def _report(kind: str, every: list[dict[str, Any]], options: dict[str, Any]) -> 
         sys.exit(1)
 
 
+def check_layout(config: RunConfig) -> None:
+    """What can be refused before any rank starts: TP ranks must divide the heads."""
+    tp = config.distributed.tp
+    heads = model_config(config.model).num_attention_heads
+    if heads % tp:
+        raise ConfigError(
+            "tensor-parallel ranks must divide the attention heads",
+            field="distributed.tp",
+            expected=f"a divisor of num_attention_heads = {heads}",
+            actual=tp,
+        )
+
+
 def launch(config: RunConfig, options: dict[str, Any]) -> int:
     """Run ``config.distributed.world`` ranks: this process as one under torchrun, else spawned."""
+    check_layout(config)
     if launched_by_torchrun():
         rank_main(config.model_dump(), options)
         return 0

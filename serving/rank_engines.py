@@ -4,9 +4,9 @@ Both are a :class:`DecodeEngine` with one planner per rank; what they add is aro
 each forward (``distributed.tp``, ``distributed.dp``), so the single-rank engine stays
 the one loop there is.
 
-- :class:`TPEngine`: every rank serves the same workload with the same (replicated)
-  model; before each forward the batch signature is agreed (one small all-reduce),
-  after it, in debug mode, the plans' digests.
+- :class:`TPEngine`: every rank serves the same workload with its share of the attention
+  heads (``wo``'s partial sums all-reduced in every layer); before each forward the batch
+  signature is agreed (one small all-reduce), after it, in debug mode, the plans' digests.
 - :class:`DPEngine`: each rank serves its share of the workload; once per loop step the
   ranks agree on which forwards run and at which graph size, ranks without a batch run
   IDLE batches, and every layer's FFN exchanges rows with the peers.
@@ -20,21 +20,35 @@ from typing import Any
 import torch
 
 from distributed.dp import Decision, Slot, agree
-from distributed.exchange import RowExchange
+from distributed.exchange import HeadReduce, RowExchange
 from distributed.group import DistContext
 from distributed.tp import TPCheck
 from graphs.runner import PEER_EAGER
+from models.model import DSV32Model
 from planner.batch import ForwardBatch, ForwardMode
 from serving.engine import DecodeEngine, RunResult
+from serving.model_setup import build_model, model_config, resolve_device
 from serving.requests import Request
 from serving.run_config import RunConfig
 
 
 class TPEngine(DecodeEngine):
-    """One tensor-parallel rank: the same batches as its peers, proven so every forward."""
+    """One tensor-parallel rank: its share of the attention heads (``wo``'s partial sums
+    all-reduced in every layer), the same batches as its peers, proven so every forward."""
 
-    def __init__(self, config: RunConfig, ctx: DistContext, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
+    def __init__(
+        self,
+        config: RunConfig,
+        ctx: DistContext,
+        *,
+        model: DSV32Model | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if model is None:
+            model = build_model(config, model_config(config.model), resolve_device(config.device))
+        self.reduce = HeadReduce(ctx)
+        model.shard_attention_heads(ctx.rank, ctx.world, self.reduce)
+        super().__init__(config, model=model, **kwargs)
         self.ctx = ctx
         digests = config.distributed.digests
         self.check = TPCheck(ctx, digests=config.planner.debug if digests is None else digests)
@@ -50,6 +64,8 @@ class TPEngine(DecodeEngine):
             "signature_checks": self.check.steps,
             "digest_checks": self.check.digest_steps,
             "verified_replays": self.planner.stats.verified,
+            "attention_heads": self.model.attention_heads,
+            "head_all_reduces": self.reduce.calls,
         }
 
 

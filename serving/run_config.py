@@ -149,14 +149,17 @@ class SpeculativeSection(_Section):
 class DistributedSection(_Section):
     """Several ranks through torch.distributed (``docs/distributed.md``): one of the two > 1.
 
-    ``tp``: every rank serves the same workload with its own planner (weights and
-    attention replicated), and the ranks prove each step that they planned alike.
+    ``tp``: every rank serves the same workload with its own planner and its share of the
+    attention heads (``wo`` row-parallel, all-reduced; the rest replicated), and the ranks
+    prove each step that they planned alike.
     ``dp_attention``: the workload's requests are split over the ranks, each attends
     over its own, the FFN runs over every rank's rows, and all ranks agree on each
     step's graph size (idle ranks replay idle batches).
     """
 
-    tp: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (same workload on each)")
+    tp: int = Field(
+        1, ge=1, le=64, description="tensor-parallel ranks (heads split; same workload on each)"
+    )
     dp_attention: int = Field(
         1, ge=1, le=64, description="data-parallel attention ranks (requests split over them)"
     )

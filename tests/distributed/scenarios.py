@@ -20,7 +20,7 @@ from distributed.group import DistContext
 from distributed.tp import TPCheck
 from planner import ForwardBatch, ForwardMode, Limits, Planner
 from serving.engine import DecodeEngine
-from serving.rank_engines import DPEngine
+from serving.rank_engines import DPEngine, TPEngine
 from serving.run_config import load_run_config
 from tests.support import TINY_YAML
 from tests.support.batches import make_pool, random_batch
@@ -102,6 +102,22 @@ def tp_plans(
         "phases": phases,
         "signature_checks": check.steps,
         "digest_checks": check.digest_steps,
+    }
+
+
+def tp_engine(ctx: DistContext, overrides: dict[str, Any]) -> dict[str, Any]:
+    """A head-sharded tensor-parallel rank of the tiny model, digests on; its tokens."""
+    config = load_run_config(
+        TINY_YAML, {**overrides, "distributed.tp": ctx.world, "distributed.digests": True}
+    )
+    engine = TPEngine(config, ctx)
+    result = engine.run(progress=False, keep_tokens=True)
+    return {
+        **engine.rank_summary(),
+        "tokens": {str(k): v for k, v in result.tokens.items()},
+        "forwards": engine.forward_steps,
+        "layers": len(engine.model.layers),
+        "captured": engine.runner.captured_sizes(),
     }
 
 

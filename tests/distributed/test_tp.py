@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.distributed import scenarios
 from tests.distributed.ranks import run_ranks
 
 STEPS = 240
@@ -56,3 +57,19 @@ def test_a_perturbed_rank_is_caught_naming_rank_and_field(tp_runs):
     assert [e["message"] for e in perturbed[0]["errors"]] == [
         e["message"] for e in perturbed[1]["errors"]
     ]
+
+
+def test_head_sharded_ranks_decode_the_tokens_of_one_process(tmp_path):
+    """TP = 2 engines, each with half the heads and wo's partials all-reduced every layer,
+    digests agreed every forward: greedy tokens equal one unsharded process."""
+    overrides = {"loop.requests": 6, "loop.arrival_rate": 1.0, "loop.max_new_tokens": [4, 16]}
+    ranks = run_ranks(tmp_path, "tp_engine", overrides=overrides)
+    single = scenarios.single_tokens(overrides)
+    for rank in ranks:
+        assert rank["attention_heads"] == 4  # of the tiny model's 8
+        assert rank["digest_checks"] == rank["signature_checks"] == rank["forwards"] > 0
+        # one all-reduce per layer in every forward: the loop's, the warm-up extend, and per
+        # captured size a warm-up run and the capture (the CPU's emulated replays re-run it)
+        forwards = rank["forwards"] + 1 + 2 * len(rank["captured"])
+        assert rank["head_all_reduces"] == rank["layers"] * forwards
+        assert rank["tokens"] == single
