@@ -56,12 +56,13 @@ class StaticInputs:
         self, specs: Mapping[str, InputSpec], max_reqs: int, max_rows: int, device: torch.device
     ) -> None:
         self.specs = dict(specs)
+        self.device = device
         self.buffers = {
             name: torch.full(
                 ((max_rows if spec.per == "rows" else max_reqs), *spec.shape),
                 spec.pad,
                 dtype=spec.dtype,
-                device=device,
+                device=self.device,
             )
             for name, spec in self.specs.items()
         }
@@ -129,3 +130,16 @@ class StaticInputs:
             buf[: padded_rows if self.specs[name].per == "rows" else padded_reqs].fill_(
                 self.specs[name].pad
             )
+
+    def padding(self, reqs: int, rows: int) -> dict[str, torch.Tensor]:
+        """Fresh inputs of ``reqs`` / ``rows`` entries, all padding: what an eager idle
+        batch (planned as padding requests, so kernels never see an empty batch) is fed."""
+        return {
+            name: torch.full(
+                ((rows if spec.per == "rows" else reqs), *spec.shape),
+                spec.pad,
+                dtype=spec.dtype,
+                device=self.device,
+            )
+            for name, spec in self.specs.items()
+        }

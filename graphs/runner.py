@@ -43,6 +43,8 @@ BATCH_TOO_LARGE = "batch_too_large"
 SIZE_DROPPED = "size_dropped"
 RAGGED = "ragged"
 """Extend and mixed batches: eager by design (piecewise graphs would go here), counted, never warned."""
+PEER_EAGER = "peer_eager"
+"""Data-parallel attention: a peer rank runs eagerly this step, so every rank does (counted)."""
 
 
 class GraphWarning(RuntimeWarning):
@@ -232,11 +234,21 @@ class GraphRunner:
             return ladder[i], None
         return None, SIZE_DROPPED if bs <= self.sizes[-1] else BATCH_TOO_LARGE
 
-    def step(self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor] | None = None) -> Any:
+    def step(
+        self,
+        batch: ForwardBatch,
+        inputs: Mapping[str, torch.Tensor] | None = None,
+        *,
+        at_least: int = 0,
+        eager: str | None = None,
+    ) -> Any:
         """Run one model step for ``batch``; outputs cover the real rows only.
 
-        Graph outputs are views of the graph's output memory: valid until the
-        next step, as in every graph runner. Copy what must outlive it.
+        ``at_least`` replays a graph of at least that many requests (data-parallel ranks
+        agree on one size); ``eager`` runs eagerly, counted under that reason (a peer
+        rank's batch cannot replay). Graph outputs are views of the graph's output
+        memory: valid until the next step, as in every graph runner. Copy what must
+        outlive it.
         """
         if not isinstance(batch, ForwardBatch):
             raise BatchError("not a ForwardBatch", field="batch", actual=type(batch).__name__)
@@ -246,7 +258,7 @@ class GraphRunner:
             raise BatchError("unknown mode", field="mode", actual=batch.mode) from None
         self.capture()
         inputs = inputs or {}
-        size, reason = self.route(mode, batch.bs)
+        size, reason = (None, eager) if eager else self.route(mode, max(batch.bs, at_least))
         if size is None:
             return self._eager(batch, inputs, reason or GRAPHS_DISABLED)
         return self._replay(batch, inputs, self._graphs[(mode.plans_as, size)])
@@ -290,8 +302,14 @@ class GraphRunner:
         plans = self.last_plans = self.planner.plan(batch)
         rows = batch.num_tokens
         self.inputs.check(inputs, batch.bs, rows)
+        if plans.reqs > batch.bs:  # idle: planned as one padding request, fed padding
+            inputs = self.inputs.padding(plans.reqs, plans.reqs * self._next_n(batch.mode))
         with self.planner.guard(plans):
             outputs = self.forward(dict(inputs), plans)
+        if plans.reqs > batch.bs:
+            outputs = slice_outputs(
+                outputs, iter(output_kinds(outputs, plans.reqs, plans.reqs)), 0, 0
+            )
         self.stats.host_seconds["eager"] += time.perf_counter() - start
         self.stats.steps += 1
         if reason == RAGGED:
@@ -302,7 +320,7 @@ class GraphRunner:
         return outputs
 
     def _warn_fallback(self, batch: ForwardBatch, reason: str) -> None:
-        if reason in self._warned or reason == RAGGED:
+        if reason in self._warned or reason in (RAGGED, PEER_EAGER):  # by design, counted
             return
         self._warned.add(reason)
         mode = ForwardMode(batch.mode)

@@ -14,7 +14,7 @@ them bit-exactly through safetensors with the config in the metadata.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
@@ -54,8 +54,15 @@ def _open_weights(path: str | Path, **kwargs: str) -> Iterator[Any]:
         ) from None
 
 
+FfnExchange = Callable[[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], torch.Tensor]
+"""``exchange(x, ffn) -> ffn's output for x's rows``: how a data-parallel rank runs its FFN
+over every rank's rows (a collective in every layer); see ``DSV32Model.set_ffn_exchange``."""
+
+
 class Block(nn.Module):
     """Pre-norm decoder layer: ``h += attn(norm(h)); h += ffn(norm(h))``."""
+
+    exchange: FfnExchange | None = None
 
     def __init__(self, cfg: DSV32Config, layer: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -79,7 +86,8 @@ class Block(nn.Module):
         index_cache: torch.Tensor,
     ) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), cos, sin, plan, kv_cache, index_cache)
-        return h + self.ffn(self.ffn_norm(h))
+        x = self.ffn_norm(h)
+        return h + (self.ffn(x) if self.exchange is None else self.exchange(x, self.ffn))
 
 
 class DSV32Model(nn.Module):
@@ -132,6 +140,43 @@ class DSV32Model(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.head.weight.device
+
+    @property
+    def attention_heads(self) -> int:
+        """Attention heads this model computes: all of them, or this rank's share."""
+        return self.layers[0].attn.n_heads if len(self.layers) else 0
+
+    def shard_attention_heads(
+        self, rank: int, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Tensor parallel: keep this rank's ``H / world`` heads of every layer (``wq_b`` and
+        ``wkv_b`` rows, ``wo`` columns); ``reduce`` all-reduces ``wo``'s partial sums.
+
+        Everything else (embedding, norms, the indexer, the FFN, the head, the KV cache) stays
+        whole on every rank. Call before any graph is captured; saving is refused after.
+        """
+        heads = self.config.num_attention_heads
+        if world < 1 or heads % world:
+            raise ConfigError(
+                "tensor-parallel ranks must divide the attention heads",
+                field="distributed.tp",
+                expected=f"a divisor of num_attention_heads = {heads}",
+                actual=world,
+            )
+        for block in self.layers:
+            block.attn.shard_heads(rank, world, reduce)
+        self.sharded = (rank, world)
+
+    def set_ffn_exchange(self, exchange: FfnExchange | None) -> None:
+        """Run every layer's FFN through ``exchange`` (``None``: locally, the default).
+
+        Data-parallel attention gives each rank its own requests but runs the MoE over
+        every rank's tokens; the exchange is that collective, injected so this package
+        needs no distributed code. It must keep the rows' own outputs (replicated FFN
+        weights do), and it runs inside captured graphs like the rest of the forward.
+        """
+        for block in self.layers:
+            block.exchange = exchange
 
     def _reset_buffers(self) -> None:
         cfg = self.config
@@ -220,8 +265,18 @@ class DSV32Model(nn.Module):
 
     # ------------------------------------------------------------- persistence
 
+    sharded: tuple[int, int] | None = None
+    """``(rank, world)`` once ``shard_attention_heads`` kept one rank's heads."""
+
     def save(self, path: str | Path) -> None:
         """Weights as safetensors; config and dtype in the metadata (never pickle)."""
+        if self.sharded is not None:
+            raise ConfigError(
+                "a head-sharded model holds one rank's heads",
+                field="save",
+                expected="the unsharded model",
+                actual=self.sharded,
+            )
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         meta = {"format": FORMAT, "config": self.config.model_dump_json(), "dtype": str(self.dtype)}
         save_file(tensors, str(path), metadata=meta)

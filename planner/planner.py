@@ -305,7 +305,7 @@ class Planner:
 
     def record(self, bs: int, mode: ForwardMode = ForwardMode.DECODE) -> None:
         """Run the graph-safe ops on the static views; call inside graph capture, before the layers."""
-        mode = ForwardMode(mode)
+        mode = ForwardMode(mode).plans_as  # an idle batch's graph is decode's
         captured = self._captured_for(
             mode, check_size("bs", bs, 1, self.limits.max_batch, "size out of range")
         )

@@ -20,6 +20,8 @@
 #   profile     host profile of replay, runner step, eager plan   -> profile_host.json
 #   spec_verify expanded-row verify under graphs vs deep_gemm     -> verify_spec_verify.json
 #   spec        dsv32-small speculative (MTP, n-gram) vs plain    -> spec_decode.json
+#   dist        two GPUs (nvidia-h200-x2): TP=2 digests, DP attention=2 -> distributed.json
+#               (scripts/gpu_distributed.sh; give it STEP_TIMEOUT=580)
 set -u
 cd "$(dirname "$0")/.." || exit 1
 source scripts/device_prelude.sh || exit 1
@@ -69,6 +71,7 @@ for step in "$@"; do
     profile) run profile python3 -m benchmarks.profile_host --out "$OUT/profile_host.json" ;;
     spec_verify) run spec_verify python3 benchmarks/verify_spec_verify.py --out "$OUT" ;;
     spec) run spec python3 benchmarks/spec_decode.py --out "$OUT" ;;
+    dist) run dist bash scripts/gpu_distributed.sh tp dp ;;
     *) echo "unknown step $step" | tee -a "$LOG"; failed=1 ;;
     esac
 done

@@ -95,7 +95,54 @@ def _add_decode(sub: Any) -> None:
         "--json", type=Path, help="also write the summary and the generated tokens as JSON here"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_distributed(p)
     p.set_defaults(run="serving.commands.decode:run")
+
+
+def _add_distributed(p: Any) -> None:
+    g = p.add_argument_group(
+        "several ranks (docs/distributed.md)",
+        "Without torchrun the ranks are spawned here (gloo on the CPU); under torchrun "
+        "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) this process is one rank and "
+        "WORLD_SIZE must equal --tp or --dp-attention.",
+    )
+    g.add_argument(
+        "--tp",
+        type=count,
+        metavar="N",
+        help="tensor-parallel ranks: attention heads split over the ranks (N must divide them), "
+        "every rank plans the same batches with its own planner, batch signatures agreed "
+        "every step (override distributed.tp)",
+    )
+    g.add_argument(
+        "--dp-attention",
+        type=count,
+        metavar="N",
+        help="data-parallel attention ranks: requests split over the ranks, idle ranks run "
+        "IDLE batches, one graph size agreed per step (override distributed.dp_attention)",
+    )
+    g.add_argument(
+        "--dist-backend",
+        choices=("auto", "gloo", "nccl"),
+        help="collective backend (default auto: nccl on CUDA, gloo on the CPU)",
+    )
+    g.add_argument(
+        "--dist-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="collective timeout: a stalled rank fails the run after this long (default 300)",
+    )
+    g.add_argument(
+        "--digests",
+        action="store_true",
+        help="all-gather plan digests every step under --tp (on by default with --debug)",
+    )
+    g.add_argument(
+        "--dp-split",
+        choices=("round_robin", "blocks"),
+        help="how requests go to data-parallel ranks (blocks: contiguous, ranks idle for "
+        "stretches)",
+    )
 
 
 def _add_dump_readers(sub: Any) -> None:

@@ -112,7 +112,7 @@ class DecodeEngine:
                 "nsa": {
                     "topk": self.model_config.index_topk,
                     "schedule_layout": p.schedule_layout,
-                    "mla_heads": self.model_config.num_attention_heads,
+                    "mla_heads": model.attention_heads,  # this rank's, head-sharded
                     "mla_kernel": p.mla_kernel,
                 }
             },
@@ -161,12 +161,25 @@ class DecodeEngine:
 
     def _forward_step(self, batch: ForwardBatch, ids: torch.Tensor, result: RunResult) -> Any:
         """One forward through the graph runner (eager for ragged batches), dumped if asked."""
-        logits = self.runner.step(batch, {"input_ids": ids})
+        logits = self._run_forward(batch, ids)
         if self.dump_ring is not None:
             self.dump_ring.maybe_dump(self.forward_steps, self.runner.last_plans, batch)
         self.forward_steps += 1
         result.steps_by_mode[ForwardMode(batch.mode).value] += 1
         return logits
+
+    def _run_forward(self, batch: ForwardBatch, ids: torch.Tensor) -> Any:
+        """The runner step itself: where a rank of several adds its checks or agreed size."""
+        return self.runner.step(batch, {"input_ids": ids})
+
+    def workload(self) -> list[Request]:
+        """The requests this engine serves, in arrival order (a data-parallel rank: its share)."""
+        return make_workload(self.config.loop, self.model_config.vocab_size)
+
+    def _more(self, local: bool) -> bool:
+        """Whether the loop goes on, given whether this engine has work left (a
+        data-parallel rank goes on, idle, while any peer has)."""
+        return local
 
     def _prefill_work(self, running: list[Request]) -> list[tuple[Request, int]]:
         """Prompt chunks for this step: requests in admission order, up to the token budget.
@@ -304,7 +317,7 @@ class DecodeEngine:
         if max_steps is not None and (isinstance(max_steps, bool) or max_steps < 1):
             raise ConfigError("must be >= 1 (or None)", field="max_steps", actual=max_steps)
         loop = self.config.loop
-        pending = list(reversed(make_workload(loop, self.model_config.vocab_size)))
+        pending = list(reversed(self.workload()))
         result = RunResult()
         limit = max_steps or loop.max_steps
         bar = tqdm(total=len(pending), unit="req", desc="decode", disable=not progress, leave=False)
@@ -314,7 +327,7 @@ class DecodeEngine:
         start = time.perf_counter()
         step = 0
         sched = self.scheduler
-        while (pending or sched.waiting or sched.running) and step < limit:
+        while self._more(bool(pending or sched.waiting or sched.running)) and step < limit:
             now = time.perf_counter()
             while pending and pending[-1].arrival_step <= step:
                 request = pending.pop()

@@ -146,6 +146,43 @@ class SpeculativeSection(_Section):
         return self.draft_tokens - 2 if self.draft == "mtp" else 0
 
 
+class DistributedSection(_Section):
+    """Several ranks through torch.distributed (``docs/distributed.md``): one of the two > 1.
+
+    ``tp``: every rank serves the same workload with its own planner and its share of the
+    attention heads (``wo`` row-parallel, all-reduced; the rest replicated), and the ranks
+    prove each step that they planned alike.
+    ``dp_attention``: the workload's requests are split over the ranks, each attends
+    over its own, the FFN runs over every rank's rows, and all ranks agree on each
+    step's graph size (idle ranks replay idle batches).
+    """
+
+    tp: int = Field(
+        1, ge=1, le=64, description="tensor-parallel ranks (heads split; same workload on each)"
+    )
+    dp_attention: int = Field(
+        1, ge=1, le=64, description="data-parallel attention ranks (requests split over them)"
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="auto: nccl on CUDA devices, gloo on the CPU"
+    )
+    timeout_s: float = Field(
+        300.0, gt=0, le=86400, description="collective timeout: a stalled peer is an error"
+    )
+    digests: bool | None = Field(
+        None, description="all-gather plan digests every step (None: when planner.debug)"
+    )
+    dp_split: Literal["round_robin", "blocks"] = Field(
+        "round_robin",
+        description="how requests go to data-parallel ranks: request i to rank i % world, or "
+        "contiguous blocks in arrival order (ranks then idle for stretches)",
+    )
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp_attention
+
+
 class RunConfig(_Section):
     """A whole decode run."""
 
@@ -155,6 +192,7 @@ class RunConfig(_Section):
     graphs: GraphsSection = GraphsSection()
     loop: LoopSection = LoopSection()
     speculative: SpeculativeSection = SpeculativeSection()
+    distributed: DistributedSection = DistributedSection()
 
     @field_validator("device")
     @classmethod
@@ -197,6 +235,7 @@ class RunConfig(_Section):
                 expected=False,
                 actual=True,
             )
+        self._check_distributed()
         longest = self.loop.prompt_len[1] + self.loop.max_new_tokens[1] + spec.next_n
         if longest > self.planner.max_context:
             raise ConfigError(
@@ -212,6 +251,30 @@ class RunConfig(_Section):
                 field="loop.kv_pages",
                 expected=f">= {pages + 1}",
                 actual=self.loop.kv_pages,
+            )
+
+    def _check_distributed(self) -> None:
+        d = self.distributed
+        if d.tp > 1 and d.dp_attention > 1:
+            raise ConfigError(
+                "tensor parallel and data-parallel attention are not combined yet",
+                field="distributed.dp_attention",
+                expected=f"1 with distributed.tp = {d.tp}",
+                actual=d.dp_attention,
+            )
+        if d.world > 1 and self.speculative.enabled:
+            raise ConfigError(
+                "speculative decoding runs on one rank only for now",
+                field="speculative.draft",
+                expected=f"none with {d.world} ranks",
+                actual=self.speculative.draft,
+            )
+        if d.backend == "nccl" and torch.device(self.device).type != "cuda":
+            raise ConfigError(
+                "NCCL carries CUDA tensors only",
+                field="distributed.backend",
+                expected="gloo or auto on the CPU",
+                actual="nccl",
             )
 
 

@@ -27,7 +27,8 @@ LAYERS = {
     "backends": {"planner"},
     "graphs": {"planner"},
     "models": {"planner", "backends"},
-    "serving": {"planner", "backends", "graphs", "models"},
+    "distributed": {"planner", "graphs"},
+    "serving": {"planner", "backends", "graphs", "models", "distributed"},
 }
 """Each top-level package and the project packages it may import (besides itself)."""
 EXCEPTIONS = {"planner/__main__.py": {"serving"}}

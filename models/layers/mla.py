@@ -10,13 +10,16 @@ indexer take part (sparse MLA).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from backends.nsa import NSAExtendPlan, NSAPlan
 from backends.nsa.attention import sparse_mla
 from models.config import DSV32Config
-from models.layers.exact import Linear, contract
+from models.layers.exact import Linear, contract, exact
 from models.layers.indexer import Indexer
 from models.layers.norm import RMSNorm
 from models.layers.rope import apply_rope_interleaved
@@ -42,6 +45,8 @@ class MLA(nn.Module):
         self.wkv_b = Linear(self.kv_lora, h * (self.nope + self.v_dim), bias=False, dtype=dtype)
         self.wo = Linear(h * self.v_dim, cfg.hidden_size, bias=False, dtype=dtype)
         self.indexer = Indexer(cfg, dtype)
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Sums ``wo``'s partial output over tensor-parallel ranks (None: all heads here)."""
 
     # Steps 1-3 and 5 of the decode layer, separately callable for tests.
 
@@ -69,10 +74,35 @@ class MLA(nn.Module):
         return contract("rhd,hdc->rhc", q_nope, self._wkv_b()[:, : self.nope], dtype=q_nope.dtype)
 
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
-        """Attention output in latent space -> ``W_UV`` per head -> ``wo`` -> ``[rows, dim]``."""
+        """Attention output in latent space -> ``W_UV`` per head -> ``wo`` -> ``[rows, dim]``.
+
+        Head-sharded (``shard_heads``), ``wo`` holds this rank's heads' columns: its partial
+        sum goes through ``reduce`` (the tensor-parallel all-reduce), in float64 on the CPU
+        and rounded once after, so the sum of the ranks' partials rounds as the whole would.
+        """
         dtype = self.wkv_b.weight.dtype
         o = contract("rhc,hdc->rhd", o_latent.to(dtype), self._wkv_b()[:, self.nope :], dtype=dtype)
-        return self.wo(o.flatten(1))
+        if self.reduce is None:
+            return self.wo(o.flatten(1))
+        o = o.flatten(1)
+        partial = F.linear(o.double(), self.wo.weight.double()) if exact(o) else self.wo(o)
+        return self.reduce(partial).to(dtype)
+
+    def shard_heads(
+        self, rank: int, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Keep heads ``rank * H / world ..`` only (tensor parallel); ``reduce`` sums ``wo``'s
+        partial outputs over the ranks. The latent cache and the indexer stay whole: every
+        head reads the same 576-wide row, so each rank writes and reads the full KV."""
+        per = self.n_heads // world
+        heads = slice(rank * per, (rank + 1) * per)
+        q = self.wq_b.weight.view(self.n_heads, -1, self.wq_b.in_features)[heads]
+        kv = self.wkv_b.weight.view(self.n_heads, -1, self.kv_lora)[heads]
+        wo = self.wo.weight.view(self.wo.out_features, self.n_heads, self.v_dim)[:, heads]
+        self.wq_b = _linear(q.reshape(-1, q.shape[-1]))
+        self.wkv_b = _linear(kv.reshape(-1, kv.shape[-1]))
+        self.wo = _linear(wo.reshape(wo.shape[0], -1))
+        self.n_heads, self.reduce = per, reduce
 
     def forward(
         self,
@@ -99,3 +129,12 @@ class MLA(nn.Module):
         q_abs = self.absorb_q(q_nope)
         o = sparse_mla(plan, q_abs, q_rope, kv_cache, topk_slots, self.softmax_scale)
         return self.output(o)
+
+
+def _linear(weight: torch.Tensor) -> Linear:
+    """A bias-free ``Linear`` holding a copy of ``weight`` (``[out, in]``), on its device."""
+    layer = Linear(
+        weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype, device=weight.device
+    )
+    layer.weight.data.copy_(weight)
+    return layer.requires_grad_(False)

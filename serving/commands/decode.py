@@ -16,10 +16,12 @@ from typing import Any
 
 from safetensors import SafetensorError
 
+from distributed.group import launched_by_torchrun
 from planner.errors import ConfigError
 from serving.cli import DEFAULT_DECODE_CONFIG
 from serving.dump_ring import DEFAULT_KEEP, ENV_DIR, ENV_EVERY, ENV_KEEP
 from serving.engine import DecodeEngine, DumpSettings, RunResult
+from serving.launch import launch
 from serving.outputs import check_output_file, env_count, env_path, new_run_dir
 from serving.report import render, summarize
 from serving.run_config import RunConfig, load_run_config
@@ -43,6 +45,18 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["planner.debug"] = True
     if args.load_weights:
         out["model.weights"] = str(args.load_weights)
+    flags = {
+        "tp": "distributed.tp",
+        "dp_attention": "distributed.dp_attention",
+        "dist_backend": "distributed.backend",
+        "dist_timeout": "distributed.timeout_s",
+        "dp_split": "distributed.dp_split",
+    }
+    for name, key in flags.items():
+        if getattr(args, name, None) is not None:
+            out[key] = getattr(args, name)
+    if getattr(args, "digests", False):
+        out["distributed.digests"] = True
     providers = {}
     for item in args.provider:
         op, sep, name = item.partition("=")
@@ -122,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     """Build the engine from the config and flags, serve the workload, print the summary."""
     path = args.config or (DEFAULT_DECODE_CONFIG if DEFAULT_DECODE_CONFIG.is_file() else None)
     config = load_run_config(path, _overrides(args))
+    if config.distributed.world > 1 or launched_by_torchrun():
+        return run_ranks(config, args)
     outputs = check_outputs(args, dict(os.environ))
     try:
         engine = DecodeEngine(config, dumps=outputs.dumps)
@@ -147,6 +163,20 @@ def run(args: argparse.Namespace) -> int:
     if outputs.json:
         _write_json(outputs.json, {"summary": summary, "tokens": result.tokens})
     return 0
+
+
+def run_ranks(config: RunConfig, args: argparse.Namespace) -> int:
+    """Several ranks: only the flags that make sense there; per-rank and aggregate summaries."""
+    for flag in ("save_weights", "dump_dir", "compare_plain"):
+        if getattr(args, flag, None):
+            raise ConfigError(
+                "not supported with several ranks yet",
+                field="--" + flag.replace("_", "-"),
+                expected=f"a single-rank run (distributed world {config.distributed.world})",
+            )
+    json_path = check_output_file(args.json, "--json") if args.json else None
+    options = {"max_steps": args.max_steps, "json": str(json_path) if json_path else None}
+    return launch(config, options)
 
 
 def plain_baseline(

@@ -1,0 +1,157 @@
+"""What each rank runs in the multi-process tests (module level, so spawned ranks import it).
+
+Every scenario takes the rank's ``DistContext`` and returns a JSON-able dict; expected
+refusals (``RankMismatch``) are caught and reported with the step they came at, so a
+test can check that every rank raised, at the same step, naming the same rank and field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import Any
+
+import torch
+
+from distributed.agree import RankMismatch
+from distributed.exchange import RowExchange
+from distributed.group import DistContext
+from distributed.tp import TPCheck
+from planner import ForwardBatch, ForwardMode, Limits, Planner
+from serving.engine import DecodeEngine
+from serving.rank_engines import DPEngine, TPEngine
+from serving.run_config import load_run_config
+from tests.support import TINY_YAML
+from tests.support.batches import make_pool, random_batch
+from tests.support.planners import replay_smallest
+
+MAX_BATCH, MAX_CTX, PAGE, POOL = 8, 256, 64, 20
+SIZES = (1, 2, 4, 8)
+
+
+def _idle(table: torch.Tensor) -> ForwardBatch:
+    empty = torch.zeros(0, dtype=torch.int32)
+    return ForwardBatch(empty, empty, table, empty, mode=ForwardMode.IDLE)
+
+
+def _other_requests(batch: ForwardBatch, table: torch.Tensor) -> ForwardBatch:
+    """The same signature (sizes, lengths) over other requests: only digests can tell."""
+    rows = table.shape[0] - 1
+    pool = batch.req_pool_indices.long() % rows + 1  # a bijection on 1..rows
+    loc = table[pool, batch.seq_lens_cpu.long() - 1]
+    return dataclasses.replace(batch, req_pool_indices=pool, out_cache_loc=loc)
+
+
+def _longer(batch: ForwardBatch, table: torch.Tensor) -> ForwardBatch:
+    lens = batch.seq_lens_cpu.clone()
+    lens[0] = MAX_CTX if int(lens.max()) < MAX_CTX else 1
+    loc = table[batch.req_pool_indices.long(), lens.long() - 1]
+    return dataclasses.replace(batch, seq_lens_cpu=lens, out_cache_loc=loc)
+
+
+def _fewer(batch: ForwardBatch, table: torch.Tensor) -> ForwardBatch:
+    keep = max(batch.bs - 1, 0)
+    return ForwardBatch(
+        batch.seq_lens_cpu[:keep],
+        batch.req_pool_indices[:keep],
+        table,
+        batch.out_cache_loc[:keep],
+        mode=ForwardMode.DECODE if keep else ForwardMode.IDLE,
+    )
+
+
+PERTURB = {"requests": _other_requests, "max_len": _longer, "bs": _fewer}
+
+
+def tp_plans(
+    ctx: DistContext, steps: int, seed: int, perturb: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """``steps`` random batches (the same on every rank: one seed), each checked by
+    ``TPCheck`` (signature before, digests after) and replayed, eager every fourth and
+    idle every tenth. ``perturb`` {step: kind}: rank 1 alone changes that step's batch."""
+    table = make_pool(POOL, MAX_CTX, PAGE, seed=3)
+    limits = Limits(max_batch=MAX_BATCH, max_context=MAX_CTX, page_size=PAGE)
+    planner = Planner(["nsa", "paged"], limits)
+    for bs in SIZES:
+        planner.capture(bs, ForwardMode.DECODE, req_to_token=table)
+    check = TPCheck(ctx, digests=True)
+    rng = random.Random(seed)
+    errors, phases = [], {"replay": 0, "eager": 0}
+    for step in range(steps):
+        batch = (
+            _idle(table)
+            if step % 10 == 9
+            else random_batch(rng, table, max_batch=MAX_BATCH, max_context=MAX_CTX)
+        )
+        kind = (perturb or {}).get(str(step))
+        if kind is not None and ctx.rank == 1:
+            batch = PERTURB[kind](batch, table)
+        try:
+            check.before(batch)
+            if step % 4 == 3:
+                plans = planner.plan(batch)
+            else:
+                _, plans = replay_smallest(planner, batch, SIZES)
+            phases[plans.phase] += 1
+            check.after(plans)
+        except RankMismatch as exc:
+            errors.append({"step": step, "field": exc.field, "message": str(exc)})
+    return {
+        "errors": errors,
+        "phases": phases,
+        "signature_checks": check.steps,
+        "digest_checks": check.digest_steps,
+    }
+
+
+def tp_engine(ctx: DistContext, overrides: dict[str, Any]) -> dict[str, Any]:
+    """A head-sharded tensor-parallel rank of the tiny model, digests on; its tokens."""
+    config = load_run_config(
+        TINY_YAML, {**overrides, "distributed.tp": ctx.world, "distributed.digests": True}
+    )
+    engine = TPEngine(config, ctx)
+    result = engine.run(progress=False, keep_tokens=True)
+    return {
+        **engine.rank_summary(),
+        "tokens": {str(k): v for k, v in result.tokens.items()},
+        "forwards": engine.forward_steps,
+        "layers": len(engine.model.layers),
+        "captured": engine.runner.captured_sizes(),
+    }
+
+
+def dp_engine(ctx: DistContext, overrides: dict[str, Any]) -> dict[str, Any]:
+    """A data-parallel rank of the tiny model serving its share; its trace and tokens."""
+    config = load_run_config(TINY_YAML, {**overrides, "distributed.dp_attention": ctx.world})
+    engine = DPEngine(config, ctx)
+    engine.trace = []
+    result = engine.run(progress=False, keep_tokens=True)
+    return {
+        **engine.rank_summary(),
+        "trace": engine.trace,
+        "tokens": {str(k): v for k, v in result.tokens.items()},
+        "captured": engine.runner.captured_sizes(),
+    }
+
+
+def single_tokens(overrides: dict[str, Any]) -> dict[str, list[int]]:
+    """The same workload on one process, no distributed code at all."""
+    engine = DecodeEngine(load_run_config(TINY_YAML, overrides))
+    return {str(k): v for k, v in engine.run(progress=False, keep_tokens=True).tokens.items()}
+
+
+def skipped_exchange(ctx: DistContext, forwards: int) -> dict[str, Any]:
+    """Rank 1 leaves one forward's FFN exchange out: rank 0 must fail (timeout), not hang."""
+    exchange = RowExchange(ctx)
+    x = torch.full((3, 4), float(ctx.rank))
+    seen, error = [], None
+    try:
+        for _ in range(forwards - (ctx.rank == 1)):
+            out = exchange(x, lambda rows: rows * 2)
+            seen.append(out.tolist())
+    except RuntimeError as exc:  # gloo's timeout
+        error = str(exc).splitlines()[0]
+    if ctx.rank == 1:
+        time.sleep(ctx.timeout_s + 1.0)  # stay in the group: rank 0 must time out, not see a close
+    return {"seen": seen, "error": error, "calls": exchange.calls}

@@ -1,0 +1,94 @@
+"""Data-parallel attention on the CPU: two gloo ranks with their own requests, in lockstep.
+
+The workload is split in contiguous blocks, with slow arrivals: rank 1 waits while rank
+0's first requests run, rank 0 idles at the end, and in between the two batches differ
+in size. Every step, both ranks must run the same forwards at the same graph size (the
+plans' padded size, as the runner replayed them, recorded per forward), a rank without
+requests running an IDLE batch; eager forwards (a prompt being prefilled on either rank)
+are run by both. Greedy tokens must equal one process serving every request alone.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from tests.distributed import scenarios
+from tests.distributed.ranks import run_ranks
+
+WORKLOAD = {
+    "loop.requests": 12,
+    "loop.arrival_rate": 0.25,
+    "loop.prompt_len": [4, 30],
+    "loop.max_new_tokens": [4, 24],
+    "planner.max_batch": 8,
+    "distributed.dp_split": "blocks",
+}
+VARIANTS = {
+    "graphs": {},
+    "mixed_eager": {"loop.mixed": True, "graphs.enabled": False},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def dp_run(request, tmp_path_factory):
+    overrides = {**WORKLOAD, **VARIANTS[request.param]}
+    ranks = run_ranks(tmp_path_factory.mktemp(request.param), "dp_engine", overrides=overrides)
+    return request.param, overrides, ranks
+
+
+def _by_forward(ranks):
+    """(loop step, slot) -> every rank's (mode, own requests, phase, padded requests)."""
+    table = defaultdict(dict)
+    for r, rank in enumerate(ranks):
+        for step, slot, mode, own, phase, reqs in rank["trace"]:
+            table[(step, slot)][r] = (mode, own, phase, reqs)
+    return table
+
+
+def test_every_rank_runs_every_forward_at_one_size(dp_run):
+    name, _, ranks = dp_run
+    table = _by_forward(ranks)
+    assert len(table) > 40
+    unequal = empty = 0
+    for key, seen in table.items():
+        assert sorted(seen) == [0, 1], f"forward {key} ran on ranks {sorted(seen)} only"
+        phases = {phase for _, _, phase, _ in seen.values()}
+        assert len(phases) == 1, f"forward {key}: {seen}"  # all replay or all eager
+        own = [o for _, o, _, _ in seen.values()]
+        if phases == {"replay"}:
+            sizes = {reqs for _, _, _, reqs in seen.values()}
+            assert len(sizes) == 1, f"forward {key} replayed different sizes: {seen}"
+            assert sizes.pop() >= max(own)
+        unequal += len(set(own)) > 1
+        empty += min(own) == 0 < max(own)
+        for mode, o, _, _ in seen.values():
+            assert (mode == "idle") == (o == 0)
+    assert unequal > 10 and empty > 5, (unequal, empty)
+    assert all(r["idle_forwards"] > 0 for r in ranks)  # both ranks idle for stretches
+    for key in ("replays_by_size", "forwards_by_size", "ffn_exchanges", "loop_steps"):
+        assert ranks[0][key] == ranks[1][key], key
+    if name == "graphs":
+        replayed = {k for k in ranks[0]["replays_by_size"]}
+        assert len(replayed) >= 3, replayed  # several graph sizes, idle ones padded too
+        assert sum(r["peer_eager_forwards"] for r in ranks) > 0  # a peer prefilled
+    else:
+        assert ranks[0]["replays_by_size"] == {}
+
+
+def test_greedy_tokens_equal_one_process(dp_run):
+    _, overrides, ranks = dp_run
+    merged = {**ranks[0]["tokens"], **ranks[1]["tokens"]}
+    assert not set(ranks[0]["tokens"]) & set(ranks[1]["tokens"])  # each request on one rank
+    single = scenarios.single_tokens({k: v for k, v in overrides.items() if "distributed" not in k})
+    assert merged == single
+
+
+def test_a_rank_that_skips_a_forward_fails_its_peer_instead_of_hanging(tmp_path):
+    ranks = run_ranks(tmp_path, "skipped_exchange", forwards=3, timeout_s=2.0)
+    first, second = ranks
+    assert second["calls"] == 2 and second["error"] is None
+    assert len(first["seen"]) == 2 and first["error"] is not None
+    # the exchange's rows are every rank's, and each rank keeps its own
+    assert first["seen"][0] == [[0.0] * 4] * 3 and second["seen"][0] == [[2.0] * 4] * 3

@@ -1,0 +1,98 @@
+"""``python -m planner decode --tp / --dp-attention`` end to end, and its refusals.
+
+The CLI spawns two gloo ranks here; each prints its line, rank 0 the aggregate and the
+JSON. Bad values are refused before any rank starts, naming the flag's config field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import REPO
+
+
+def _decode(*flags, env=None, timeout=180):
+    cmd = [sys.executable, "-m", "planner", "decode", "--quiet", "--requests", "6", *flags]
+    full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(cmd, cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--dp-attention"])
+def test_two_ranks_serve_and_rank_0_aggregates(flag, tmp_path):
+    out = tmp_path / "run.json"
+    done = _decode(flag, "2", "--json", str(out), "--digests", "--dp-split", "blocks")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0/2" in done.stdout and "rank 1/2" in done.stdout
+    assert "aggregate:" in done.stdout
+    data = json.loads(out.read_text())
+    total = data["aggregate"]
+    assert total["world"] == 2 and total["agree"] and min(total["graph_replays"]) > 0
+    if flag == "--tp":
+        assert total["requests_finished"] == 12  # every rank serves all six
+        assert total["tokens_equal_across_ranks"]
+        assert total["digest_checks"][0] == total["signature_checks"][0] > 0
+        assert total["digests_every_forward"]
+    else:
+        assert total["requests_finished"] == 6  # split over the ranks
+        assert len(data["tokens"]) == 6
+
+
+def test_under_torchrun_each_process_is_one_rank(tmp_path):
+    """``torchrun`` sets the launch variables: nothing is spawned, each process is a rank."""
+    out = tmp_path / "run.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "planner",
+        "decode",
+        "--quiet",
+        "--requests",
+        "6",
+        "--dp-attention",
+        "2",
+        "--json",
+        str(out),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    assert [line[:8] for line in lines] == ["rank 0/2", "rank 1/2"]  # in rank order
+    total = json.loads(out.read_text())["aggregate"]
+    assert total["agree"] and total["requests_finished"] == 6
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "field"),
+    [
+        (["--tp", "2", "--dp-attention", "2"], None, "distributed.dp_attention"),
+        (["--tp", "3"], None, "distributed.tp"),  # the tiny model's 8 heads
+        (["--tp", "2", "--draft", "ngram"], None, "speculative.draft"),
+        (["--tp", "2", "--dist-backend", "nccl"], None, "distributed.backend"),
+        (["--tp", "2", "--save-weights", "w.safetensors"], None, "--save-weights"),
+        (
+            [],
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+            "distributed.dp_attention",
+        ),
+    ],
+)
+def test_bad_values_name_the_field(flags, env, field):
+    done = _decode(*flags, env=env, timeout=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert f"[{field}]" in done.stderr, done.stderr
+
+
+def test_zero_ranks_is_a_usage_error():
+    done = _decode("--tp", "0", timeout=30)
+    assert done.returncode == 2 and "--tp" in done.stderr and ">= 1" in done.stderr

@@ -1,0 +1,75 @@
+"""Tensor parallel on the CPU: two gloo ranks plan the same random batches and prove it.
+
+Each rank builds its own planner and draws the same random batches (one seed): every
+step the batch signature is agreed (one all-reduce) and, after the replay or eager
+plan, every plan field's digest is all-gathered. Rank 1 then changes single steps:
+other requests with the same sizes (only a digest can tell), a longer request and one
+request fewer (the signature tells). Every rank must refuse exactly those steps,
+naming rank 1 and the field, and agree again on the next step.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import scenarios
+from tests.distributed.ranks import run_ranks
+
+STEPS = 240
+PERTURB = {"37": "requests", "81": "max_len", "122": "bs", "203": "requests"}
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    clean = run_ranks(tmp_path_factory.mktemp("tp_clean"), "tp_plans", steps=STEPS, seed=11)
+    perturbed = run_ranks(
+        tmp_path_factory.mktemp("tp_perturbed"), "tp_plans", steps=STEPS, seed=11, perturb=PERTURB
+    )
+    return clean, perturbed
+
+
+def test_plan_digests_agree_over_many_random_steps(tp_runs):
+    clean, _ = tp_runs
+    for rank in clean:
+        assert rank["errors"] == []
+        assert rank["signature_checks"] == rank["digest_checks"] == STEPS
+        assert rank["phases"]["replay"] > 100 and rank["phases"]["eager"] > 40
+
+
+def test_a_perturbed_rank_is_caught_naming_rank_and_field(tp_runs):
+    _, perturbed = tp_runs
+    for rank in perturbed:
+        steps = [e["step"] for e in rank["errors"]]
+        assert steps == sorted(int(s) for s in PERTURB), rank["errors"]
+        # every other step still agreed, and was digested
+        assert rank["digest_checks"] == STEPS - len(PERTURB)
+        by_step = {e["step"]: e for e in rank["errors"]}
+        # same sizes, other requests: only the digests tell, and they name the field
+        for step in (37, 203):
+            error = by_step[step]
+            assert "rank 1 planned" in error["message"]
+            assert error["field"].startswith(("nsa.", "paged.")), error
+        assert by_step[81]["field"] == "batch.max_len"
+        assert "rank 1 has" in by_step[81]["message"]
+        assert by_step[122]["field"] == "batch.bs"
+        assert "rank 1 has" in by_step[122]["message"]
+    # both ranks refused with the same words
+    assert [e["message"] for e in perturbed[0]["errors"]] == [
+        e["message"] for e in perturbed[1]["errors"]
+    ]
+
+
+def test_head_sharded_ranks_decode_the_tokens_of_one_process(tmp_path):
+    """TP = 2 engines, each with half the heads and wo's partials all-reduced every layer,
+    digests agreed every forward: greedy tokens equal one unsharded process."""
+    overrides = {"loop.requests": 6, "loop.arrival_rate": 1.0, "loop.max_new_tokens": [4, 16]}
+    ranks = run_ranks(tmp_path, "tp_engine", overrides=overrides)
+    single = scenarios.single_tokens(overrides)
+    for rank in ranks:
+        assert rank["attention_heads"] == 4  # of the tiny model's 8
+        assert rank["digest_checks"] == rank["signature_checks"] == rank["forwards"] > 0
+        # one all-reduce per layer in every forward: the loop's, the warm-up extend, and per
+        # captured size a warm-up run and the capture (the CPU's emulated replays re-run it)
+        forwards = rank["forwards"] + 1 + 2 * len(rank["captured"])
+        assert rank["head_all_reduces"] == rank["layers"] * forwards
+        assert rank["tokens"] == single
