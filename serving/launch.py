@@ -66,11 +66,14 @@ def rank_device(config: RunConfig, local_rank: int) -> str:
 def aggregate(kind: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """The whole job's numbers, and the cross-rank agreements (``False`` is a failure)."""
     wall = max(r["wall_seconds"] for r in ranks)
-    generated = sum(r["generated_tokens"] for r in ranks)
+    # Tensor-parallel ranks serve one workload together: its requests and tokens are each
+    # rank's, not their sum. Data-parallel ranks serve disjoint requests: those add up.
+    served = ranks[:1] if kind == "tp" else ranks
+    generated = sum(r["generated_tokens"] for r in served)
     out: dict[str, Any] = {
         "layout": kind,
         "world": len(ranks),
-        "requests_finished": sum(r["requests_finished"] for r in ranks),
+        "requests_finished": sum(r["requests_finished"] for r in served),
         "generated_tokens": generated,
         "wall_seconds": wall,
         "tokens_per_second": generated / wall if wall else 0.0,

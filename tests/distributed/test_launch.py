@@ -33,7 +33,7 @@ def test_two_ranks_serve_and_rank_0_aggregates(flag, tmp_path):
     total = data["aggregate"]
     assert total["world"] == 2 and total["agree"] and min(total["graph_replays"]) > 0
     if flag == "--tp":
-        assert total["requests_finished"] == 12  # every rank serves all six
+        assert total["requests_finished"] == 6  # one workload, served by both ranks together
         assert total["tokens_equal_across_ranks"]
         assert total["digest_checks"][0] == total["signature_checks"][0] > 0
         assert total["digests_every_forward"]
@@ -96,3 +96,43 @@ def test_bad_values_name_the_field(flags, env, field):
 def test_zero_ranks_is_a_usage_error():
     done = _decode("--tp", "0", timeout=30)
     assert done.returncode == 2 and "--tp" in done.stderr and ">= 1" in done.stderr
+
+
+def _rank(requests: int, tokens: int, **extra) -> dict:
+    return {
+        "wall_seconds": 2.0,
+        "generated_tokens": tokens,
+        "requests_finished": requests,
+        "graph_replays": 10,
+        "verified_replays": 0,
+        "tokens": {0: [1, 2]},
+        "signature_checks": 10,
+        "digest_checks": 10,
+        **extra,
+    }
+
+
+def test_aggregate_counts_a_tensor_parallel_workload_once():
+    """TP ranks serve one workload together; DP ranks serve disjoint requests."""
+    from serving.launch import aggregate
+
+    tp = aggregate("tp", [_rank(4, 100), _rank(4, 100)])
+    assert (tp["requests_finished"], tp["generated_tokens"], tp["tokens_per_second"]) == (
+        4,
+        100,
+        50,
+    )
+    dp_extra = {
+        "idle_forwards": 0,
+        "peer_eager_forwards": 0,
+        "replays_by_size": {},
+        "forwards_by_size": {},
+        "ffn_exchanges": 3,
+        "loop_steps": 5,
+    }
+    dp = aggregate("dp", [_rank(3, 60, **dp_extra), _rank(1, 40, **dp_extra)])
+    assert (dp["requests_finished"], dp["generated_tokens"], dp["tokens_per_second"]) == (
+        4,
+        100,
+        50,
+    )
