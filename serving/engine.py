@@ -153,6 +153,8 @@ class DecodeEngine:
         self.wants_hidden = self.speculation is not None and self.speculation.wants_hidden
         self.forward_steps = 0
         self._warmed_up = False
+        self.warm_up_forwards = 0
+        """Extend forwards the warm-up ran (outside the loop's counts)."""
 
     def _forward(self, inputs: dict[str, torch.Tensor], plans: PlanSet) -> Any:
         return self.model(inputs["input_ids"], plans, self.cache, hidden=self.wants_hidden)
@@ -282,27 +284,21 @@ class DecodeEngine:
     def warm_up(self) -> None:
         """Compile what serving would otherwise compile on its first steps, before the clock.
 
-        Decode programs and kernels warm up in graph capture. An extend batch runs
-        other metadata kernels, and the prefill indexer (scored rows only exist past
-        ``topk`` tokens of context) and the attention kernels at other shapes: one
-        extend of a single token on the null request (row 0, slot 0: nothing real is
-        read or written) at a position past ``topk`` runs all of them once. The
-        planner's counters start after it.
+        Decode programs and kernels warm up in graph capture. Extend batches run other
+        metadata kernels, the prefill indexer and the attention and MoE kernels at other
+        shapes: extends on the null request (``Scheduler.warm_up_batches``: nothing real is
+        read or written) run each of them once per compiled variant a first prefill
+        meets. The planner's counters start after them.
         """
         if not self._warmed_up:
             self._warmed_up = True
-            position = min(self.model_config.index_topk, self.limits.max_context - 1)
-            zero = torch.zeros(1, dtype=torch.int32)
-            batch = ForwardBatch(
-                seq_lens_cpu=torch.tensor([position + 1], dtype=torch.int32),
-                req_pool_indices=zero,
-                req_to_token=self.pool.req_to_token,
-                out_cache_loc=zero,
-                mode=ForwardMode.EXTEND,
-                extend_lens_cpu=torch.ones(1, dtype=torch.int32),
+            loop = self.config.loop
+            batches = self.scheduler.warm_up_batches(
+                self.model_config.index_topk, loop.chunk_tokens, self.limits.max_context
             )
-            ids = torch.zeros(1, dtype=torch.int64, device=self.device)
-            self._forward({"input_ids": ids}, self.planner.plan(batch))
+            for batch, ids in batches:
+                self._forward({"input_ids": ids}, self.planner.plan(batch))
+            self.warm_up_forwards = len(batches)
             self.planner.stats.reset()
         self.runner.capture()
 

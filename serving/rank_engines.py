@@ -66,6 +66,7 @@ class TPEngine(DecodeEngine):
             "verified_replays": self.planner.stats.verified,
             "attention_heads": self.model.attention_heads,
             "head_all_reduces": self.reduce.calls,
+            "warm_up_forwards": self.warm_up_forwards,
         }
 
 
