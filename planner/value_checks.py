@@ -37,9 +37,12 @@ def first_duplicate(values: np.ndarray) -> int | None:
             return None
     ordered = np.sort(values)
     same = ordered[1:] == ordered[:-1]
-    same &= ordered[1:] != 0
-    if not same.any():
+    # Sorted, the zeros come first (values are range-checked to >= 0 before): zeros alone
+    # account for zeros - 1 equal neighbours, anything past that is a real repeat.
+    zeros = int(ordered.searchsorted(1))
+    if np.count_nonzero(same) <= max(zeros - 1, 0):
         return None
+    same[: max(zeros - 1, 0)] = False
     return int(ordered[1:][same][0])
 
 
@@ -65,9 +68,9 @@ def check_positions(positions: np.ndarray, lens: np.ndarray, new: np.ndarray | N
         implied = lens - 1
     else:
         implied = implied_positions(lens, new)
-    wrong = np.flatnonzero(positions != implied)
-    if wrong.size:
-        i = int(wrong[0])
+    differ = positions != implied
+    if differ.any():  # one reduction in the usual case; the index only when something is wrong
+        i = int(differ.argmax())
         raise BatchError(
             "positions disagree with the lengths (a request of KV length L adding n tokens "
             f"holds positions L-n .. L-1); first at token {i}",
