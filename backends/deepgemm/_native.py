@@ -19,9 +19,18 @@ import re
 import warnings
 from types import ModuleType
 
-from planner.errors import PlanError
+import torch
 
-__all__ = ["load", "available", "native_schedule_layout", "reset", "validate_backend"]
+from planner.errors import PlanError, ProviderError
+
+__all__ = [
+    "available",
+    "kernel_module",
+    "load",
+    "native_schedule_layout",
+    "reset",
+    "validate_backend",
+]
 
 BACKENDS = ("auto", "native", "reference")
 
@@ -61,6 +70,29 @@ def validate_backend(backend: object) -> None:
     """The ``backend=`` choice every drop-in API function takes."""
     if backend not in BACKENDS:
         raise PlanError("unknown backend", field="backend", expected=BACKENDS, actual=backend)
+
+
+def kernel_module(backend: object, tensor: torch.Tensor) -> ModuleType | None:
+    """The ``deep_gemm`` module a drop-in call with ``backend=`` over ``tensor`` runs on, or
+    None for the reference; ``"native"`` that cannot be honoured is a ``ProviderError``."""
+    validate_backend(backend)
+    if backend == "reference":
+        return None
+    if not tensor.is_cuda:
+        if backend == "native":
+            raise ProviderError(
+                "the real kernel needs CUDA tensors",
+                field="backend",
+                expected="cuda",
+                actual=tensor.device,
+            )
+        return None
+    dg = load()
+    if dg is None and backend == "native":
+        raise ProviderError(
+            "deep_gemm does not import", field="backend", expected="deep_gemm", actual="unavailable"
+        )
+    return dg
 
 
 def available() -> bool:

@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from planner.errors import PlanError, ProviderError
+from planner.errors import PlanError
 
 from . import _native
 from .fp8 import PAGE, _check_cache, index_cache_views
@@ -236,8 +236,8 @@ def fp8_paged_mqa_logits(
     (``-inf`` in the reference): mask them. Inputs are shape-checked on every path; length
     values only on CPU (reading them on CUDA would sync the host once per layer).
     """
-    _native.validate_backend(backend)
-    if backend != "reference" and q.is_cuda:
+    dg = _native.kernel_module(backend, q)
+    if dg is not None:
         validate_paged_logits_inputs(
             q,
             kv_cache,
@@ -248,31 +248,15 @@ def fp8_paged_mqa_logits(
             max_context_len,
             clean_logits,
         )
-        dg = _native.load()
-        if dg is not None:
-            return dg.fp8_paged_mqa_logits(
-                q,
-                kv_cache,
-                weights,
-                context_lens,
-                block_table,
-                schedule_meta,
-                max_context_len,
-                clean_logits,
-            )
-        if backend == "native":
-            raise ProviderError(
-                "deep_gemm does not import",
-                field="backend",
-                expected="deep_gemm",
-                actual="unavailable",
-            )
-    elif backend == "native":
-        raise ProviderError(
-            "the real kernel needs CUDA tensors",
-            field="backend",
-            expected="cuda",
-            actual=q.device,
+        return dg.fp8_paged_mqa_logits(
+            q,
+            kv_cache,
+            weights,
+            context_lens,
+            block_table,
+            schedule_meta,
+            max_context_len,
+            clean_logits,
         )
     return reference_fp8_paged_mqa_logits(
         q,

@@ -46,7 +46,7 @@ from typing import Literal
 
 import torch
 
-from planner.errors import PlanError, ProviderError
+from planner.errors import PlanError
 
 from . import _native
 from .scores import weighted_head_sum
@@ -276,24 +276,8 @@ def fp8_mqa_logits(
     Inputs are shape-checked on every path; range values only on CPU (reading them on
     CUDA would sync the host once per layer).
     """
-    _native.validate_backend(backend)
-    if backend != "reference" and q.is_cuda:
+    dg = _native.kernel_module(backend, q)
+    if dg is not None:
         validate_mqa_logits_inputs(q, kv, weights, ks, ke, clean_logits, max_seqlen_k)
-        dg = _native.load()
-        if dg is not None:
-            return dg.fp8_mqa_logits(q, tuple(kv), weights, ks, ke, clean_logits, max_seqlen_k)
-        if backend == "native":
-            raise ProviderError(
-                "deep_gemm does not import",
-                field="backend",
-                expected="deep_gemm",
-                actual="unavailable",
-            )
-    elif backend == "native":
-        raise ProviderError(
-            "the real kernel needs CUDA tensors",
-            field="backend",
-            expected="cuda",
-            actual=q.device,
-        )
+        return dg.fp8_mqa_logits(q, tuple(kv), weights, ks, ke, clean_logits, max_seqlen_k)
     return reference_fp8_mqa_logits(q, kv, weights, ks, ke, clean_logits, max_seqlen_k)
