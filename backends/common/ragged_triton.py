@@ -9,7 +9,7 @@ same program as real ones. The search counts the offsets ``indptr[1..reqs]`` tha
 reference, and clamps into ``[0, reqs)``, so every load stays in bounds whatever the
 values.
 
-Launchers share the references' signatures and checks, derive grid and block sizes from
+Launchers share the references' signatures and checks, derive their grids from
 shapes only (no host sync, capturable) and reuse ``triton_kernels``' lazy decoration, so
 they run under ``TRITON_INTERPRET=1`` on CPU tensors, which is how they are tested.
 """
@@ -155,8 +155,7 @@ def _launch_token(
     if n == 0:
         return
     reqs = qo_indptr.shape[0] - 1
-    block = _BLOCK
-    _token[(triton.cdiv(n, block),)](
+    _token[(triton.cdiv(n, _BLOCK),)](
         out,
         qo_indptr,
         aux,
@@ -167,7 +166,7 @@ def _launch_token(
         topk,
         out.stride(0) if out.dim() == 2 else 0,
         KIND=kind,
-        BLOCK=block,
+        BLOCK=_BLOCK,
     )
 
 
@@ -217,8 +216,7 @@ def kv_gather_slots(
     cap = out.shape[0]
     if cap == 0:
         return
-    block = _BLOCK
-    _kv_gather[(triton.cdiv(cap, block),)](
+    _kv_gather[(triton.cdiv(cap, _BLOCK),)](
         out,
         req_to_token,
         req_pool_indices,
@@ -228,7 +226,7 @@ def kv_gather_slots(
         req_to_token.shape[1],
         req_to_token.stride(0),
         reqs.bit_length(),
-        BLOCK=block,
+        BLOCK=_BLOCK,
     )
 
 
@@ -238,8 +236,7 @@ def last_token_rows(out: torch.Tensor, qo_indptr: torch.Tensor) -> None:
     tri._require(out.device)
     if reqs == 0:
         return
-    block = _BLOCK
-    _last_rows[(triton.cdiv(reqs, block),)](out, qo_indptr, reqs, BLOCK=block)
+    _last_rows[(triton.cdiv(reqs, _BLOCK),)](out, qo_indptr, reqs, BLOCK=_BLOCK)
 
 
 def slot_pages(out: torch.Tensor, out_cache_loc: torch.Tensor, page_size: int) -> None:
@@ -248,7 +245,6 @@ def slot_pages(out: torch.Tensor, out_cache_loc: torch.Tensor, page_size: int) -
     tri._require(out.device)
     if n == 0:
         return
-    block = _BLOCK
-    _slot_pages[(triton.cdiv(n, block),)](
-        out, out_cache_loc, n, page_size, out.stride(0), BLOCK=block
+    _slot_pages[(triton.cdiv(n, _BLOCK),)](
+        out, out_cache_loc, n, page_size, out.stride(0), BLOCK=_BLOCK
     )
