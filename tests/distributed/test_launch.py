@@ -14,12 +14,11 @@ import sys
 import pytest
 
 from tests.support import REPO
+from tests.support.cli import planner_cli
 
 
 def _decode(*flags, env=None, timeout=180):
-    cmd = [sys.executable, "-m", "planner", "decode", "--quiet", "--requests", "6", *flags]
-    full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run(cmd, cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
+    return planner_cli("decode", "--quiet", "--requests", "6", *flags, env=env, timeout=timeout)
 
 
 @pytest.mark.parametrize("flag", ["--tp", "--dp-attention"])

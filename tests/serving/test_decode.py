@@ -11,6 +11,7 @@ import pytest
 from planner import ConfigError
 from serving.report import summarize
 from tests.support import REPO
+from tests.support.cli import planner_cli
 from tests.support.engines import tiny_engine
 
 SMALL = {
@@ -72,23 +73,7 @@ def test_debug_mode_verifies_every_replay():
 
 def test_cli_prints_the_summary(tmp_path):
     out = tmp_path / "summary.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "planner",
-            "decode",
-            "--requests",
-            "3",
-            "--quiet",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=600,
-    )
+    proc = planner_cli("decode", "--requests", "3", "--quiet", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "tokens/s" in proc.stdout and "schedule computations per step" in proc.stdout
     data = json.loads(out.read_text())

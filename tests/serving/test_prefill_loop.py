@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
 from serving.engine import DecodeEngine
 from serving.run_config import load_run_config
-from tests.support import REPO
+from tests.support.cli import planner_cli
 
 
 @pytest.mark.parametrize("chunk", [5, 16, 256])
@@ -34,8 +32,8 @@ def test_each_prompt_takes_ceil_of_its_length_over_the_budget_in_prefill_steps(c
 
 def test_the_cli_default_run_reports_prefill_decode_and_ttft(tmp_path):
     out = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "planner", "decode", "--quiet", "--json", str(out)]
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+    run = planner_cli("decode", "--quiet", "--json", str(out), timeout=300)
+    assert run.returncode == 0, run.stderr
     for line in ("prefill tokens/s", "decode tokens/s", "time to first token", "steps by mode"):
         assert line in run.stdout, line
     summary = json.loads(out.read_text())["summary"]

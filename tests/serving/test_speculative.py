@@ -10,8 +10,6 @@ be kept (DSV32.md), which would make any exact comparison a coin toss.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from functools import cache
 
 import pytest
@@ -25,7 +23,7 @@ from serving.engine import DecodeEngine
 from serving.ngram import NgramDraft
 from serving.report import summarize
 from serving.run_config import load_run_config
-from tests.support import REPO
+from tests.support.cli import planner_cli
 
 CFG = DSV32Config.model_validate({**DSV32Config.tiny().model_dump(), "index_n_heads": 32})
 LOOP = {
@@ -98,24 +96,15 @@ def test_the_cpu_speculative_config_serves_and_reports(tmp_path):
     """configs/dsv32-tiny-spec.yaml through the CLI (fewer requests): accept length, both
     throughputs, and speculative tokens equal to plain decoding's."""
     out = tmp_path / "summary.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "planner",
-            "decode",
-            "--config",
-            "configs/dsv32-tiny-spec.yaml",
-            "--requests",
-            "3",
-            "--quiet",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=600,
+    proc = planner_cli(
+        "decode",
+        "--config",
+        "configs/dsv32-tiny-spec.yaml",
+        "--requests",
+        "3",
+        "--quiet",
+        "--json",
+        str(out),
     )
     assert proc.returncode == 0, proc.stderr
     assert "mean accept length" in proc.stdout and "with / without speculation" in proc.stdout
