@@ -14,6 +14,7 @@
 #   small       dsv32-small decode, 16 requests                   -> small.json
 #   shapes      dsv32-shapes decode, 64 requests                  -> shapes.json
 #   floor       dsv32-shapes step under graphs vs its HBM floor   -> model_floor.json
+#   step_profile dsv32-shapes step kernels by group (graph and eager) -> profile_step.json/.png
 #   model_seed  whole dsv32-shapes model: per-layer vs once-per-batch schedule -> model_seed.json
 #   host        planner vs hand-written host time, every variant  -> planner_overhead.json/.png
 #   refresh     graph runner refresh, decode and target verify    -> replay_overhead*.json
@@ -59,6 +60,8 @@ for step in "$@"; do
     shapes) run shapes python3 -m planner decode --config configs/dsv32-shapes.yaml --requests 64 \
         --quiet --json "$OUT/shapes.json" ;;
     floor) run floor python3 -m benchmarks.model_floor --out "$OUT/model_floor.json" ;;
+    step_profile) run step_profile python3 -m benchmarks.profile_step --batches 1 64 \
+        --out "$OUT/profile_step.json" --plot "$OUT/profile_step.png" ;;
     model_seed) run model_seed python3 benchmarks/seed_stack.py --stack model --contexts 4096 \
         --batches 1 16 64 --modes graph --runs 2 --warmup 5 --iters 20 --out "$OUT/model_seed.json" ;;
     host) run host python3 -m benchmarks.planner_overhead --runs 2 --iters 300 \

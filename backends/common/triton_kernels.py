@@ -74,10 +74,20 @@ def triton_available(device: torch.device) -> bool:
 
 class LazyKernel:
     """Decorates on first launch, once per interpreter mode, so a module imported
-    before ``TRITON_INTERPRET`` was set still launches under the interpreter."""
+    before ``TRITON_INTERPRET`` was set still launches under the interpreter.
 
-    def __init__(self, fn: Callable[..., None]) -> None:
+    ``aligned`` keeps Triton's 16-byte pointer specialisation: for the forward's kernels
+    (sparse MLA, top-k), whose wide vector loads are what they are for. Without it the
+    sparse MLA gathers its 1152-byte KV rows in narrow loads: on the H200 it took 750 us
+    a layer at 64 rows (45.8 ms of a 61-layer step), against 183 us in the kernel
+    benchmark run before alignment was turned off (docs/benchmarks.md). Their pointers are
+    allocation starts or views checked to 16-byte strides, so this is one variant a run,
+    not one per batch. Sizes stay unspecialised either way.
+    """
+
+    def __init__(self, fn: Callable[..., None], *, aligned: bool = False) -> None:
         self._fn = fn
+        self._aligned = aligned
         self._variants: dict[bool, Any] = {}
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
@@ -90,7 +100,7 @@ class LazyKernel:
             # kernels move a few KB; wide vector loads would not pay for that.
             params = inspect.signature(self._fn).parameters
             sizes = [p for p in params if not p.endswith("_ptr") and not p.isupper()]
-            pointers = [p for p in params if p.endswith("_ptr")]
+            pointers = [] if self._aligned else [p for p in params if p.endswith("_ptr")]
             kernel = self._variants[mode] = triton.jit(self._fn, **unspecialised(sizes, pointers))
         return kernel[grid]
 

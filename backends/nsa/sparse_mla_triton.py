@@ -237,8 +237,8 @@ def _combine_kernel(
     tl.store(dst, o.to(out_ptr.dtype.element_ty))
 
 
-_attend = LazyKernel(_attend_kernel)
-_combine = LazyKernel(_combine_kernel)
+_attend = LazyKernel(_attend_kernel, aligned=True)
+_combine = LazyKernel(_combine_kernel, aligned=True)
 
 
 # --- launcher ----------------------------------------------------------------------

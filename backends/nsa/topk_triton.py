@@ -148,7 +148,7 @@ def _row_topk_kernel(
         tl.store(out_row + col, tl.full([OUT_BLOCK], -1, tl.int32), mask=(col < k) & (col >= taken))
 
 
-_row_topk = LazyKernel(_row_topk_kernel)
+_row_topk = LazyKernel(_row_topk_kernel, aligned=True)
 
 
 def _stdlib_interpretable() -> bool:

@@ -50,6 +50,28 @@ def test_lazy_kernel_asks_for_no_size_or_alignment_variants(monkeypatch):
         assert seen["do_not_specialize_on_alignment"] == ["out_ptr", "in_ptr"]
 
 
+def test_forward_kernels_keep_pointer_alignment(monkeypatch):
+    """The sparse MLA and top-k gather wide rows: their pointers stay specialised on 16-byte
+    alignment (vector loads), their sizes do not."""
+    from backends.nsa import sparse_mla_triton, topk_triton
+
+    seen = []
+
+    def fake_jit(fn, **keywords):
+        seen.append(keywords)
+        return {(1,): lambda *a, **k: None}
+
+    monkeypatch.setattr(tk.triton, "jit", fake_jit)
+    for lazy in (sparse_mla_triton._attend, sparse_mla_triton._combine, topk_triton._row_topk):
+        fresh = LazyKernel(lazy._fn, aligned=lazy._aligned)  # not the module's cached variants
+        fresh[(1,)]
+        assert lazy._aligned
+        assert seen[-1].get("do_not_specialize_on_alignment", []) == []
+        assert seen[-1]["do_not_specialize"] and not any(
+            name.endswith("_ptr") for name in seen[-1]["do_not_specialize"]
+        )
+
+
 def test_ragged_launches_use_one_block_size(monkeypatch):
     """A 1-token and a 3000-token launch must hit the same compiled variant."""
     blocks = []

@@ -1,0 +1,202 @@
+#!/usr/bin/env python3
+"""Where a DeepSeek-V3.2 decode step's GPU time goes: kernels of one graph replay, by group.
+
+The model-floor benchmark says how far the step is from its HBM floor; this says which
+kernels the gap is in. For each (batch, context) the dsv32-shapes stack of
+``benchmarks.model_floor`` (production kernels, one captured graph) replays under
+torch.profiler with CUDA activity; the device time of every kernel is summed per step
+and put in a group by its name (GEMMs, sparse MLA, indexer logits, top-k, the
+planner's metadata, elementwise and norms, copies). A table per configuration prints
+the groups and the top kernels; ``--out`` keeps everything as JSON, ``--plot`` draws
+the groups as stacked bars.
+
+    python3 -m benchmarks.profile_step --out $OUT/profile_step.json --plot $OUT/profile_step.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import warnings
+from collections import defaultdict
+
+import torch
+
+from benchmarks.common import machine, print_table, sync, write_json
+from benchmarks.model_floor import KERNELS
+from benchmarks.seed_stack import make_batch, model_stack
+from graphs import GraphRunner
+from models.config import DSV32Config
+from models.model import DSV32Model
+from planner import Limits, Planner
+
+GROUPS = (
+    ("sparse_mla", ("_attend", "_combine", "sparse_mla", "mla_decode", "mla_")),
+    ("indexer_logits", ("mqa_logits", "paged_mqa", "fp8_paged", "index_score", "logits")),
+    ("topk", ("topk", "top_k", "radix", "sort", "select")),
+    ("metadata", ("schedule", "kv_gather", "cumsum", "page_table", "causal", "gather_token")),
+    ("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "nvjet", "matmul", "splitk")),
+    ("norm_rope_act", ("norm", "rope", "rotary", "silu", "act_and_mul", "softmax")),
+    ("copy_fill", ("copy", "memcpy", "memset", "fill", "cat", "index", "scatter")),
+)
+"""Kernel name substrings per group, tried in order (the first group that matches wins)."""
+
+
+def group_of(name: str) -> str:
+    lowered = name.lower()
+    for group, keys in GROUPS:
+        if any(key in lowered for key in keys):
+            return group
+    return "elementwise_other"
+
+
+def kernel_times(prof: torch.profiler.profile, steps: int) -> dict[str, float]:
+    """Device microseconds per step of each kernel name (CUDA events only)."""
+    per_name: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total:
+            per_name[event.name] += event.device_time_total / steps
+    return dict(per_name)
+
+
+def profile_config(model, batch: int, ctx: int, kernel: str, phase: str, args, device) -> dict:
+    table, num_pages, forward, nsa_options = model_stack(args, batch, ctx, device, model)
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 132
+    )
+    limits = Limits(
+        max_batch=batch, max_context=ctx, num_sms=sms, kv_slots=num_pages * 64, device=str(device)
+    )
+    options = {
+        "nsa": {**nsa_options, "mla_heads": model.config.num_attention_heads, "mla_kernel": kernel}
+    }
+    runner = GraphRunner(
+        Planner(["nsa"], limits, options=options), forward, req_to_token=table, sizes=[batch]
+    )
+    rng = random.Random(args.seed)
+    batches = [make_batch(table, batch, ctx, rng) for _ in range(4)]
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner.capture()
+        eager = "profiled eagerly" if phase == "eager" else None
+        for i in range(args.warmup):
+            runner.step(batches[i % len(batches)], eager=eager)
+        sync(device)
+        with torch.profiler.profile(activities=activities) as prof:
+            for i in range(args.steps):
+                runner.step(batches[i % len(batches)], eager=eager)
+            sync(device)
+    replays = runner.stats.graph_steps
+    runner.close()
+    kernels = kernel_times(prof, args.steps)
+    groups: dict[str, float] = defaultdict(float)
+    for name, us in kernels.items():
+        groups[group_of(name)] += us
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]
+    ops = []
+    if phase == "eager" and device.type == "cuda":  # which torch ops launch them, with counts
+        for op in prof.key_averages():
+            if op.key.startswith("aten::") and op.self_device_time_total:
+                us, calls = op.self_device_time_total / args.steps, op.count / args.steps
+                ops.append((op.key, us, calls))
+        ops.sort(key=lambda row: -row[1])
+    return {
+        "batch": batch,
+        "ctx": ctx,
+        "kernel": kernel,
+        "phase": phase,
+        "graph_replays": replays,
+        "device_us_per_step": sum(kernels.values()),
+        "groups_us": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+        "top_kernels_us": top,
+        "torch_ops": ops[: 2 * args.top],
+    }
+
+
+def report(row: dict) -> str:
+    total = row["device_us_per_step"] or float("nan")
+    title = (
+        f"B {row['batch']} ctx {row['ctx']} ({row['kernel']}, {row['phase']}): "
+        f"{total:.0f} us of kernels per step, {row['graph_replays']} graph replays"
+    )
+    rows = [(g, us, 100 * us / total) for g, us in row["groups_us"].items()]
+    text = print_table(title, ("group", "us/step", "%"), rows)
+    tops = [(name[:90], us, 100 * us / total) for name, us in row["top_kernels_us"]]
+    text += "\n" + print_table("top kernels", ("kernel", "us/step", "%"), tops)
+    if row["torch_ops"]:
+        ops = [(name, us, calls) for name, us, calls in row["torch_ops"]]
+        text += "\n" + print_table(
+            "torch ops (self device time)", ("op", "us/step", "calls/step"), ops
+        )
+    return text
+
+
+def plot(path: str | None, rows: list[dict]) -> None:
+    if not path:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({g for r in rows for g in r["groups_us"]})
+    labels = [f"B{r['batch']} {r['ctx'] // 1024}k {r['phase']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows) + 2), 4))
+    bottom = [0.0] * len(rows)
+    for name in names:
+        values = [r["groups_us"].get(name, 0.0) / 1e3 for r in rows]
+        ax.bar(labels, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("kernel ms per step")
+    ax.set_title("dsv32 decode step: device time by kernel group")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="per-kernel device time of a dsv32 decode step")
+    p.add_argument("--preset", default="shapes", help="model preset (tiny for a CPU smoke test)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096])
+    p.add_argument("--kernels", nargs="+", choices=tuple(KERNELS), default=["production"])
+    p.add_argument(
+        "--phases",
+        nargs="+",
+        choices=("graph", "eager"),
+        default=["graph", "eager"],
+        help="graph replays (kernels inside a graph need a CUPTI that traces them) and eager steps",
+    )
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="profiled graph steps per configuration")
+    p.add_argument("--top", type=int, default=15, help="kernels listed per configuration")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", help="JSON results")
+    p.add_argument("--plot", help="PNG of the groups per configuration")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = DSV32Model(DSV32Config.preset(args.preset), seed=args.seed, device=device, dtype=dtype)
+    rows, texts = [], []
+    for ctx in args.contexts:
+        for batch in args.batches:
+            for name in args.kernels:
+                for phase in args.phases:
+                    row = profile_config(model, batch, ctx, KERNELS[name], phase, args, device)
+                    rows.append(row)
+                    texts.append(report(row))
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+    write_json(args.out, {"machine": machine(), "args": vars(args), "rows": rows, "tables": texts})
+    plot(args.plot, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
