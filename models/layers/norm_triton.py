@@ -1,0 +1,148 @@
+"""RMSNorm as one Triton launch, for CUDA tensors.
+
+In torch the norm is a chain of about seven elementwise and reduction kernels (casts, square,
+mean, add, rsqrt, two multiplies); it runs four times a layer, so a 61-layer decode step
+spent a few hundred launches on it, each moving a few KB. Here a program owns one row:
+it reads the row once, reduces it in registers and writes the result, all in fp32 like
+``RMSNorm``'s torch path on the GPU.
+
+Only the feature size ``D`` is a compile-time constant (a model constant: 7168, 1536,
+512); row counts and row strides are runtime values, unspecialised by ``LazyKernel``, so
+a new batch shape never compiles mid-serving. The launch reads nothing back to the host
+and allocates through torch, so it can be captured in a CUDA graph.
+
+On the CPU it runs under ``TRITON_INTERPRET=1``, which is how it is tested without a GPU;
+the model itself never takes that path (its CPU norm stays the float64 torch one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backends.common.triton_kernels import LazyKernel, triton_available
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
+    triton = None
+    tl = None
+
+__all__ = ["rms_norm_triton"]
+
+# 16-byte vectors: the widest load a thread issues.
+_VECTOR_BYTES = 16
+
+
+def _rms_norm_kernel(
+    out_ptr,
+    x_ptr,
+    w_ptr,
+    x_stride,
+    eps,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+):
+    # Row offsets in int64: rows * stride passes 2**31 in a long prefill.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = row * x_stride
+    out_row = row * D
+    if ROW_ALIGN > 1:
+        # The launcher checked that the row stride is a multiple of ROW_ALIGN elements;
+        # without the hint the unspecialised stride would make every load a scalar one.
+        x_row = tl.multiple_of(x_row, ROW_ALIGN)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # Masked lanes load 0, so they add nothing to the sum. Times 1/D (rounded to fp32),
+    # as torch's CUDA mean does, rather than a division.
+    mean_sq = tl.sum(x * x, axis=0) * (1.0 / D)
+    # Same order of operations as the torch path: normalise, then scale.
+    y = (x * tl.rsqrt(mean_sq + eps)) * w
+    tl.store(out_ptr + out_row + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_rms_norm = LazyKernel(_rms_norm_kernel, aligned=True)
+
+
+def _stdlib_interpretable() -> bool:
+    # tl.sum is itself a triton.jit function, frozen as compiled-only when
+    # triton.language was imported before TRITON_INTERPRET=1 was set.
+    return not isinstance(tl.sum, triton.JITFunction)
+
+
+def _num_warps(block: int) -> int:
+    # Triton's layer-norm heuristic: about 32 fp32 values a thread at most, at most
+    # 8 warps. A tuning knob only; results do not depend on it beyond summation order.
+    return min(max(block // 256, 1), 8)
+
+
+def _row_align(stride: int, dtype: torch.dtype) -> int:
+    """The largest power of two (in elements, up to one 16-byte vector) dividing the row
+    stride: what the kernel may promise about where each row starts. A model's strides
+    are fixed for a run (7168, or 576 for the latent split from ``wkv_a``), so this is
+    one variant a dtype, not one a batch."""
+    align = max(_VECTOR_BYTES // dtype.itemsize, 1)
+    while align > 1 and stride % align:
+        align //= 2
+    return align
+
+
+def _rows_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, D]`` with unit feature stride and one row stride, without a copy
+    when ``x`` allows it (a ``split`` or a row slice of a 2-D tensor does)."""
+    d = x.shape[-1]
+    if x.dim() == 2 and x.stride(-1) == 1:
+        return x
+    x2 = x.reshape(-1, d)  # a view when the leading dims collapse; a copy otherwise
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dim, in fp32, returned as a new contiguous
+    tensor of ``x``'s shape and dtype. ``weight`` is ``[D]`` (any float dtype, read as
+    fp32). Needs CUDA, or CPU tensors under ``TRITON_INTERPRET=1``."""
+    device = x.device
+    if not triton_available(device):
+        raise RuntimeError(
+            f"Triton cannot run on {device}: it needs CUDA, or CPU tensors with TRITON_INTERPRET=1"
+        )
+    if device.type == "cpu" and not _stdlib_interpretable():
+        raise RuntimeError(
+            "triton.language was imported before TRITON_INTERPRET=1: its sum cannot be "
+            "interpreted; set TRITON_INTERPRET before importing triton"
+        )
+    if x.dim() == 0:
+        raise ValueError("rms_norm_triton needs at least one dimension")
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"weight must have shape ({d},), got {tuple(weight.shape)}")
+    if weight.device != device:
+        raise ValueError(f"weight is on {weight.device}, x on {device}")
+    if not (x.dtype.is_floating_point and weight.dtype.is_floating_point):
+        raise ValueError(f"floating-point tensors only, got {x.dtype} and {weight.dtype}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=device)
+    if out.numel() == 0:
+        return out
+    x2 = _rows_view(x)
+    rows = x2.shape[0]
+    # One row: its offset is 0 whatever the stride, so report D and keep the variant
+    # (ROW_ALIGN) the same as for many rows of a contiguous input.
+    stride = x2.stride(0) if rows > 1 else d
+    block = triton.next_power_of_2(d)
+    _rms_norm[(rows,)](
+        out,
+        x2,
+        weight.contiguous(),
+        stride,
+        float(eps),
+        D=d,
+        BLOCK=block,
+        ROW_ALIGN=_row_align(stride, x.dtype),
+        num_warps=_num_warps(block),
+    )
+    return out
