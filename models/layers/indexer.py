@@ -21,7 +21,7 @@ from models.config import DSV32Config
 from models.layers.exact import Linear
 from models.layers.hadamard import hadamard_matrix, hadamard_rotate
 from models.layers.norm import LayerNorm
-from models.layers.rope import apply_rope_half
+from models.layers.rope import apply_rope_half_leading
 
 
 class Indexer(nn.Module):
@@ -50,8 +50,7 @@ class Indexer(nn.Module):
 
     def _rope_first(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rope on the leading ``rope_dim`` features (half-split pairs), rest untouched."""
-        pe, nope = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        return torch.cat([apply_rope_half(pe, cos, sin), nope], dim=-1)
+        return apply_rope_half_leading(x, cos, sin, self.rope_dim)
 
     def project(
         self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

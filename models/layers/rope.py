@@ -7,6 +7,10 @@ two functions exist side by side and are tested against one complex formula.
 
 ``cos``/``sin`` are computed from the plan's positions in fp32, once per
 forward, for all layers.
+
+On CUDA each rotation is one Triton launch (``rope_triton``) rather than the 8-10
+elementwise kernels of the torch formula, with the same fp32 operations and one rounding;
+elsewhere the torch formula runs unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import math
 
 import torch
 
+from backends.common.triton_kernels import triton_available
 from models.config import YarnScaling, yarn_mscale
+from models.layers.rope_triton import rope_half_leading_triton, rope_interleaved_triton
 
 
 def _correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -> float:
@@ -70,8 +76,47 @@ def _broadcast(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0], *([1] * (x.dim() - 2)), t.shape[-1])
 
 
+def _use_triton(x: torch.Tensor) -> bool:
+    """One launch instead of 8-10 on CUDA. CPU stays on the torch formula (the CPU model's
+    exactness tests pin it); so does anything that needs autograd, which the kernels lack."""
+    return (
+        x.is_cuda
+        and triton_available(x.device)
+        and not (x.requires_grad and torch.is_grad_enabled())
+    )
+
+
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs ``(x[2i], x[2i+1])`` (MLA layout); fp32 math, input dtype out."""
+    if _use_triton(x):
+        return rope_interleaved_triton(x, cos, sin)
+    return apply_rope_interleaved_torch(x, cos, sin)
+
+
+def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs ``(x[i], x[i+d/2])`` (indexer layout); fp32 math, input dtype out."""
+    if _use_triton(x):
+        return rope_half_leading_triton(x, cos, sin, x.shape[-1])
+    return apply_rope_half_torch(x, cos, sin)
+
+
+def apply_rope_half_leading(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int
+) -> torch.Tensor:
+    """Half-split rope on the leading ``rope_dim`` features, the rest passed through: the
+    indexer's layout, where the split + cat around the rope would be two more launches."""
+    if _use_triton(x):
+        return rope_half_leading_triton(x, cos, sin, rope_dim)
+    return apply_rope_half_leading_torch(x, cos, sin, rope_dim)
+
+
+# The torch formulas: the CPU path, and the references the kernels are tested against.
+
+
+def apply_rope_interleaved_torch(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """``apply_rope_interleaved`` in plain torch ops."""
     c, s = _broadcast(cos, x), _broadcast(sin, x)
     xf = x.float().unflatten(-1, (-1, 2))
     a, b = xf[..., 0], xf[..., 1]
@@ -79,9 +124,17 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return out.to(x.dtype)
 
 
-def apply_rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs ``(x[i], x[i+d/2])`` (indexer layout); fp32 math, input dtype out."""
+def apply_rope_half_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope_half`` in plain torch ops."""
     c, s = _broadcast(cos, x), _broadcast(sin, x)
     xf = x.float()
     a, b = xf.chunk(2, dim=-1)
     return torch.cat([a * c - b * s, a * s + b * c], dim=-1).to(x.dtype)
+
+
+def apply_rope_half_leading_torch(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int
+) -> torch.Tensor:
+    """``apply_rope_half_leading`` in plain torch ops."""
+    pe, nope = x.split([rope_dim, x.shape[-1] - rope_dim], dim=-1)
+    return torch.cat([apply_rope_half_torch(pe, cos, sin), nope], dim=-1)
