@@ -2,7 +2,8 @@
 
 Quantisation is DeepSeek-V3.2's indexer recipe: per 128-element vector,
 ``s = 2 ** ceil(log2(max(amax, 1e-4) / 448))`` (a power of two, so dividing by it is exact)
-and ``value = clamp(x / s, -448, 448)`` rounded to float8_e4m3fn.
+and ``value = clamp(x / s, -448, 448)`` rounded to float8_e4m3fn. On CUDA it runs as one
+Triton launch (``fp8_triton``), bit-identical to the torch ops kept here for the CPU.
 
 The index cache is ``uint8 [num_blocks, 64, 1, D + 4]`` as deep_gemm's
 ``fp8_paged_mqa_logits`` takes it, but the 4-D shape is only a byte count: deep_gemm reads
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from backends.common.triton_kernels import triton_available
+from backends.deepgemm.fp8_triton import KERNEL_DTYPES, quantize_fp8_triton
 from planner.errors import PlanError
 
 __all__ = [
@@ -23,6 +26,7 @@ __all__ = [
     "QUANT_BLOCK",
     "PAGE",
     "quantize_fp8_e4m3_per_vector",
+    "quantize_fp8_e4m3_per_vector_reference",
     "dequantize_fp8_per_vector",
     "quantize_query",
     "new_index_cache",
@@ -47,14 +51,7 @@ def _pow2_ceil_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(ratio), exponent)
 
 
-def quantize_fp8_e4m3_per_vector(
-    x: torch.Tensor, block: int = QUANT_BLOCK
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise ``x [..., D]`` per ``block``-element vector of the last dim.
-
-    Returns ``(x_fp8 [..., D] float8_e4m3fn, scale [..., D // block] float32)`` with
-    ``x ~= x_fp8.float() * scale`` (each scale repeated over its block).
-    """
+def _check_vectors(x: torch.Tensor, block: int) -> None:
     if not x.is_floating_point():
         raise PlanError("must be floating point", field="x", expected="float", actual=x.dtype)
     d = x.shape[-1]
@@ -65,6 +62,37 @@ def quantize_fp8_e4m3_per_vector(
             expected=f"k * {block}",
             actual=d,
         )
+
+
+def quantize_fp8_e4m3_per_vector(
+    x: torch.Tensor, block: int = QUANT_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x [..., D]`` per ``block``-element vector of the last dim.
+
+    Returns ``(x_fp8 [..., D] float8_e4m3fn, scale [..., D // block] float32)`` with
+    ``x ~= x_fp8.float() * scale`` (each scale repeated over its block).
+
+    On CUDA this is one Triton launch (``fp8_triton``), bit-identical to the torch recipe
+    (:func:`quantize_fp8_e4m3_per_vector_reference`), which is about ten launches and ran
+    twice a layer in the indexer; the CPU keeps the torch recipe.
+    """
+    _check_vectors(x, block)
+    if x.is_cuda and x.dtype in KERNEL_DTYPES and triton_available(x.device):
+        return quantize_fp8_triton(x, block)
+    return _quantize_torch(x, block)
+
+
+def quantize_fp8_e4m3_per_vector_reference(
+    x: torch.Tensor, block: int = QUANT_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_fp8_e4m3_per_vector` in torch ops on any device: the definition the
+    kernel is tested against."""
+    _check_vectors(x, block)
+    return _quantize_torch(x, block)
+
+
+def _quantize_torch(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    d = x.shape[-1]
     xb = x.float().reshape(*x.shape[:-1], d // block, block)
     scale = _pow2_ceil_scale(xb.abs().amax(dim=-1))
     q = torch.clamp(xb / scale.unsqueeze(-1), -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

@@ -1,0 +1,212 @@
+"""DeepSeek-V3.2's per-vector fp8 e4m3 quantisation as one Triton launch, for CUDA tensors.
+
+The torch recipe in ``fp8.quantize_fp8_e4m3_per_vector_reference`` is about ten kernels (cast,
+abs, amax, clamp, divide, frexp, where, ldexp, divide, clamp, cast), and the indexer runs it
+twice a layer: over a 61-layer decode step that is over a thousand launches, each moving a
+few KB. Here a program reads a tile of vectors once and writes their fp8 bytes and scales.
+
+Bit-identical to the torch recipe, and the same on the GPU as under the interpreter,
+because nothing that depends on the platform's float rounding is left in it:
+
+- **Scale.** ``2 ** ceil(log2(max(amax, 1e-4) / 448))`` is decided by the integer bits of
+  ``c = max(amax, 1e-4)`` alone: with ``c = 1.f * 2**e``, it is ``2 ** (e - 8)`` when
+  ``1.f <= 1.75`` (448 is ``1.75 * 2**8``) and ``2 ** (e - 7)`` otherwise. The fp32 ratio
+  the torch code rounds (``c / 448`` on the CPU; ``c * fp32(1 / 448)`` on CUDA, where torch
+  divides by a Python scalar through its reciprocal) is at most ``2**k`` exactly when
+  ``c <= 448 * 2**k``: up to that bound even CUDA's ratio, 0.76 half-ulps high, stays below
+  the midpoint above ``2**k``, and the next fp32 ``c`` puts the true ratio 1.14 half-ulps
+  above ``2**k``, past it. (Checked for every fp32 amax, against both ratios.) So no
+  division is needed, and neither Triton's approximate ``/`` nor the two devices' torch
+  formulas matter. The amax itself is an integer max over ``|x|``'s bits (for
+  non-negative floats the same order), so a NaN wins it instead of being dropped by a
+  float max; a NaN or infinite vector gets scale 1, which is what torch's ``frexp``
+  (exponent 0) gives.
+- **Values.** ``x / s`` is ``x * (1 / s)`` with ``1 / s`` an exact power of two (between
+  ``2**-120`` and ``2**22``), so the product is the same correctly rounded number; where
+  it underflows, it rounds to a signed fp8 zero either way. The clamp is written with
+  compares, so a NaN passes through as torch's clamp lets it. The fp8 byte is then built
+  with integer arithmetic: c10's round-to-nearest-even for normal fp8 values and an
+  explicit round-half-even shift for subnormals. Triton's own ``.to(tl.float8e4nv)`` is
+  not used: the interpreter's version rounds ties away from zero and breaks on a mantissa
+  carry, so it could not be tested bit for bit on the CPU.
+
+Vector size is a compile-time constant (128 in the model); vector counts and row strides
+are runtime values, unspecialised by ``LazyKernel``, so a new batch never compiles
+mid-serving. The launch allocates through torch and reads nothing back to the host, so it
+can be captured in a CUDA graph. Under ``TRITON_INTERPRET=1`` it runs on CPU tensors, which
+is how it is tested without a GPU; ``quantize_fp8_e4m3_per_vector`` only sends it CUDA ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from backends.common.triton_kernels import LazyKernel, triton_available
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
+    triton = None
+    tl = None
+
+__all__ = ["KERNEL_DTYPES", "quantize_fp8_triton"]
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+"""Input dtypes the kernel reads (widening to fp32, or rounding fp64 to it, as ``x.float()``
+does); fp8 inputs stay on the torch path."""
+
+# 16-byte vectors: the widest load a thread issues.
+_VECTOR_BYTES = 16
+# Elements per program: enough to amortise the per-program cost, 16 a thread at 4 warps.
+_TILE = 2048
+# fp32(1e-4), the amax floor, as bits: 0x38D1B717.
+_FLOOR_BITS = int(torch.tensor(1e-4, dtype=torch.float32).view(torch.int32))
+
+
+def _quantize_kernel(
+    q_ptr,
+    s_ptr,
+    x_ptr,
+    vectors,
+    groups,
+    x_stride,
+    FLOOR_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+):
+    # Vector v is group v % groups of row v // groups. Offsets in int64: rows * stride
+    # passes 2**31 in a long prefill.
+    vec = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = vec < vectors
+    row = vec // groups
+    start = row * x_stride + (vec - row * groups) * BLOCK
+    if ROW_ALIGN > 1:
+        # The launcher checked that stride and BLOCK are multiples of ROW_ALIGN; without
+        # the hint the unspecialised stride would make every load a scalar one.
+        start = tl.multiple_of(start, ROW_ALIGN)
+    cols = tl.arange(0, BLOCK_P2)
+    mask = live[:, None]
+    if BLOCK_P2 != BLOCK:
+        mask = mask & (cols < BLOCK)[None, :]
+    x = tl.load(x_ptr + start[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    # Scale: see the module docstring. Masked lanes read +0, which never wins the max.
+    amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    c = tl.maximum(amax, FLOOR_BITS)
+    exp = c >> 23
+    biased = exp - 8 + ((c & 0x7FFFFF) > 0x600000).to(tl.int32)  # k + 127 for s = 2**k
+    finite = exp < 255
+    scale = tl.where(finite, biased << 23, 127 << 23).to(tl.float32, bitcast=True)
+    inverse = tl.where(finite, (254 - biased) << 23, 127 << 23).to(tl.float32, bitcast=True)
+
+    y = x * inverse[:, None]
+    y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))
+
+    # fp32 -> e4m3fn, round to nearest even, |y| <= 448 or NaN.
+    bits = y.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    e = mag >> 23
+    # |y| >= 2**-6 (fp8 normal): c10's trick, rebias the exponent and add 0x7FFFF plus
+    # the kept mantissa's low bit before dropping the 20 extra mantissa bits.
+    normal = (mag + (((7 - 127) << 23) + 0x7FFFF) + ((mag >> 20) & 1)) >> 20
+    # |y| < 2**-6: the multiple of 2**-9 nearest |y|, ties to even, from the 24-bit
+    # significand. Shifts past 24 all give 0 (for fp32 subnormals too), so 30 caps them;
+    # the floor of 1 only keeps the unused lanes of normal values defined.
+    sig = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(tl.maximum(141 - e, 1), 30)
+    quot = sig >> shift
+    rem = sig & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    up = (rem > half) | ((rem == half) & ((quot & 1) == 1))
+    code = tl.where(e >= 121, normal, quot + up.to(tl.int32))
+    code = tl.where(mag > 0x7F800000, 0x7F, code)  # NaN keeps its sign, as in c10
+    code = code | ((bits >> 24) & 0x80)
+
+    tl.store(q_ptr + vec[:, None] * BLOCK + cols[None, :], code.to(tl.uint8), mask=mask)
+    tl.store(s_ptr + vec, scale, mask=live)
+
+
+_quantize = LazyKernel(_quantize_kernel, aligned=True)
+
+
+def _stdlib_interpretable() -> bool:
+    # tl.max is itself a triton.jit function, frozen as compiled-only when
+    # triton.language was imported before TRITON_INTERPRET=1 was set.
+    return not isinstance(tl.max, triton.JITFunction)
+
+
+def _row_align(stride: int, block: int, dtype: torch.dtype) -> int:
+    """The largest power of two (in elements, up to one 16-byte vector) dividing both the
+    row stride and the vector size: what the kernel may promise about where each vector
+    starts. Strides are fixed for a run, so this is one variant a dtype, not one a batch."""
+    align = max(_VECTOR_BYTES // dtype.itemsize, 1)
+    while align > 1 and math.gcd(stride, block) % align:
+        align //= 2
+    return align
+
+
+def _rows_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, D]`` with unit feature stride and one row stride, without a copy
+    when the leading dims collapse (a row slice or a ``split`` of the last dim does)."""
+    d = x.shape[-1]
+    if x.dim() == 2 and x.stride(-1) == 1:
+        return x
+    x2 = x.reshape(-1, d)  # a view when the leading dims collapse; a copy otherwise
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+def quantize_fp8_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_fp8 [..., D] float8_e4m3fn, scale [..., D // block] float32)``, bit for bit as
+    the torch recipe, in one launch. Input checks with the user-facing messages are the
+    caller's (``fp8.quantize_fp8_e4m3_per_vector``); this only refuses what it cannot run.
+    Needs CUDA, or CPU tensors under ``TRITON_INTERPRET=1``."""
+    device = x.device
+    if not triton_available(device):
+        raise RuntimeError(
+            f"Triton cannot run on {device}: it needs CUDA, or CPU tensors with TRITON_INTERPRET=1"
+        )
+    if device.type == "cpu" and not _stdlib_interpretable():
+        raise RuntimeError(
+            "triton.language was imported before TRITON_INTERPRET=1: its max cannot be "
+            "interpreted; set TRITON_INTERPRET before importing triton"
+        )
+    if x.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"the kernel reads {KERNEL_DTYPES}, got {x.dtype}")
+    if x.dim() == 0 or block < 1 or x.shape[-1] % block:
+        raise ValueError(f"need x [..., k * {block}], got {tuple(x.shape)}")
+    d = x.shape[-1]
+    groups = d // block
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty((*x.shape[:-1], groups), dtype=torch.float32, device=device)
+    if q.numel() == 0:
+        return q, scale
+    x2 = _rows_view(x)
+    rows = x2.shape[0]
+    # One row: its offset is 0 whatever the stride, so report D and keep the variant
+    # (ROW_ALIGN) the same as for many rows of a contiguous input.
+    stride = x2.stride(0) if rows > 1 else d
+    vectors = rows * groups
+    block_p2 = triton.next_power_of_2(block)
+    per_program = max(_TILE // block_p2, 1)
+    _quantize[(triton.cdiv(vectors, per_program),)](
+        q.view(torch.uint8),
+        scale,
+        x2,
+        vectors,
+        groups,
+        stride,
+        FLOOR_BITS=_FLOOR_BITS,
+        BLOCK=block,
+        BLOCK_P2=block_p2,
+        ROWS=per_program,
+        ROW_ALIGN=_row_align(stride, block, x.dtype),
+        num_warps=min(max(per_program * block_p2 // 512, 1), 8),
+    )
+    return q, scale
