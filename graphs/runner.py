@@ -276,7 +276,7 @@ class GraphRunner:
             )
         self.last_plans = plans
         t1 = time.perf_counter()
-        self.inputs.fill(inputs, reqs, rows, entry.bs, entry.rows)
+        self.inputs.fill_checked(inputs, reqs, rows, entry.bs, entry.rows)  # checked above
         t2 = time.perf_counter()
         entry.graph.replay()
         t3 = time.perf_counter()

@@ -20,6 +20,9 @@ from planner.planset import PlanSet
 from planner.program import Program, Step
 from planner.staging import Ranges
 
+_DATA_PTR = torch.Tensor.data_ptr
+"""Mapped over tensors: cheaper than a generator of ``t.data_ptr()`` calls."""
+
 
 @dataclass
 class CapturedPlans:
@@ -34,22 +37,30 @@ class CapturedPlans:
     table_shape: tuple[int, ...]
     dummy: ForwardBatch
     addresses: tuple[int, ...] = ()
+    _watched: tuple[torch.Tensor, ...] = field(default=(), init=False, repr=False)
+    _watched_at: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.addresses = tuple(ptr for _, ptr in self.pointers)
+        # Each tensor object once (an aliased field is the same object as its owner): a
+        # tensor can only move by being rebound itself (set_, .data =, a storage resize).
+        distinct = {id(t): (t, ptr) for t, ptr in zip(self.plan_tensors, self.addresses)}
+        self._watched = tuple(t for t, _ in distinct.values())
+        self._watched_at = [ptr for _, ptr in distinct.values()]
 
     def check_unmoved(self, handles: Handles) -> None:
         """The plans a graph reads must still be where capture put them, handles included.
 
-        One tuple comparison in the usual case; the field is looked for only when
-        something moved.
+        One list comparison in the usual case (``data_ptr`` mapped over the distinct
+        tensors: no generator, no aliased tensor read twice); the field is looked for only
+        when something moved.
         """
         for key, handle in handles.items():
             if handle is not self.handles.get(key):
                 raise ReplayError(
                     "host op returned another handle than at capture", field=".".join(key)
                 )
-        if tuple(t.data_ptr() for t in self.plan_tensors) == self.addresses:
+        if list(map(_DATA_PTR, self._watched)) == self._watched_at:
             return
         for tensor, (key, ptr) in zip(self.plan_tensors, self.pointers):
             if tensor.data_ptr() != ptr:
@@ -85,7 +96,8 @@ class CapturedBatch:
 
     def check_table(self, table: torch.Tensor) -> None:
         """The graph reads the token table it was captured with: the same memory and shape."""
-        if table.data_ptr() != self.table_ptr or tuple(table.shape) != self.table_shape:
+        first = self.steps[0]  # torch.Size compares with a tuple as it is
+        if table.data_ptr() != first.table_ptr or table.shape != first.table_shape:
             raise ReplayError(
                 "req_to_token is not the table the graph was captured with (moved or reallocated)",
                 field="req_to_token",

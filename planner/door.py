@@ -14,32 +14,44 @@ from collections.abc import Mapping
 
 import torch
 
-from planner.batch import ForwardBatch, ForwardMode
+from planner.batch import RAGGED_MODES, ForwardBatch, ForwardMode
 from planner.errors import BatchError
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_INT32_ONLY = (torch.int32,)
+_CPU = torch.device("cpu")
+
+
+class _OnHost(tuple):
+    """Devices that are all the host (``cpu``, or ``cpu:0``): checked as ``tensor.is_cpu``,
+    which is what any host device accepts, and cheaper than reading ``tensor.device``;
+    ``device.type`` alone costs more than the rest of the check."""
+
+
+_HOST = _OnHost((_CPU,))
+_SETS: dict[torch.device, tuple[tuple, tuple]] = {}
+_IDLE, _DRAFT_DECODE = ForwardMode.IDLE, ForwardMode.DRAFT_DECODE
+"""Module constants: looking an enum member up on its class costs 0.1 us a time."""
+_UNIFORM_IMPLIED = frozenset(m for m in ForwardMode if not m.ragged and not m.padded_rows)
+"""Modes whose batches may leave ``extend_lens_cpu`` out: ``bs * next_n`` tokens."""
 
 
 def _check_tensor(
     name: str,
     tensor: object,
-    *,
     dtypes: tuple[torch.dtype, ...],
     rank: int,
     devices: tuple[torch.device, ...],
     length: int | None = None,
 ) -> torch.Tensor:
     # The hot path: one expression that holds for every good input (replay runs this for
-    # five tensors per step); the checks below run only to name what is wrong.
+    # five tensors per step, positionally: keywords cost a call more); the checks below
+    # run only to name what is wrong.
     if (
         isinstance(tensor, torch.Tensor)
         and tensor.dtype in dtypes
         and tensor.dim() == rank
-        and (
-            tensor.is_cpu
-            if len(devices) == 1 and devices[0].type == "cpu"
-            else tensor.device in devices
-        )
+        and (tensor.is_cpu if devices.__class__ is _OnHost else tensor.device in devices)
         and tensor.is_contiguous()
         and (length is None or tensor.shape[0] == length)
     ):
@@ -70,6 +82,23 @@ def _check_tensor(
     return tensor
 
 
+def _device_sets(device: torch.device) -> tuple[tuple, tuple]:
+    """The devices a device-resident input may be on (the planner's), and an index input
+    (the host or the planner's); made once per device (a comparison and a ``.type`` read)."""
+    sets = _SETS.get(device)
+    if sets is None:
+        both = (_CPU, device) if device != _CPU else (_CPU,)
+        sets = _SETS[device] = (_host_form((device,)), _host_form(both))
+    return sets
+
+
+def _host_form(devices: tuple[torch.device, ...]) -> tuple[torch.device, ...]:
+    """``devices`` as an ``_OnHost`` tuple when it is one host device (the fast check)."""
+    if len(devices) == 1 and devices[0].type == "cpu":
+        return _OnHost(devices)
+    return devices
+
+
 def validate_batch(
     batch: ForwardBatch,
     *,
@@ -89,12 +118,17 @@ def validate_batch(
     """
     if not isinstance(batch, ForwardBatch):
         raise BatchError("not a ForwardBatch", field="batch", actual=type(batch).__name__)
-    try:
-        mode = ForwardMode(batch.mode)
-    except ValueError:
-        raise BatchError(
-            "unknown mode", field="mode", expected=[m.value for m in ForwardMode], actual=batch.mode
-        ) from None
+    mode = batch.mode
+    if mode.__class__ is not ForwardMode:  # a plain string: the enum call, and its refusal
+        try:
+            mode = ForwardMode(mode)
+        except ValueError:
+            raise BatchError(
+                "unknown mode",
+                field="mode",
+                expected=[m.value for m in ForwardMode],
+                actual=batch.mode,
+            ) from None
     want_n = next_n.get(mode, 1)
     if batch.next_n != want_n:
         raise BatchError(
@@ -103,23 +137,11 @@ def validate_batch(
             expected=want_n,
             actual=batch.next_n,
         )
-    cpu = torch.device("cpu")
-    both = (cpu, device) if device != cpu else (cpu,)
-    seq = _check_tensor(
-        "seq_lens_cpu", batch.seq_lens_cpu, dtypes=(torch.int32,), rank=1, devices=(cpu,)
-    )
+    on_device, both = _device_sets(device)
+    seq = _check_tensor("seq_lens_cpu", batch.seq_lens_cpu, _INT32_ONLY, 1, _HOST)
     bs = seq.shape[0]
-    if mode is ForwardMode.IDLE and bs:
-        raise BatchError(
-            "an idle batch has no requests", field="seq_lens_cpu", expected=0, actual=bs
-        )
-    if bs == 0 and mode is not ForwardMode.IDLE:
-        raise BatchError(
-            "empty batch (a rank with no work sends mode idle)",
-            field="seq_lens_cpu",
-            expected=">= 1 request",
-            actual=0,
-        )
+    if bs == 0 or mode is _IDLE:
+        _check_idle(mode, bs)
     if bs > max_batch:
         raise BatchError(
             "batch larger than max_batch",
@@ -127,8 +149,12 @@ def validate_batch(
             expected=f"<= {max_batch}",
             actual=bs,
         )
-    tokens = _check_extend_lens(batch, mode, bs, max_tokens, cpu)
-    if mode.stepped and bs and int(seq.numpy().min()) < batch.next_n:
+    lens = batch.extend_lens_cpu
+    if lens is None and mode in _UNIFORM_IMPLIED:  # decode, verify: bs * next_n tokens
+        tokens = bs * batch.next_n
+    else:
+        tokens = _check_extend_lens(batch, mode, bs, max_tokens)
+    if mode is _DRAFT_DECODE and bs and int(seq.numpy().min()) < batch.next_n:
         raise BatchError(
             "a draft-decode batch's KV lengths include its k draft tokens (its first step's "
             "length is seq_lens_cpu - k + 1 >= 1)",
@@ -136,19 +162,17 @@ def validate_batch(
             expected=f">= {batch.next_n}",
             actual=int(seq.numpy().min()),
         )
-    _check_tensor(
-        "req_to_token", batch.req_to_token, dtypes=(torch.int32,), rank=2, devices=(device,)
-    )
-    for name, length in (
-        ("req_pool_indices", bs),
-        ("out_cache_loc", tokens),
-        ("positions", tokens),
+    _check_tensor("req_to_token", batch.req_to_token, _INT32_ONLY, 2, on_device)
+    _check_tensor("req_pool_indices", batch.req_pool_indices, _INDEX_DTYPES, 1, both, bs)
+    _check_tensor("out_cache_loc", batch.out_cache_loc, _INDEX_DTYPES, 1, both, tokens)
+    if batch.positions is not None:
+        _check_tensor("positions", batch.positions, _INDEX_DTYPES, 1, both, tokens)
+    if (
+        lens is not None
+        and bs
+        and mode not in RAGGED_MODES
+        and int(lens.numpy().max()) > batch.next_n
     ):
-        value = getattr(batch, name)
-        if value is not None or name != "positions":
-            _check_tensor(name, value, dtypes=_INDEX_DTYPES, rank=1, devices=both, length=length)
-    lens = batch.extend_lens_cpu
-    if lens is not None and not mode.ragged and bs and int(lens.numpy().max()) > batch.next_n:
         # a uniform batch has next_n rows per request: more tokens would not fit them
         raise BatchError(
             f"a {mode.value} request adds at most next_n tokens",
@@ -156,21 +180,47 @@ def validate_batch(
             expected=f"<= {batch.next_n}",
             actual=int(lens.numpy().max()),
         )
+    if batch.seq_lens is not None or batch.extend_lens is not None:
+        _check_device_lens(batch, seq, bs, on_device, device_reads)
+    return mode
+
+
+def _check_idle(mode: ForwardMode, bs: int) -> None:
+    """An idle batch has no request, and only an idle batch has none."""
+    if mode is _IDLE and bs:
+        raise BatchError(
+            "an idle batch has no requests", field="seq_lens_cpu", expected=0, actual=bs
+        )
+    if bs == 0 and mode is not _IDLE:
+        raise BatchError(
+            "empty batch (a rank with no work sends mode idle)",
+            field="seq_lens_cpu",
+            expected=">= 1 request",
+            actual=0,
+        )
+
+
+def _check_device_lens(
+    batch: ForwardBatch,
+    seq: torch.Tensor,
+    bs: int,
+    on_device: tuple[torch.device, ...],
+    device_reads: bool,
+) -> None:
+    """The engine's device copies of the lengths: each with its host copy, on the planner's
+    device, and (``device_reads`` only: a sync) equal to it."""
     for name, host in (("seq_lens", seq), ("extend_lens", batch.extend_lens_cpu)):
         dev = getattr(batch, name)
         if dev is None:
             continue
         if host is None:
             raise BatchError(f"device {name} without its host copy", field=f"{name}_cpu")
-        _check_tensor(name, dev, dtypes=(torch.int32,), rank=1, devices=(device,), length=bs)
+        _check_tensor(name, dev, _INT32_ONLY, 1, on_device, bs)
         if device_reads and not torch.equal(dev.cpu(), host):
             raise BatchError(f"device {name} differ from {name}_cpu", field=name)
-    return mode
 
 
-def _check_extend_lens(
-    batch: ForwardBatch, mode: ForwardMode, bs: int, max_tokens: int, cpu: torch.device
-) -> int:
+def _check_extend_lens(batch: ForwardBatch, mode: ForwardMode, bs: int, max_tokens: int) -> int:
     """The query tokens of the batch: extend lengths are required for ragged modes only."""
     lens = batch.extend_lens_cpu
     if lens is None:
@@ -190,9 +240,7 @@ def _check_extend_lens(
             actual="a tensor",
         )
     else:
-        _check_tensor(
-            "extend_lens_cpu", lens, dtypes=(torch.int32,), rank=1, devices=(cpu,), length=bs
-        )
+        _check_tensor("extend_lens_cpu", lens, _INT32_ONLY, 1, _HOST, bs)
         values = lens.numpy()
         if bs and int(values.min()) < 1:  # the token layout itself is undefined: not a range
             raise BatchError(
@@ -215,6 +263,8 @@ def _check_extend_lens(
 def check_size(name: str, value: object, lo: int, hi: int, what: str) -> int:
     """A request count argument (``bs``, ``pad_to``): an integer in ``[lo, hi]`` (numpy's
     included), as a Python int; a float or a bool is refused."""
+    if value.__class__ is int and lo <= value <= hi:  # the usual case (a bool's class is bool)
+        return value
     try:
         size = None if isinstance(value, bool) else operator.index(value)
     except TypeError:

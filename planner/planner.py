@@ -336,17 +336,17 @@ class Planner:
         """
         start = time.perf_counter()
         mode = self._validate(batch, device_reads=self.debug)
-        bs = max(batch.bs, 1) if bs is None else bs
+        real = batch.bs
+        bs = max(real, 1) if bs is None else bs
         bs = check_size("bs", bs, 1, self.limits.max_batch, "replay size out of range")
-        if batch.bs > bs:
+        if real > bs:
             raise BatchError(
                 "batch larger than the replayed size",
                 field="bs",
                 expected=f"<= {bs}",
-                actual=batch.bs,
+                actual=real,
             )
-        planned = mode.plans_as
-        captured = self._captured_for(planned, bs)
+        captured = self._captured_for(mode.plans_as, bs)
         captured.check_table(batch.req_to_token)
         batches = batches_of(batch) if mode.stepped else [batch]
         results = materialise_all(
@@ -360,7 +360,7 @@ class Planner:
             read_table=self.debug,
         )
         captured.check_unmoved([handles for _, handles in results])
-        captured.plans.mark("replay", mode, batch.bs)
+        captured.plans.mark("replay", mode, real)
         self.stats.record_steps(mode, captured.program_steps, len(batches))
         self.stats.batches["replay"] += 1
         self.stats.host_seconds["replay"] += time.perf_counter() - start

@@ -18,7 +18,7 @@ import torch
 
 from planner.batch import ForwardBatch
 from planner.errors import BatchError
-from planner.staging import Ranges, Segment, StagingLayout
+from planner.staging import Ranges, Segment, StagingLayout, real_counts
 
 RING = 4
 """Pinned host buffers a static stager cycles through: a step fills one while the copies
@@ -134,13 +134,14 @@ class Stager:
         pending = []
         for r, batch in enumerate(batches):
             region = view[r * size : (r + 1) * size] if n > 1 else view
+            counts = real_counts(batch)
             on_device = self.layout.fill(
-                region, batch, reqs, tokens, ranges, read_device=read_device
+                region, batch, reqs, tokens, ranges, read_device=read_device, counts=counts
             )
-            self.layout.check(region, batch, ranges, on_device)
+            self.layout.check(region, batch, ranges, on_device, counts)
             if read_table:
                 self.layout.check_table(region, batch, ranges)
-            pending.append(on_device)
+            pending.append((counts, on_device))
         if host_work is not None:
             host_work(view)
         if not self.static:
@@ -157,8 +158,8 @@ class Stager:
             done.record()
         self.copies += 1
         views = [dev[r * size : (r + 1) * size] for r in range(n)] if n > 1 else [dev]
-        for batch, region, on_device in zip(batches, views, pending):
+        for region, (counts, on_device) in zip(views, pending):
             for seg, tensor in on_device:
-                n_real = batch.num_tokens if seg.per_token else batch.bs
+                n_real = counts[seg.per_token]
                 region[seg.offset : seg.offset + n_real].copy_(tensor)
         return views
