@@ -59,7 +59,8 @@ def floor_bytes(model: DSV32Model, batch: int, ctx: int) -> int:
     return weights + index + latent * cfg.num_hidden_layers
 
 
-def step_time(model, setup, kernel: str, batch: int, ctx: int, device, args) -> dict:
+def graph_runner(model, setup, kernel: str, batch: int, ctx: int, device) -> GraphRunner:
+    """The model stack's planner (NSA, ``kernel`` for sparse MLA) and a runner of one size."""
     table, num_pages, forward, nsa_options = setup
     sms = (
         torch.cuda.get_device_properties(device).multi_processor_count
@@ -73,7 +74,12 @@ def step_time(model, setup, kernel: str, batch: int, ctx: int, device, args) -> 
         "nsa": {**nsa_options, "mla_heads": model.config.num_attention_heads, "mla_kernel": kernel}
     }
     planner = Planner(["nsa"], limits, options=options)
-    runner = GraphRunner(planner, forward, req_to_token=table, sizes=[batch])
+    return GraphRunner(planner, forward, req_to_token=table, sizes=[batch])
+
+
+def step_time(model, setup, kernel: str, batch: int, ctx: int, device, args) -> dict:
+    table = setup[0]
+    runner = graph_runner(model, setup, kernel, batch, ctx, device)
     rng = random.Random(args.seed)
     batches = [make_batch(table, batch, ctx, rng) for _ in range(4)]
     with warnings.catch_warnings():

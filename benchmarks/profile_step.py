@@ -23,12 +23,10 @@ from collections import defaultdict
 import torch
 
 from benchmarks.common import machine, print_table, sync, write_json
-from benchmarks.model_floor import KERNELS
+from benchmarks.model_floor import KERNELS, graph_runner
 from benchmarks.seed_stack import make_batch, model_stack
-from graphs import GraphRunner
 from models.config import DSV32Config
 from models.model import DSV32Model
-from planner import Limits, Planner
 
 GROUPS = (
     ("sparse_mla", ("_attend", "_combine", "sparse_mla", "mla_decode", "mla_")),
@@ -60,21 +58,9 @@ def kernel_times(prof: torch.profiler.profile, steps: int) -> dict[str, float]:
 
 
 def profile_config(model, batch: int, ctx: int, kernel: str, phase: str, args, device) -> dict:
-    table, num_pages, forward, nsa_options = model_stack(args, batch, ctx, device, model)
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 132
-    )
-    limits = Limits(
-        max_batch=batch, max_context=ctx, num_sms=sms, kv_slots=num_pages * 64, device=str(device)
-    )
-    options = {
-        "nsa": {**nsa_options, "mla_heads": model.config.num_attention_heads, "mla_kernel": kernel}
-    }
-    runner = GraphRunner(
-        Planner(["nsa"], limits, options=options), forward, req_to_token=table, sizes=[batch]
-    )
+    setup = model_stack(args, batch, ctx, device, model)
+    table = setup[0]
+    runner = graph_runner(model, setup, kernel, batch, ctx, device)
     rng = random.Random(args.seed)
     batches = [make_batch(table, batch, ctx, rng) for _ in range(4)]
     activities = [torch.profiler.ProfilerActivity.CPU]

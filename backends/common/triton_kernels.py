@@ -114,6 +114,21 @@ def unspecialised(sizes: list[str], pointers: list[str]) -> dict[str, list[str]]
     return keywords
 
 
+def require_launchable(device: torch.device, uses: str) -> None:
+    """Refuse, before any work, a launch Triton cannot run: off CUDA without the interpreter,
+    or under it once ``triton.language`` was imported compiled-only (its standard library,
+    ``tl.<uses>`` among it, is then frozen). Shared by the forward's kernels' launchers."""
+    if not triton_available(device):
+        raise RuntimeError(
+            f"Triton cannot run on {device}: it needs CUDA, or CPU tensors with TRITON_INTERPRET=1"
+        )
+    if device.type == "cpu" and not _stdlib_interpretable():
+        raise RuntimeError(
+            f"triton.language was imported before TRITON_INTERPRET=1: its {uses} cannot be "
+            "interpreted; set TRITON_INTERPRET before importing triton"
+        )
+
+
 def _require(device: torch.device) -> None:
     if not triton_available(device):
         raise RuntimeError(

@@ -43,7 +43,7 @@ import math
 
 import torch
 
-from backends.common.triton_kernels import LazyKernel, triton_available
+from backends.common.triton_kernels import LazyKernel, require_launchable
 
 try:
     import triton
@@ -134,12 +134,6 @@ def _quantize_kernel(
 _quantize = LazyKernel(_quantize_kernel, aligned=True)
 
 
-def _stdlib_interpretable() -> bool:
-    # tl.max is itself a triton.jit function, frozen as compiled-only when
-    # triton.language was imported before TRITON_INTERPRET=1 was set.
-    return not isinstance(tl.max, triton.JITFunction)
-
-
 def _row_align(stride: int, block: int, dtype: torch.dtype) -> int:
     """The largest power of two (in elements, up to one 16-byte vector) dividing both the
     row stride and the vector size: what the kernel may promise about where each vector
@@ -168,15 +162,7 @@ def quantize_fp8_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torc
     caller's (``fp8.quantize_fp8_e4m3_per_vector``); this only refuses what it cannot run.
     Needs CUDA, or CPU tensors under ``TRITON_INTERPRET=1``."""
     device = x.device
-    if not triton_available(device):
-        raise RuntimeError(
-            f"Triton cannot run on {device}: it needs CUDA, or CPU tensors with TRITON_INTERPRET=1"
-        )
-    if device.type == "cpu" and not _stdlib_interpretable():
-        raise RuntimeError(
-            "triton.language was imported before TRITON_INTERPRET=1: its max cannot be "
-            "interpreted; set TRITON_INTERPRET before importing triton"
-        )
+    require_launchable(device, "max")
     if x.dtype not in KERNEL_DTYPES:
         raise ValueError(f"the kernel reads {KERNEL_DTYPES}, got {x.dtype}")
     if x.dim() == 0 or block < 1 or x.shape[-1] % block:

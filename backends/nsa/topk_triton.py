@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.common.triton_kernels import LazyKernel, triton_available
+from backends.common.triton_kernels import LazyKernel, require_launchable
 from backends.nsa.topk_ref import check_row_topk
 
 try:
@@ -151,12 +151,6 @@ def _row_topk_kernel(
 _row_topk = LazyKernel(_row_topk_kernel, aligned=True)
 
 
-def _stdlib_interpretable() -> bool:
-    # tl.cumsum / tl.sum are themselves triton.jit functions, frozen as compiled-only
-    # when triton.language was imported before TRITON_INTERPRET=1 was set.
-    return not isinstance(tl.cumsum, triton.JITFunction)
-
-
 def row_topk_triton(
     logits: torch.Tensor,
     lengths: torch.Tensor,
@@ -173,15 +167,7 @@ def row_topk_triton(
     """
     check_row_topk(logits, lengths, k, out)
     device = logits.device
-    if not triton_available(device):
-        raise RuntimeError(
-            f"Triton cannot run on {device}: it needs CUDA, or CPU tensors with TRITON_INTERPRET=1"
-        )
-    if device.type == "cpu" and not _stdlib_interpretable():
-        raise RuntimeError(
-            "triton.language was imported before TRITON_INTERPRET=1: its cumsum cannot be "
-            "interpreted; set TRITON_INTERPRET before importing triton"
-        )
+    require_launchable(device, "cumsum")
     if block < 16 or block > 8192 or block & (block - 1):
         raise ValueError(f"block must be a power of 2 in [16, 8192], got {block}")
     rows, width = logits.shape

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.common.triton_kernels import LazyKernel, triton_available
+from backends.common.triton_kernels import LazyKernel, require_launchable
 
 try:
     import triton
@@ -67,12 +67,6 @@ def _rms_norm_kernel(
 _rms_norm = LazyKernel(_rms_norm_kernel, aligned=True)
 
 
-def _stdlib_interpretable() -> bool:
-    # tl.sum is itself a triton.jit function, frozen as compiled-only when
-    # triton.language was imported before TRITON_INTERPRET=1 was set.
-    return not isinstance(tl.sum, triton.JITFunction)
-
-
 def _num_warps(block: int) -> int:
     # Triton's layer-norm heuristic: about 32 fp32 values a thread at most, at most
     # 8 warps. A tuning knob only; results do not depend on it beyond summation order.
@@ -107,15 +101,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     tensor of ``x``'s shape and dtype. ``weight`` is ``[D]`` (any float dtype, read as
     fp32). Needs CUDA, or CPU tensors under ``TRITON_INTERPRET=1``."""
     device = x.device
-    if not triton_available(device):
-        raise RuntimeError(
-            f"Triton cannot run on {device}: it needs CUDA, or CPU tensors with TRITON_INTERPRET=1"
-        )
-    if device.type == "cpu" and not _stdlib_interpretable():
-        raise RuntimeError(
-            "triton.language was imported before TRITON_INTERPRET=1: its sum cannot be "
-            "interpreted; set TRITON_INTERPRET before importing triton"
-        )
+    require_launchable(device, "sum")
     if x.dim() == 0:
         raise ValueError("rms_norm_triton needs at least one dimension")
     d = x.shape[-1]

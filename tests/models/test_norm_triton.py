@@ -26,7 +26,7 @@ from models.layers.norm_triton import rms_norm_triton
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
-    not triton_available(torch.device("cpu")) or not norm_triton._stdlib_interpretable(),
+    not triton_available(torch.device("cpu")) or not tk._stdlib_interpretable(),
     reason="the Triton interpreter is not on (TRITON_INTERPRET=1 before triton is imported)",
 )
 
