@@ -129,6 +129,33 @@ def require_launchable(device: torch.device, uses: str) -> None:
         )
 
 
+_VECTOR_BYTES = 16
+"""The widest load a thread issues."""
+
+
+def row_align(stride: int, dtype: torch.dtype) -> int:
+    """The largest power of two (in elements, up to one 16-byte vector) dividing ``stride``:
+    what a row-wise forward kernel may promise (``tl.multiple_of``) about where each row or
+    vector starts. A model's strides are fixed for a run, so this is one compiled variant a
+    dtype, not one a batch."""
+    align = max(_VECTOR_BYTES // dtype.itemsize, 1)
+    while align > 1 and stride % align:
+        align //= 2
+    return align
+
+
+def rows_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, D]`` with unit feature stride and one row stride, without a copy
+    when the leading dims collapse (a row slice or a ``split`` of the last dim does)."""
+    d = x.shape[-1]
+    if x.dim() == 2 and x.stride(-1) == 1:
+        return x
+    x2 = x.reshape(-1, d)  # a view when the leading dims collapse; a copy otherwise
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
 def _require(device: torch.device) -> None:
     if not triton_available(device):
         raise RuntimeError(

@@ -43,7 +43,7 @@ import math
 
 import torch
 
-from backends.common.triton_kernels import LazyKernel, require_launchable
+from backends.common.triton_kernels import LazyKernel, require_launchable, row_align, rows_view
 
 try:
     import triton
@@ -58,8 +58,6 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 """Input dtypes the kernel reads (widening to fp32, or rounding fp64 to it, as ``x.float()``
 does); fp8 inputs stay on the torch path."""
 
-# 16-byte vectors: the widest load a thread issues.
-_VECTOR_BYTES = 16
 # Elements per program: enough to amortise the per-program cost, 16 a thread at 4 warps.
 _TILE = 2048
 # fp32(1e-4), the amax floor, as bits: 0x38D1B717.
@@ -134,28 +132,6 @@ def _quantize_kernel(
 _quantize = LazyKernel(_quantize_kernel, aligned=True)
 
 
-def _row_align(stride: int, block: int, dtype: torch.dtype) -> int:
-    """The largest power of two (in elements, up to one 16-byte vector) dividing both the
-    row stride and the vector size: what the kernel may promise about where each vector
-    starts. Strides are fixed for a run, so this is one variant a dtype, not one a batch."""
-    align = max(_VECTOR_BYTES // dtype.itemsize, 1)
-    while align > 1 and math.gcd(stride, block) % align:
-        align //= 2
-    return align
-
-
-def _rows_view(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``[rows, D]`` with unit feature stride and one row stride, without a copy
-    when the leading dims collapse (a row slice or a ``split`` of the last dim does)."""
-    d = x.shape[-1]
-    if x.dim() == 2 and x.stride(-1) == 1:
-        return x
-    x2 = x.reshape(-1, d)  # a view when the leading dims collapse; a copy otherwise
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return x2
-
-
 def quantize_fp8_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_fp8 [..., D] float8_e4m3fn, scale [..., D // block] float32)``, bit for bit as
     the torch recipe, in one launch. Input checks with the user-facing messages are the
@@ -173,7 +149,7 @@ def quantize_fp8_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torc
     scale = torch.empty((*x.shape[:-1], groups), dtype=torch.float32, device=device)
     if q.numel() == 0:
         return q, scale
-    x2 = _rows_view(x)
+    x2 = rows_view(x)
     rows = x2.shape[0]
     # One row: its offset is 0 whatever the stride, so report D and keep the variant
     # (ROW_ALIGN) the same as for many rows of a contiguous input.
@@ -192,7 +168,7 @@ def quantize_fp8_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torc
         BLOCK=block,
         BLOCK_P2=block_p2,
         ROWS=per_program,
-        ROW_ALIGN=_row_align(stride, block, x.dtype),
+        ROW_ALIGN=row_align(math.gcd(stride, block), x.dtype),
         num_warps=min(max(per_program * block_p2 // 512, 1), 8),
     )
     return q, scale

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.common.triton_kernels import LazyKernel, require_launchable
+from backends.common.triton_kernels import LazyKernel, require_launchable, row_align, rows_view
 
 try:
     import triton
@@ -29,9 +29,6 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
     tl = None
 
 __all__ = ["rms_norm_triton"]
-
-# 16-byte vectors: the widest load a thread issues.
-_VECTOR_BYTES = 16
 
 
 def _rms_norm_kernel(
@@ -73,29 +70,6 @@ def _num_warps(block: int) -> int:
     return min(max(block // 256, 1), 8)
 
 
-def _row_align(stride: int, dtype: torch.dtype) -> int:
-    """The largest power of two (in elements, up to one 16-byte vector) dividing the row
-    stride: what the kernel may promise about where each row starts. A model's strides
-    are fixed for a run (7168, or 576 for the latent split from ``wkv_a``), so this is
-    one variant a dtype, not one a batch."""
-    align = max(_VECTOR_BYTES // dtype.itemsize, 1)
-    while align > 1 and stride % align:
-        align //= 2
-    return align
-
-
-def _rows_view(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``[rows, D]`` with unit feature stride and one row stride, without a copy
-    when ``x`` allows it (a ``split`` or a row slice of a 2-D tensor does)."""
-    d = x.shape[-1]
-    if x.dim() == 2 and x.stride(-1) == 1:
-        return x
-    x2 = x.reshape(-1, d)  # a view when the leading dims collapse; a copy otherwise
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return x2
-
-
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dim, in fp32, returned as a new contiguous
     tensor of ``x``'s shape and dtype. ``weight`` is ``[D]`` (any float dtype, read as
@@ -114,7 +88,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     out = torch.empty(x.shape, dtype=x.dtype, device=device)
     if out.numel() == 0:
         return out
-    x2 = _rows_view(x)
+    x2 = rows_view(x)
     rows = x2.shape[0]
     # One row: its offset is 0 whatever the stride, so report D and keep the variant
     # (ROW_ALIGN) the same as for many rows of a contiguous input.
@@ -128,7 +102,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         float(eps),
         D=d,
         BLOCK=block,
-        ROW_ALIGN=_row_align(stride, x.dtype),
+        ROW_ALIGN=row_align(stride, x.dtype),
         num_warps=_num_warps(block),
     )
     return out

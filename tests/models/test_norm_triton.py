@@ -163,11 +163,11 @@ def test_kernel_keeps_alignment_and_unspecialises_sizes(monkeypatch) -> None:
 
 def test_row_align_is_what_the_stride_allows() -> None:
     f32, bf16 = torch.float32, torch.bfloat16
-    assert norm_triton._row_align(576, f32) == 4
-    assert norm_triton._row_align(576, bf16) == 8
-    assert norm_triton._row_align(7168, bf16) == 8
-    assert norm_triton._row_align(10, f32) == 2
-    assert norm_triton._row_align(13, bf16) == 1
+    assert tk.row_align(576, f32) == 4
+    assert tk.row_align(576, bf16) == 8
+    assert tk.row_align(7168, bf16) == 8
+    assert tk.row_align(10, f32) == 2
+    assert tk.row_align(13, bf16) == 1
 
 
 # ------------------------------------------------------------------- the module path
