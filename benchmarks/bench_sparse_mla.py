@@ -68,7 +68,7 @@ from benchmarks.bench_sparse_mla_parts import (  # noqa: E402
     time_eager,
     time_graph,
 )
-from benchmarks.common import machine, plot_bars, print_table, write_json  # noqa: E402
+from benchmarks.common import machine, num_sms_of, plot_bars, print_table, write_json  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -292,11 +292,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     gen = torch.Generator().manual_seed(args.seed)
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 8
-    )
+    sms = num_sms_of(device, cpu=8)
     configs = _configs(args)
     copy_tbs = copy_bandwidth(device)
     kv = make_kv(args, device, gen)

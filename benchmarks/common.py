@@ -19,6 +19,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+def num_sms_of(device: torch.device, cpu: int = 132) -> int:
+    """The device's SM count; ``cpu`` (an H200's 132 by default) off CUDA, so smoke runs
+    plan like the GPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return cpu
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -25,13 +25,6 @@ MAX_LEN_CHOICES = [1, 255, 256, 257, 300, 5000, 65536, 200_000]
 KINDS = ["uniform", "equal", "skewed", "splits"]
 
 
-def num_sms_of(device: torch.device) -> int:
-    """The device's SM count; 132 (an H200's) on the CPU, so smoke runs plan like the GPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
-
-
 def make_lens(batch: int, next_n: int, max_len: int, kind: str, seed: int) -> torch.Tensor:
     """CPU int32 ``[batch, next_n]`` per-row causal lengths, all >= 1."""
     g = torch.Generator().manual_seed(seed)

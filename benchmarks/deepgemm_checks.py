@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from backends.deepgemm import reference_fp8_paged_mqa_logits, reference_paged_mqa_schedule
-from benchmarks.deepgemm_cases import abs_inputs, make_lens, make_logits_inputs, num_sms_of
+from benchmarks.common import num_sms_of
+from benchmarks.deepgemm_cases import abs_inputs, make_lens, make_logits_inputs
 
 LOGITS_TOL = 2.0**-9  # |kernel - reference| <= LOGITS_TOL * magnitude bound
 

@@ -22,7 +22,8 @@ from backends.deepgemm import (
     write_index_cache,
 )
 from backends.nsa import attention as nsa
-from benchmarks.deepgemm_cases import KINDS, make_lens, num_sms_of
+from benchmarks.common import num_sms_of
+from benchmarks.deepgemm_cases import KINDS, make_lens
 
 
 def make_plan(seq_lens: list[int], next_n: int, topk: int, width: int, device, seed: int):

@@ -31,12 +31,19 @@ import warnings
 
 import torch
 
-from benchmarks.common import machine, plot_bars, print_table, sync, time_calls, write_json
-from benchmarks.seed_stack import make_batch, model_stack
+from benchmarks.common import (
+    machine,
+    plot_bars,
+    print_table,
+    sync,
+    time_calls,
+    write_json,
+)
+from benchmarks.seed_stack import make_batch, model_stack, stack_limits
 from graphs import GraphRunner
 from models.config import DSV32Config
 from models.model import DSV32Model
-from planner import Limits, Planner
+from planner import Planner
 
 KERNELS = {"reference": "torch", "production": "auto"}
 
@@ -62,14 +69,7 @@ def floor_bytes(model: DSV32Model, batch: int, ctx: int) -> int:
 def graph_runner(model, setup, kernel: str, batch: int, ctx: int, device) -> GraphRunner:
     """The model stack's planner (NSA, ``kernel`` for sparse MLA) and a runner of one size."""
     table, num_pages, forward, nsa_options = setup
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 132
-    )
-    limits = Limits(
-        max_batch=batch, max_context=ctx, num_sms=sms, kv_slots=num_pages * 64, device=str(device)
-    )
+    limits = stack_limits(batch, ctx, num_pages, device)
     options = {
         "nsa": {**nsa_options, "mla_heads": model.config.num_attention_heads, "mla_kernel": kernel}
     }

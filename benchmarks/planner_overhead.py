@@ -29,7 +29,15 @@ import torch
 
 from backends.deepgemm import _native, reference_paged_mqa_schedule
 from backends.nsa import NSAPlan  # noqa: F401  (registers the NSA backend)
-from benchmarks.common import machine, plot_bars, print_table, sync, time_host, write_json
+from benchmarks.common import (
+    machine,
+    num_sms_of,
+    plot_bars,
+    print_table,
+    sync,
+    time_host,
+    write_json,
+)
 from benchmarks.seed_stack import make_batch, make_table
 from planner import ForwardBatch, ForwardMode, Limits, Planner
 
@@ -102,11 +110,7 @@ class HandWrittenNSA:
 
 def measure(args, batch_size: int, device: torch.device) -> dict[str, Any]:
 
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 132
-    )
+    sms = num_sms_of(device)
     table, num_pages = make_table(batch_size, args.context, device, args.seed)
     rng = random.Random(args.seed)
     batches = [make_batch(table, batch_size, args.context, rng) for _ in range(8)]
@@ -191,11 +195,7 @@ def make_verify_batch(batch: ForwardBatch, table: torch.Tensor) -> ForwardBatch:
 def extend_setup(context: int, device: torch.device, seed: int) -> tuple[Planner, ForwardBatch]:
     """An NSA planner and one extend batch of a 2048-token chunk: 4 requests of 512 new
     tokens each after ``context - 512`` cached."""
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 132
-    )
+    sms = num_sms_of(device)
     table, num_pages = make_table(4, context, device, seed)
     limits = Limits(
         max_batch=4,

@@ -18,28 +18,16 @@ import cProfile
 import dataclasses
 import pstats
 import random
-import statistics
-import time
 import warnings
 
 import numpy as np
 import torch
 
-from benchmarks.common import machine, print_table, sync, write_json
+from benchmarks.common import machine, num_sms_of, print_table, sync, time_host, write_json
 from benchmarks.planner_overhead import extend_setup
 from graphs import GraphRunner
 from planner import Limits, Planner, PlanSet
 from tests.support.batches import make_pool, random_batch
-
-
-def _median_us(fn, iters: int) -> tuple[float, float]:
-    samples = []
-    for i in range(iters):
-        t = time.perf_counter()
-        fn(i)
-        samples.append((time.perf_counter() - t) * 1e6)
-    samples.sort()
-    return statistics.median(samples), samples[min(len(samples) - 1, len(samples) * 99 // 100)]
 
 
 def _profile(fn, iters: int, top: int) -> list[dict]:
@@ -86,11 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     bs, ctx = args.batch, args.context
     table = make_pool(bs + 1, ctx, 64).to(device)
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 132
-    )
+    sms = num_sms_of(device)
     limits = Limits(
         max_batch=bs,
         max_context=ctx,
@@ -147,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(30):
             fn(i)
         sync(device)
-        median, p99 = _median_us(fn, args.iters)
+        timed = time_host(fn, warmup=0, iters=args.iters)
+        median, p99 = timed["median_us"], timed["p99_us"]
         sync(device)
         results[name] = {"median_us": median, "p99_us": p99}
         if not name.startswith("floor"):

@@ -43,7 +43,15 @@ from backends.deepgemm import (
 )
 from backends.nsa import warmup_schedule_buckets
 from backends.nsa.attention import indexer_topk
-from benchmarks.common import machine, plot_bars, print_table, sync, time_calls, write_json
+from benchmarks.common import (
+    machine,
+    num_sms_of,
+    plot_bars,
+    print_table,
+    sync,
+    time_calls,
+    write_json,
+)
 from graphs import GraphRunner
 from models.config import DSV32Config
 from models.kv_cache import PagedKVCache
@@ -157,26 +165,28 @@ def model_stack(args, batch: int, ctx: int, device: torch.device, model):
     return table, num_pages, forward, {"topk": cfg.index_topk}
 
 
+def stack_limits(batch: int, ctx: int, num_pages: int, device: torch.device) -> Limits:
+    """One capture size of ``batch`` at ``ctx``, over a stack's ``num_pages`` 64-token pages."""
+    return Limits(
+        max_batch=batch,
+        max_context=ctx,
+        page_size=64,
+        num_sms=num_sms_of(device),
+        kv_slots=num_pages * 64,
+        device=str(device),
+    )
+
+
 def run_variant(
     variant: str, graphs: bool, batch: int, ctx: int, setup, device, args
 ) -> dict[str, Any]:
 
     table, num_pages, forward, nsa_options = setup
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 132
-    )
+    limits = stack_limits(batch, ctx, num_pages, device)
+    sms = limits.num_sms
     planner = Planner(
         ["nsa"],
-        Limits(
-            max_batch=batch,
-            max_context=ctx,
-            page_size=64,
-            num_sms=sms,
-            kv_slots=num_pages * 64,
-            device=str(device),
-        ),
+        limits,
         options={"nsa": nsa_options},
         ops_in_graph=(variant == "c_planner"),
     )

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from backends.nsa import warmup_schedule_buckets
-from benchmarks.common import sync
+from benchmarks.common import num_sms_of, sync
 from graphs import GraphRunner, GraphWarning
 from planner import ForwardBatch, ForwardMode, Limits, Planner, PlanSet
 from planner.compare import diff_plans, padding_violations
@@ -111,11 +111,7 @@ def part_fuzz(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     host = make_table(pool, args.max_context)
     table = host.to(device)
     slots = int(host.max()) + 1
-    num_sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 132
-    )
+    num_sms = num_sms_of(device)
     counts: Counter = Counter()
     failures: list[str] = []
     providers: dict[str, str] = {}

@@ -47,11 +47,11 @@ from backends.deepgemm import (  # noqa: E402
     reference_fp8_paged_mqa_logits,
     reference_paged_mqa_schedule,
 )
+from benchmarks.common import num_sms_of  # noqa: E402
 from benchmarks.deepgemm_cases import (  # noqa: E402
     logits_cases,
     make_lens,
     make_logits_inputs,
-    num_sms_of,
     schedule_cases,
 )
 from benchmarks.deepgemm_checks import LOGITS_TOL, check_logits, check_schedule  # noqa: E402

@@ -60,6 +60,7 @@ from backends.deepgemm import (  # noqa: E402
     reference_paged_mqa_schedule,
     write_index_cache,
 )
+from benchmarks.common import num_sms_of  # noqa: E402
 from graphs import GraphRunner  # noqa: E402
 from graphs.inputs import InputSpec  # noqa: E402
 from planner import ForwardBatch, ForwardMode, Limits, Planner, PlanSet  # noqa: E402
@@ -236,11 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args.cases = args.cases or (4 if args.smoke else 40)
     args.max_batch = args.max_batch or (4 if args.smoke else 32)
     args.max_context = args.max_context or (512 if args.smoke else 4096)
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 132
-    )
+    sms = num_sms_of(device)
     rng = random.Random(args.seed)
     table, cache = table_and_cache(2 * args.max_batch, args.max_context, args.seed, device)
     start = time.perf_counter()
