@@ -169,20 +169,11 @@ def _prepare(
     return out, x3, cos, sin
 
 
-def rope_interleaved_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``rope.apply_rope_interleaved`` in one launch; a new contiguous tensor in ``x``'s
-    dtype. ``x [rows, ..., d]`` may be a strided view with a contiguous last dim."""
-    d = x.shape[-1]
-    if d % 2:
-        raise ValueError(f"interleaved rope needs an even feature dim, got {d}")
-    half = d // 2
-    out, x3, cos, sin = _prepare(x, cos, sin, half)
-    if out.numel() == 0:
-        return out
+def _launch(kernel, out, x3, cos, sin, block_n: int, **constexprs: int) -> torch.Tensor:
+    """Both layouts' launch: ``block_n`` (row, head) vectors a program over ``x3 [rows,
+    heads, d]``, strides as runtime values, fp contraction off."""
     n_vec = x3.shape[0] * x3.shape[1]
-    half_block = _pow2(half)
-    block_n = max(1, _TILE // (2 * half_block))
-    _rope_interleaved[(triton.cdiv(n_vec, block_n),)](
+    kernel[(triton.cdiv(n_vec, block_n),)](
         out,
         x3,
         cos,
@@ -193,12 +184,26 @@ def rope_interleaved_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         x3.stride(1),
         cos.stride(0),
         sin.stride(0),
-        HALF=half,
-        HALF_BLOCK=half_block,
         BLOCK_N=block_n,
+        **constexprs,
         **_EXACT,
     )
     return out
+
+
+def rope_interleaved_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rope.apply_rope_interleaved`` in one launch; a new contiguous tensor in ``x``'s
+    dtype. ``x [rows, ..., d]`` may be a strided view with a contiguous last dim."""
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"interleaved rope needs an even feature dim, got {d}")
+    half = d // 2
+    out, x3, cos, sin = _prepare(x, cos, sin, half)
+    if out.numel() == 0:
+        return out
+    half_block = _pow2(half)
+    block_n = max(1, _TILE // (2 * half_block))
+    return _launch(_rope_interleaved, out, x3, cos, sin, block_n, HALF=half, HALF_BLOCK=half_block)
 
 
 def rope_half_leading_triton(
@@ -214,25 +219,9 @@ def rope_half_leading_triton(
     out, x3, cos, sin = _prepare(x, cos, sin, half)
     if out.numel() == 0:
         return out
-    n_vec = x3.shape[0] * x3.shape[1]
-    half_block = _pow2(half)
     block_n = max(1, _TILE // _pow2(dim))
-    _rope_half[(triton.cdiv(n_vec, block_n),)](
-        out,
-        x3,
-        cos,
-        sin,
-        n_vec,
-        x3.shape[1],
-        x3.stride(0),
-        x3.stride(1),
-        cos.stride(0),
-        sin.stride(0),
-        DIM=dim,
-        HALF=half,
-        HALF_BLOCK=half_block,
-        PASS_BLOCK=_pow2(max(dim - rope_dim, 1)),
-        BLOCK_N=block_n,
-        **_EXACT,
-    )
-    return out
+    pass_block = _pow2(max(dim - rope_dim, 1))
+    return _launch(
+        _rope_half, out, x3, cos, sin, block_n,
+        DIM=dim, HALF=half, HALF_BLOCK=_pow2(half), PASS_BLOCK=pass_block,
+    )  # fmt: skip
