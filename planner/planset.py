@@ -75,6 +75,11 @@ class PlanSet(Mapping[str, Plan]):
                 "no plan for backend" + hint, field=backend, expected=sorted(self._plans)
             ) from None
 
+    def get(self, backend: str, default: Plan | None = None) -> Plan | None:
+        """The backend's plan, or ``default`` when this batch has none (a companion plan
+        that only some modes make): ``Mapping.get``'s contract, which ``[]``'s error breaks."""
+        return self._plans.get(backend, default)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._plans)
 
