@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from backends.nsa import NSAExtendPlan, NSAPlan
+from backends.nsa_flashinfer import NSAFlashInferPlan
 from models.config import DSV32Config
 from models.init import random_init
 from models.kv_cache import PagedKVCache
@@ -84,8 +85,9 @@ class Block(nn.Module):
         plan: NSAPlan | NSAExtendPlan,
         kv_cache: torch.Tensor,
         index_cache: torch.Tensor,
+        sparse: NSAFlashInferPlan | None = None,
     ) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), cos, sin, plan, kv_cache, index_cache)
+        h = h + self.attn(self.attn_norm(h), cos, sin, plan, kv_cache, index_cache, sparse)
         x = self.ffn_norm(h)
         return h + (self.ffn(x) if self.exchange is None else self.exchange(x, self.ffn))
 
@@ -95,6 +97,10 @@ class DSV32Model(nn.Module):
 
     PLANS: ClassVar[dict[str, tuple[type[Plan], ...]]] = {"nsa": (NSAPlan, NSAExtendPlan)}
     """The plans the layers read, by backend: whatever the planner makes must be one of these."""
+    OPTIONAL_PLANS: ClassVar[dict[str, tuple[type[Plan], ...]]] = {
+        "nsa_flashinfer": (NSAFlashInferPlan,)
+    }
+    """Plans the layers read when the planner makes them (FlashInfer's sparse MLA plan)."""
 
     def __init__(
         self,
@@ -251,11 +257,12 @@ class DSV32Model(nn.Module):
         state of every row or token (what an MTP draft is fed).
         """
         plan: NSAPlan | NSAExtendPlan = plans["nsa"]
+        sparse: NSAFlashInferPlan | None = plans.get("nsa_flashinfer")
         self._check(input_ids, plan, cache)
         cos, sin = rope_cos_sin(plan.positions, self.inv_freq, self.rope_factor)
         h = self.embed(input_ids)
         for i, block in enumerate(self.layers):
-            h = block(h, cos, sin, plan, cache.mla[i], cache.index[i])
+            h = block(h, cos, sin, plan, cache.mla[i], cache.index[i], sparse)
         ragged = isinstance(plan, NSAExtendPlan)
         if not hidden:
             return self.head(self.norm(h[plan.logit_rows.long()] if ragged else h)).float()

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from backends.nsa import NSADraftExtendPlan, NSAExtendPlan, NSAPlan
+from backends.nsa_flashinfer import NSAFlashInferPlan
 from models.config import DSV32Config
 from models.init import random_init
 from models.kv_cache import PagedKVCache
@@ -62,6 +63,8 @@ class MTPDraft(nn.Module):
 
     PLANS: ClassVar[dict[str, tuple[type[Plan], ...]]] = {"nsa": (NSAPlan, NSAExtendPlan)}
     """The plans its layer reads (draft extend's is an NSAPlan; prefill reads extend plans)."""
+    OPTIONAL_PLANS: ClassVar[dict[str, tuple[type[Plan], ...]]] = DSV32Model.OPTIONAL_PLANS
+    """FlashInfer's sparse MLA plan of draft-decode steps, when the planner makes one."""
 
     def __init__(self, target: DSV32Model, *, seed: int = 1) -> None:
         super().__init__()
@@ -95,9 +98,11 @@ class MTPDraft(nn.Module):
         plan: NSAPlan | NSAExtendPlan,
         cache: PagedKVCache,
         valid: torch.Tensor | None = None,
+        sparse: NSAFlashInferPlan | None = None,
     ) -> torch.Tensor:
         """One MTP step over rows of ``(token, hidden)`` pairs: the normed output hidden state
-        (what the head reads, and the next step's input). ``valid`` zeroes padding rows."""
+        (what the head reads, and the next step's input). ``valid`` zeroes padding rows;
+        ``sparse`` is the step's FlashInfer sparse MLA plan when the planner makes one."""
         self._check(input_ids, hidden, plan, cache)
         target = self.target
         e = self.enorm(target.embed(input_ids))
@@ -107,7 +112,7 @@ class MTPDraft(nn.Module):
             e, h = e * keep, h * keep
         x = self.eh_proj(torch.cat([e, h], dim=-1))
         cos, sin = rope_cos_sin(plan.positions, target.inv_freq, target.rope_factor)
-        x = self.block(x, cos, sin, plan, cache.mla[0], cache.index[0])
+        x = self.block(x, cos, sin, plan, cache.mla[0], cache.index[0], sparse)
         return self.norm(x)
 
     def _next(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -124,7 +129,7 @@ class MTPDraft(nn.Module):
             rows = plan.row_tokens.long()  # flat accepted tokens -> next_n rows per request
             out = self.layer(input_ids[rows], hidden[rows], plan, cache, plan.row_valid)
         else:
-            out = self.layer(input_ids, hidden, plan, cache)
+            out = self.layer(input_ids, hidden, plan, cache, sparse=plans.get("nsa_flashinfer"))
         if isinstance(plan, (NSADraftExtendPlan, NSAExtendPlan)):
             out = out[plan.logit_rows.long()]  # each request's last (accepted) token
         return {"tokens": self._next(out), "hidden": out}
@@ -134,7 +139,10 @@ class MTPDraft(nn.Module):
     ) -> dict[str, torch.Tensor]:
         tokens = []
         for s in range(len(plans.steps)):
-            hidden = self.layer(input_ids, hidden, plans.step(s)["nsa"], cache)
+            step = plans.step(s)
+            hidden = self.layer(
+                input_ids, hidden, step["nsa"], cache, sparse=step.get("nsa_flashinfer")
+            )
             input_ids = self._next(hidden)
             tokens.append(input_ids)
         return {"tokens": torch.stack(tokens, dim=1), "hidden": hidden}

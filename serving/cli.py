@@ -56,6 +56,12 @@ def _add_decode(sub: Any) -> None:
         action="store_true",
         help="also serve the workload without speculation and report both",
     )
+    p.add_argument(
+        "--mla-kernel",
+        choices=("auto", "triton", "torch", "flashinfer"),
+        help="sparse MLA kernel (override planner.mla_kernel); flashinfer plans FlashInfer's MLA "
+        "kernel once per decode / verify batch",
+    )
     p.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
     p.add_argument(
         "--debug", action="store_true", help="verify every replayed plan against eager (slow)"

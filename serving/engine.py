@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from backends.nsa import NSADraftExtendPlan, NSAExtendPlan, NSAPlan
 from graphs import GraphRunner
 from models.kv_cache import PagedKVCache, RequestPool
 from models.model import DSV32Model
@@ -27,6 +26,7 @@ from planner.planner import Planner
 from planner.planset import PlanSet
 from serving.dump_ring import DumpRing, MismatchDumper
 from serving.model_setup import build_model, kv_pages, model_config, resolve_device
+from serving.plan_setup import plan_schemas
 from serving.requests import Request, make_workload
 from serving.run_config import RunConfig
 from serving.samples import Samples
@@ -105,23 +105,17 @@ class DecodeEngine:
             kv_slots=self.cache.num_slots,
             device=str(self.device),
         )
+        schemas, options, needs = plan_schemas(p.mla_kernel, p.schedule_layout, model, self.device)
         self.planner = Planner(
-            [NSAPlan, NSAExtendPlan, NSADraftExtendPlan],
+            schemas,
             self.limits,
-            options={
-                "nsa": {
-                    "topk": self.model_config.index_topk,
-                    "schedule_layout": p.schedule_layout,
-                    "mla_heads": model.attention_heads,  # this rank's, head-sharded
-                    "mla_kernel": p.mla_kernel,
-                }
-            },
+            options=options,
             providers=p.providers,
             debug=p.debug or None,
             ops_in_graph=p.ops_in_graph,
             on_mismatch=None if dumps is None else MismatchDumper(dumps.directory / "mismatches"),
         )
-        self.planner.check_serves(type(model).PLANS)
+        self.planner.check_serves(needs)
         self.dump_ring = (
             None
             if dumps is None

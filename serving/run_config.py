@@ -50,8 +50,10 @@ class PlannerSection(_Section):
     debug: bool = False
     ops_in_graph: bool = True
     schedule_layout: Literal["0.1.0", "new"] = "0.1.0"
-    mla_kernel: Literal["auto", "triton", "torch"] = Field(
-        "auto", description="sparse MLA: auto (the Triton kernel on CUDA), triton, torch"
+    mla_kernel: Literal["auto", "triton", "torch", "flashinfer"] = Field(
+        "auto",
+        description="sparse MLA: auto (the Triton kernel on CUDA), triton, torch, or flashinfer "
+        "(FlashInfer's MLA kernel planned once per batch for decode and verify; extend keeps auto)",
     )
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from backends.nsa import NSAExtendPlan, NSAPlan
 from backends.nsa.attention import sparse_mla
+from backends.nsa_flashinfer import NSAFlashInferPlan, sparse_mla_flashinfer
 from models.config import DSV32Config
 from models.layers.exact import Linear, contract, exact
 from models.layers.indexer import Indexer
@@ -112,11 +113,15 @@ class MLA(nn.Module):
         plan: NSAPlan | NSAExtendPlan,
         kv_cache: torch.Tensor,
         index_cache: torch.Tensor,
+        sparse: NSAFlashInferPlan | None = None,
     ) -> torch.Tensor:
         """One attention over ``x [rows, dim]`` (already normed) -> ``[rows, dim]``.
 
         A row per query token: decode and verify rows, or every new token of an
         extend batch (its top-k from the ragged indexer, causal per token).
+        ``sparse``: the batch's FlashInfer companion plan when the planner makes one
+        (uniform batches with ``mla_kernel: flashinfer``); the sparse MLA then runs on
+        FlashInfer's kernel, otherwise on the NSA plan's own.
 
         Writes this step's latent and rope key into ``kv_cache`` at the plan's
         ``out_cache_loc`` before attending, so every row sees its own token.
@@ -127,7 +132,12 @@ class MLA(nn.Module):
         kv_cache[loc] = torch.cat([latent, k_rope], dim=-1).to(kv_cache.dtype)
         topk_slots = self.indexer(x, qr, cos, sin, plan, index_cache)
         q_abs = self.absorb_q(q_nope)
-        o = sparse_mla(plan, q_abs, q_rope, kv_cache, topk_slots, self.softmax_scale)
+        if sparse is not None:
+            o = sparse_mla_flashinfer(
+                sparse, q_abs, q_rope, kv_cache, topk_slots, self.softmax_scale
+            )
+        else:
+            o = sparse_mla(plan, q_abs, q_rope, kv_cache, topk_slots, self.softmax_scale)
         return self.output(o)
 
 

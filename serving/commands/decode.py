@@ -39,6 +39,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["speculative.draft_tokens"] = args.draft_tokens
     if args.compare_plain:
         out["speculative.compare_plain"] = True
+    if args.mla_kernel is not None:
+        out["planner.mla_kernel"] = args.mla_kernel
     if args.no_graphs:
         out["graphs.enabled"] = False
     if args.debug:

@@ -1,0 +1,67 @@
+"""Which plan schemas an engine's planner makes, with their options, from the run config.
+
+The layers read ``nsa``'s plans in every mode. With ``planner.mla_kernel: flashinfer`` the
+planner also makes FlashInfer's sparse MLA companion plan (``nsa_flashinfer``) for the
+uniform batches (decode, target verify, draft decode), and the layers run the sparse MLA
+on FlashInfer's kernel there; extend and draft-extend batches keep the NSA plan's own
+kernel (Triton on CUDA), which ``nsa``'s ``mla_kernel: auto`` names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from backends.nsa import NSADraftExtendPlan, NSAExtendPlan, NSAPlan
+from backends.nsa_flashinfer import NSAFlashInferPlan
+from models.model import DSV32Model
+from planner.errors import ConfigError
+from planner.schema import Plan
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def plan_schemas(
+    mla_kernel: str, schedule_layout: str, model: DSV32Model, device: torch.device
+) -> tuple[list[type[Plan]], dict[str, dict[str, Any]], dict[str, tuple[type[Plan], ...]]]:
+    """``(schemas, options, needs)``: what the planner makes, its backend options, and the
+    plan classes the model's layers must be handed (for ``Planner.check_serves``)."""
+    flashinfer = mla_kernel == "flashinfer"
+    options: dict[str, dict[str, Any]] = {
+        "nsa": {
+            "topk": model.config.index_topk,
+            "schedule_layout": schedule_layout,
+            "mla_heads": model.attention_heads,  # this rank's, head-sharded
+            "mla_kernel": "auto" if flashinfer else mla_kernel,
+        }
+    }
+    schemas: list[type[Plan]] = [NSAPlan, NSAExtendPlan, NSADraftExtendPlan]
+    needs = dict(type(model).PLANS)
+    if flashinfer:
+        options["nsa_flashinfer"] = flashinfer_options(model, device)
+        schemas.append(NSAFlashInferPlan)
+        needs |= type(model).OPTIONAL_PLANS
+    return schemas, options, needs
+
+
+def flashinfer_options(model: DSV32Model, device: torch.device) -> dict[str, Any]:
+    """``nsa_flashinfer``'s options for ``model``: its top-k, heads (this rank's), softmax
+    scale and dtype, so FlashInfer is planned for exactly what the layers run."""
+    cfg = model.config
+    sparse: dict[str, Any] = {
+        "sparse_topk": cfg.index_topk,
+        "sparse_heads": model.attention_heads,
+        "sparse_sm_scale": cfg.softmax_scale,
+    }
+    dtype = _DTYPE_NAMES.get(model.dtype)
+    if dtype is not None:
+        sparse |= {"sparse_q_dtype": dtype, "sparse_kv_dtype": dtype}
+    elif device.type == "cuda":
+        raise ConfigError(
+            "FlashInfer's MLA kernel takes bfloat16 or float16 queries and KV",
+            field="planner.mla_kernel",
+            expected="a bfloat16 or float16 model, or mla_kernel auto / triton",
+            actual=str(model.dtype),
+        )
+    return sparse
