@@ -44,8 +44,11 @@ from graphs import GraphRunner
 from models.config import DSV32Config
 from models.model import DSV32Model
 from planner import Planner
+from serving.plan_setup import flashinfer_options
 
-KERNELS = {"reference": "torch", "production": "auto"}
+KERNELS = {"reference": "torch", "production": "auto", "flashinfer": "flashinfer"}
+"""Sparse MLA per variant: the torch reference, the NSA plan's Triton kernel, and
+FlashInfer's MLA kernel planned once per batch (the ``nsa_flashinfer`` companion plan)."""
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -70,10 +73,16 @@ def graph_runner(model, setup, kernel: str, batch: int, ctx: int, device) -> Gra
     """The model stack's planner (NSA, ``kernel`` for sparse MLA) and a runner of one size."""
     table, num_pages, forward, nsa_options = setup
     limits = stack_limits(batch, ctx, num_pages, device)
-    options = {
-        "nsa": {**nsa_options, "mla_heads": model.config.num_attention_heads, "mla_kernel": kernel}
+    fi = kernel == "flashinfer"
+    nsa = {
+        **nsa_options,
+        "mla_heads": model.attention_heads,
+        "mla_kernel": "auto" if fi else kernel,
     }
-    planner = Planner(["nsa"], limits, options=options)
+    options = {"nsa": nsa}
+    if fi:
+        options["nsa_flashinfer"] = flashinfer_options(model, device)
+    planner = Planner(["nsa", "nsa_flashinfer"] if fi else ["nsa"], limits, options=options)
     return GraphRunner(planner, forward, req_to_token=table, sizes=[batch])
 
 

@@ -73,7 +73,8 @@ def profile_config(model, batch: int, ctx: int, kernel: str, phase: str, args, d
         for i in range(args.warmup):
             runner.step(batches[i % len(batches)], eager=eager)
         sync(device)
-        with torch.profiler.profile(activities=activities) as prof:
+        stacks = phase == "eager" and args.sites
+        with torch.profiler.profile(activities=activities, with_stack=stacks) as prof:
             for i in range(args.steps):
                 runner.step(batches[i % len(batches)], eager=eager)
             sync(device)
@@ -91,6 +92,7 @@ def profile_config(model, batch: int, ctx: int, kernel: str, phase: str, args, d
                 us, calls = op.self_device_time_total / args.steps, op.count / args.steps
                 ops.append((op.key, us, calls))
         ops.sort(key=lambda row: -row[1])
+    sites = call_sites(prof, args.steps, args.top, device=device.type == "cuda") if stacks else []
     return {
         "batch": batch,
         "ctx": ctx,
@@ -101,7 +103,52 @@ def profile_config(model, batch: int, ctx: int, kernel: str, phase: str, args, d
         "groups_us": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
         "top_kernels_us": top,
         "torch_ops": ops[: 2 * args.top],
+        "call_sites": sites,
     }
+
+
+_REPO_DIRS = ("models/", "backends/", "planner/", "graphs/")
+
+
+def _repo_frame(event) -> str | None:
+    """The innermost Python frame of this repository's code above ``event``:
+    ``path(line): function`` (the profiler records frames as parent events)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        name = parent.name
+        for root in _REPO_DIRS:
+            at = name.find(root)
+            if at >= 0 and "(" in name[at:]:
+                return name[at:]
+        parent = parent.cpu_parent
+    return None
+
+
+def call_sites(prof: torch.profiler.profile, steps: int, top: int, *, device: bool) -> list[tuple]:
+    """Time of the outermost torch ops per calling source line: where the small kernels
+    come from.
+
+    The op table says which aten ops launch kernels; this says which line of the model
+    or a backend issued them (the innermost frame under the repository's packages), so
+    a fusion can be aimed at the line that pays most. Without a GPU (``device=False``)
+    the ops' CPU time stands in, so the attribution itself runs in the CPU suite.
+    """
+    per_site: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for event in prof.events():
+        parent = event.cpu_parent
+        if not event.name.startswith("aten::") or (
+            parent is not None and parent.name.startswith("aten::")
+        ):
+            continue  # only the op a Python line called, its nested ops counted inside it
+        spent = event.device_time_total if device else event.cpu_time_total
+        if not spent:
+            continue
+        cell = per_site[(_repo_frame(event) or "(outside the repository)", event.name)]
+        cell[0] += spent / steps
+        cell[1] += 1 / steps
+    rows = [(site, op, us, calls) for (site, op), (us, calls) in per_site.items()]
+    rows.sort(key=lambda row: -row[2])
+    return rows[: 3 * top]
 
 
 def report(row: dict) -> str:
@@ -118,6 +165,11 @@ def report(row: dict) -> str:
         ops = [(name, us, calls) for name, us, calls in row["torch_ops"]]
         text += "\n" + print_table(
             "torch ops (self device time)", ("op", "us/step", "calls/step"), ops
+        )
+    if row.get("call_sites"):
+        sites = [(site[-70:], op, us, calls) for site, op, us, calls in row["call_sites"]]
+        text += "\n" + print_table(
+            "call sites (self time)", ("site", "op", "us/step", "calls/step"), sites
         )
     return text
 
@@ -157,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=("graph", "eager"),
         default=["graph", "eager"],
         help="graph replays (kernels inside a graph need a CUPTI that traces them) and eager steps",
+    )
+    p.add_argument(
+        "--sites",
+        action="store_true",
+        help="eager phase: attribute torch ops' device time to the source lines that issued them",
     )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="profiled graph steps per configuration")

@@ -57,6 +57,7 @@ from models.config import DSV32Config
 from models.kv_cache import PagedKVCache
 from models.model import DSV32Model
 from planner import ForwardBatch, Limits, Planner
+from serving.plan_setup import flashinfer_options
 
 VARIANTS = ("a_per_layer", "b_seed", "c_planner")
 
@@ -160,7 +161,9 @@ def model_stack(args, batch: int, ctx: int, device: torch.device, model):
     ids = torch.randint(0, cfg.vocab_size, (batch,), device=device)
 
     def forward(inputs, plans, plan_of=lambda p: p):
-        return model(ids, {"nsa": plan_of(plans["nsa"])}, cache)
+        sparse = plans.get("nsa_flashinfer")  # FlashInfer's sparse MLA plan, when planned
+        extra = {} if sparse is None else {"nsa_flashinfer": sparse}
+        return model(ids, {"nsa": plan_of(plans["nsa"]), **extra}, cache)
 
     return table, num_pages, forward, {"topk": cfg.index_topk}
 
@@ -184,10 +187,11 @@ def run_variant(
     table, num_pages, forward, nsa_options = setup
     limits = stack_limits(batch, ctx, num_pages, device)
     sms = limits.num_sms
+    companions = getattr(args, "companions", {})  # FlashInfer's sparse MLA plan, if asked
     planner = Planner(
-        ["nsa"],
+        ["nsa", *companions],
         limits,
-        options={"nsa": nsa_options},
+        options={"nsa": nsa_options, **companions},
         ops_in_graph=(variant == "c_planner"),
     )
     proxies: list[PerLayerSchedule] = []
@@ -241,6 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         default="shapes",
         help="model preset for --stack model (tiny for a CPU smoke test)",
     )
+    p.add_argument(
+        "--mla-kernel",
+        choices=("auto", "flashinfer"),
+        default="auto",
+        help="model stack's sparse MLA: the NSA plan's kernel (Triton on CUDA), or FlashInfer's "
+        "planned once per batch (the same in all three variants)",
+    )
     p.add_argument("--modes", nargs="+", choices=("eager", "graph"), default=["eager", "graph"])
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
@@ -258,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             DSV32Config.preset(args.preset), seed=args.seed, device=device, dtype=dtype
         )
         args.layers_in_stack = model.config.num_hidden_layers
+        if args.mla_kernel == "flashinfer":
+            args.companions = {"nsa_flashinfer": flashinfer_options(model, device)}
     else:
         args.layers_in_stack = args.layers
     results = []

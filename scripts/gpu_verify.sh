@@ -9,13 +9,16 @@
 #   mqa         fp8_mqa_logits drop-in vs the real kernel         -> verify_mqa_logits.json
 #   deepgemm    paged MQA schedule and logits vs the real kernel  -> verify_deepgemm.json
 #   sparse_mla  Triton sparse MLA vs the reference and FlashInfer -> bench_sparse_mla.json
+#   sparse_fi   FlashInfer sparse MLA via the nsa_flashinfer plan   -> sparse_flashinfer.json/.png
 #   moe_topk    routed MoE and length-aware top-k                 -> bench_moe_topk.json
 #   gpu_tests   pytest -m gpu (real CUDA graphs, kernels)
 #   small       dsv32-small decode, 16 requests                   -> small.json
 #   shapes      dsv32-shapes decode, 64 requests                  -> shapes.json
+#   small_fi, shapes_fi  the same with --mla-kernel flashinfer     -> small_fi.json, shapes_fi.json
 #   floor       dsv32-shapes step under graphs vs its HBM floor   -> model_floor.json
 #   step_profile dsv32-shapes step kernels by group (graph and eager) -> profile_step.json/.png
 #   model_seed  whole dsv32-shapes model: per-layer vs once-per-batch schedule -> model_seed.json
+#   model_seed_fi  the same with FlashInfer's sparse MLA plan     -> model_seed_fi.json
 #   host        planner vs hand-written host time, every variant  -> planner_overhead.json/.png
 #   refresh     graph runner refresh, decode and target verify    -> replay_overhead*.json
 #   profile     host profile of replay, runner step, eager plan   -> profile_host.json
@@ -53,17 +56,26 @@ for step in "$@"; do
     mqa) run mqa python3 benchmarks/verify_mqa_logits.py --out "$OUT" ;;
     deepgemm) run deepgemm python3 benchmarks/verify_deepgemm.py --out "$OUT/verify_deepgemm.json" ;;
     sparse_mla) run sparse_mla python3 benchmarks/bench_sparse_mla.py --out "$OUT" --iters 50 ;;
+    sparse_fi) run sparse_fi python3 -m benchmarks.verify_sparse_flashinfer \
+        --out "$OUT/sparse_flashinfer.json" --plot "$OUT/sparse_flashinfer.png" ;;
     moe_topk) run moe_topk python3 benchmarks/bench_moe_topk.py --out "$OUT" --iters 30 ;;
     gpu_tests) run gpu_tests python3 -m pytest -q -p no:cacheprovider --maxfail=3 -m gpu tests/gpu ;;
     small) run small python3 -m planner decode --config configs/dsv32-small.yaml --requests 16 \
         --quiet --json "$OUT/small.json" ;;
     shapes) run shapes python3 -m planner decode --config configs/dsv32-shapes.yaml --requests 64 \
         --quiet --json "$OUT/shapes.json" ;;
+    small_fi) run small_fi python3 -m planner decode --config configs/dsv32-small.yaml \
+        --requests 16 --mla-kernel flashinfer --quiet --json "$OUT/small_fi.json" ;;
+    shapes_fi) run shapes_fi python3 -m planner decode --config configs/dsv32-shapes.yaml \
+        --requests 64 --mla-kernel flashinfer --quiet --json "$OUT/shapes_fi.json" ;;
     floor) run floor python3 -m benchmarks.model_floor --out "$OUT/model_floor.json" ;;
     step_profile) run step_profile python3 -m benchmarks.profile_step --batches 1 64 \
         --out "$OUT/profile_step.json" --plot "$OUT/profile_step.png" ;;
     model_seed) run model_seed python3 benchmarks/seed_stack.py --stack model --contexts 4096 \
         --batches 1 16 64 --modes graph --runs 2 --warmup 5 --iters 20 --out "$OUT/model_seed.json" ;;
+    model_seed_fi) run model_seed_fi python3 benchmarks/seed_stack.py --stack model \
+        --contexts 4096 --batches 1 16 64 --modes graph --runs 2 --warmup 5 --iters 20 \
+        --mla-kernel flashinfer --out "$OUT/model_seed_fi.json" ;;
     host) run host python3 -m benchmarks.planner_overhead --runs 2 --iters 300 \
         --out "$OUT/planner_overhead.json" --plot "$OUT/planner_overhead.png" ;;
     refresh)
