@@ -68,6 +68,8 @@ def _quantize_kernel(
     q_ptr,
     s_ptr,
     x_ptr,
+    r_ptr,
+    r_scale,
     vectors,
     groups,
     x_stride,
@@ -76,6 +78,8 @@ def _quantize_kernel(
     BLOCK_P2: tl.constexpr,
     ROWS: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
+    ROTATE: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     # Vector v is group v % groups of row v // groups. Offsets in int64: rows * stride
     # passes 2**31 in a long prefill.
@@ -91,7 +95,24 @@ def _quantize_kernel(
     mask = live[:, None]
     if BLOCK_P2 != BLOCK:
         mask = mask & (cols < BLOCK)[None, :]
-    x = tl.load(x_ptr + start[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + start[:, None] + cols[None, :], mask=mask, other=0.0)
+    if ROTATE:
+        # y = round_bf16((x @ R^T) * r_scale): R (the indexer's Hadamard, +-1) times bf16
+        # values are exact products, summed in fp32 as the torch path's fp32 matmul does
+        # (in another order: equal whenever the sums are exact in fp32, as they are for
+        # activations whose exponents span under 16 binades), then scaled and rounded to
+        # bf16 to nearest even, which is the torch path's ``.to(bfloat16)``.
+        rt = tl.load(r_ptr + cols[None, :] * BLOCK + cols[:, None])  # rt[k, n] = R[n, k]
+        if DOT_F32:  # the interpreter multiplies bf16 bit patterns as integers
+            y = tl.dot(x.to(tl.float32), rt.to(tl.float32), input_precision="ieee")
+        else:
+            y = tl.dot(x, rt.to(x.dtype))
+        y = y * r_scale
+        bits = y.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # 0xFFFF0000 as an int32
+        x = bits.to(tl.float32, bitcast=True)
+    else:
+        x = x.to(tl.float32)
 
     # Scale: see the module docstring. Masked lanes read +0, which never wins the max.
     amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
@@ -132,17 +153,50 @@ def _quantize_kernel(
 _quantize = LazyKernel(_quantize_kernel, aligned=True)
 
 
-def quantize_fp8_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_rotation(x: torch.Tensor, block: int, rotation: torch.Tensor) -> None:
+    """What the rotated variant needs: bf16 vectors (it rounds to bf16), a square fp32
+    matrix of the vector size on x's device, and a power-of-2 size >= 16 (a tensor-core
+    tile; 16 vectors a program make the dot's M)."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"the rotated variant reads bfloat16 vectors, got {x.dtype}")
+    if block < 16 or block & (block - 1) or _TILE // block < 16:
+        raise ValueError(f"the rotated variant needs a power-of-2 block in [16, 128], got {block}")
+    if (
+        tuple(rotation.shape) != (block, block)
+        or rotation.dtype != torch.float32
+        or rotation.device != x.device
+        or not rotation.is_contiguous()
+    ):
+        raise ValueError(
+            f"rotation must be a contiguous float32 [{block}, {block}] on {x.device}, got "
+            f"{rotation.dtype} {tuple(rotation.shape)} on {rotation.device}"
+        )
+
+
+def quantize_fp8_triton(
+    x: torch.Tensor,
+    block: int,
+    *,
+    rotation: torch.Tensor | None = None,
+    rotation_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x_fp8 [..., D] float8_e4m3fn, scale [..., D // block] float32)``, bit for bit as
     the torch recipe, in one launch. Input checks with the user-facing messages are the
     caller's (``fp8.quantize_fp8_e4m3_per_vector``); this only refuses what it cannot run.
-    Needs CUDA, or CPU tensors under ``TRITON_INTERPRET=1``."""
+    Needs CUDA, or CPU tensors under ``TRITON_INTERPRET=1``.
+
+    ``rotation`` (``[block, block]``, entries exact in bf16: the indexer's Hadamard) first
+    maps each bf16 vector to ``bf16((v @ rotation.T) * rotation_scale)`` inside the same
+    launch, which the torch path spends five kernels and an fp32 GEMM on.
+    """
     device = x.device
     require_launchable(device, "max")
     if x.dtype not in KERNEL_DTYPES:
         raise ValueError(f"the kernel reads {KERNEL_DTYPES}, got {x.dtype}")
     if x.dim() == 0 or block < 1 or x.shape[-1] % block:
         raise ValueError(f"need x [..., k * {block}], got {tuple(x.shape)}")
+    if rotation is not None:
+        _check_rotation(x, block, rotation)
     d = x.shape[-1]
     groups = d // block
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device)
@@ -161,6 +215,8 @@ def quantize_fp8_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torc
         q.view(torch.uint8),
         scale,
         x2,
+        x2 if rotation is None else rotation,
+        rotation_scale,
         vectors,
         groups,
         stride,
@@ -169,6 +225,8 @@ def quantize_fp8_triton(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torc
         BLOCK_P2=block_p2,
         ROWS=per_program,
         ROW_ALIGN=row_align(math.gcd(stride, block), x.dtype),
+        ROTATE=rotation is not None,
+        DOT_F32=device.type != "cuda",
         num_warps=min(max(per_program * block_p2 // 512, 1), 8),
     )
     return q, scale

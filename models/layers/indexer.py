@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backends.common.triton_kernels import triton_available
 from backends.deepgemm import fp8
+from backends.deepgemm.fp8_triton import quantize_fp8_triton
 from backends.nsa import NSAExtendPlan, NSAPlan
 from backends.nsa.attention import indexer_topk
 from backends.nsa.extend_attention import indexer_topk_extend
@@ -60,13 +62,36 @@ class Indexer(nn.Module):
         The weights include ``H^-0.5 * D^-0.5`` but not the fp8 query scale, so
         ``sum_h w_h relu(q_h . k)`` is the unquantised score (the test reference).
         """
+        q, k, w = self.project_roped(x, qr, cos, sin)
+        return self._rotate(q).to(x.dtype), self._rotate(k).to(x.dtype), w
+
+    def project_roped(
+        self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``project`` before the Hadamard rotation: roped ``q``, ``k``, and the weights."""
         rows = x.shape[0]
-        q = self.wq_b(qr).view(rows, self.n_heads, self.head_dim)
-        q = hadamard_rotate(self._rope_first(q, cos, sin), self.hadamard).to(x.dtype)
-        k = self.k_norm(self.wk(x))
-        k = hadamard_rotate(self._rope_first(k, cos, sin), self.hadamard).to(x.dtype)
+        q = self._rope_first(self.wq_b(qr).view(rows, self.n_heads, self.head_dim), cos, sin)
+        k = self._rope_first(self.k_norm(self.wk(x)), cos, sin)
         w = self.weights_proj(x.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
         return q, k, w
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return hadamard_rotate(x, self.hadamard)
+
+    def rotate_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 codes and per-vector scales of ``bf16(rotate(x))``.
+
+        On CUDA with bf16 activations this is one Triton launch (the rotation as a
+        tensor-core dot inside the quantisation kernel), where the torch path takes an
+        fp32 cast, an fp32 GEMM, a scale, a cast and the quantisation: two of each a layer.
+        The products are exact and both sum in fp32, so results agree whenever those sums
+        are exact (tests/gpu/test_fp8_triton_gpu.py counts any that do not).
+        """
+        if x.is_cuda and x.dtype == torch.bfloat16 and triton_available(x.device):
+            return quantize_fp8_triton(
+                x, self.head_dim, rotation=self.hadamard, rotation_scale=self.head_dim**-0.5
+            )
+        return fp8.quantize_fp8_e4m3_per_vector(self._rotate(x).to(x.dtype), block=self.head_dim)
 
     def forward(
         self,
@@ -78,11 +103,11 @@ class Indexer(nn.Module):
         index_cache: torch.Tensor,
     ) -> torch.Tensor:
         """Write this step's keys, then return ``topk_slots int32 [rows, topk]`` (-1 invalid)."""
-        q, k, w = self.project(x, qr, cos, sin)
+        q, k, w = self.project_roped(x, qr, cos, sin)
         # One fp8 scale per head vector (the 128-element block in the real model).
-        k_fp8, k_scale = fp8.quantize_fp8_e4m3_per_vector(k, block=self.head_dim)
+        k_fp8, k_scale = self.rotate_quantize(k)
         fp8.write_index_cache(index_cache, plan.out_cache_loc, k_fp8, k_scale)
-        q_fp8, q_scale = fp8.quantize_fp8_e4m3_per_vector(q, block=self.head_dim)
+        q_fp8, q_scale = self.rotate_quantize(q)
         weights = w * q_scale.squeeze(-1)
         if isinstance(plan, NSAExtendPlan):
             return indexer_topk_extend(plan, q_fp8, weights, index_cache)

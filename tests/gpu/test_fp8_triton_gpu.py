@@ -201,3 +201,35 @@ def test_cuda_graph_replay_over_new_batches(dtype) -> None:
         torch.cuda.synchronize()
         assert_same(out_q, quantize_fp8_e4m3_per_vector_reference(new_q))
         assert_same(out_k, quantize_fp8_e4m3_per_vector_reference(new_k))
+
+
+# ---- the rotated variant (the indexer's Hadamard fused into the launch) ----------------
+
+
+def _rotated_torch(x: torch.Tensor, r: torch.Tensor) -> tuple:
+    """The indexer's torch path on CUDA: fp32 GEMM, scale, bf16 cast, the torch recipe."""
+    y = ((x.float() @ r.t()) * 128**-0.5).to(torch.bfloat16)
+    return quantize_fp8_e4m3_per_vector_reference(y, 128)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64, 128])
+def test_rotated_variant_bit_equal_on_exact_sums_and_rare_flips_otherwise(rows):
+    from models.layers.hadamard import hadamard_matrix
+    from tests.backends.test_fp8_rotate_triton import exact_sum_vectors
+
+    gen = torch.Generator().manual_seed(rows)
+    h = hadamard_matrix(128, device=DEV)
+    for shape in ((rows, HEADS, 128), (rows, 128)):
+        x = exact_sum_vectors(gen, shape).to(DEV)
+        assert_same(quantize_fp8_triton(x, 128, rotation=h, rotation_scale=128**-0.5),
+                    _rotated_torch(x, h))  # fmt: skip
+        g = torch.randn(*shape, generator=gen).to(DEV, torch.bfloat16)
+        (q, s), (q_ref, s_ref) = (
+            quantize_fp8_triton(g, 128, rotation=h, rotation_scale=128**-0.5),
+            _rotated_torch(g, h),
+        )
+        a, b = _bytes(q).int(), _bytes(q_ref).int()
+        flips = a != b
+        assert flips.float().mean().item() < 1e-3, int(flips.sum())
+        assert ((a - b).abs()[flips] <= 1).all()
+        assert torch.equal(s, s_ref) or (s != s_ref).float().mean().item() < 1e-3
