@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import warnings
 from collections import defaultdict
 
@@ -29,7 +30,7 @@ from models.config import DSV32Config
 from models.model import DSV32Model
 
 GROUPS = (
-    ("sparse_mla", ("_attend", "_combine", "sparse_mla", "mla_decode", "mla_")),
+    ("sparse_mla", ("_attend", "_combine", "sparse_mla", "mla_decode", "mla_", "mla::")),
     ("indexer_logits", ("mqa_logits", "paged_mqa", "fp8_paged", "index_score", "logits")),
     ("topk", ("topk", "top_k", "radix", "sort", "select")),
     ("metadata", ("schedule", "kv_gather", "cumsum", "page_table", "causal", "gather_token")),
@@ -38,6 +39,10 @@ GROUPS = (
     ("copy_fill", ("copy", "memcpy", "memset", "fill", "cat", "index", "scatter")),
 )
 """Kernel name substrings per group, tried in order (the first group that matches wins)."""
+
+
+_MODULE = "module::"
+"""Prefix of the profiler ranges ``--sites`` wraps modules in."""
 
 
 def group_of(name: str) -> str:
@@ -52,6 +57,8 @@ def kernel_times(prof: torch.profiler.profile, steps: int) -> dict[str, float]:
     """Device microseconds per step of each kernel name (CUDA events only)."""
     per_name: dict[str, float] = defaultdict(float)
     for event in prof.events():
+        if event.name.startswith(_MODULE):
+            continue  # a module's range (``--sites``), not a kernel
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total:
             per_name[event.name] += event.device_time_total / steps
     return dict(per_name)
@@ -74,10 +81,13 @@ def profile_config(model, batch: int, ctx: int, kernel: str, phase: str, args, d
             runner.step(batches[i % len(batches)], eager=eager)
         sync(device)
         stacks = phase == "eager" and args.sites
+        hooks = label_modules(model) if stacks else []
         with torch.profiler.profile(activities=activities, with_stack=stacks) as prof:
             for i in range(args.steps):
                 runner.step(batches[i % len(batches)], eager=eager)
             sync(device)
+        for hook in hooks:
+            hook.remove()
     replays = runner.stats.graph_steps
     runner.close()
     kernels = kernel_times(prof, args.steps)
@@ -110,18 +120,44 @@ def profile_config(model, batch: int, ctx: int, kernel: str, phase: str, args, d
 _REPO_DIRS = ("models/", "backends/", "planner/", "graphs/")
 
 
+def label_modules(model: torch.nn.Module) -> list:
+    """Wrap every submodule's forward in a profiler range named after it (layer indices
+    folded: ``layers.*.attn.wq_a``), so kernels are attributed to the module that ran
+    them even where the profiler records no Python frames (it did not on the H200's torch)."""
+    hooks = []
+    for name, module in model.named_modules():
+        if not name or isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            continue
+        label = _MODULE + re.sub(r"\.\d+\.", ".*.", name)
+        ranges: list = []
+
+        def enter(mod, inputs, label=label, ranges=ranges):
+            ranges.append(torch.autograd.profiler.record_function(label))
+            ranges[-1].__enter__()
+
+        def leave(mod, inputs, output, ranges=ranges):
+            ranges.pop().__exit__(None, None, None)
+
+        hooks += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    return hooks
+
+
 def _repo_frame(event) -> str | None:
-    """The innermost Python frame of this repository's code above ``event``:
-    ``path(line): function`` (the profiler records frames as parent events)."""
-    parent = event.cpu_parent
+    """Where ``event`` was issued: the innermost labelled module above it, with the
+    innermost Python frame of this repository's code (``path(line): function``) when the
+    profiler recorded frames."""
+    parent, frame = event.cpu_parent, None
     while parent is not None:
         name = parent.name
+        if name.startswith(_MODULE):
+            module = name[len(_MODULE) :]
+            return module if frame is None else f"{module} @ {frame}"
         for root in _REPO_DIRS:
             at = name.find(root)
-            if at >= 0 and "(" in name[at:]:
-                return name[at:]
+            if frame is None and at >= 0 and "(" in name[at:]:
+                frame = name[at:]
         parent = parent.cpu_parent
-    return None
+    return frame
 
 
 def call_sites(prof: torch.profiler.profile, steps: int, top: int, *, device: bool) -> list[tuple]:
@@ -167,7 +203,7 @@ def report(row: dict) -> str:
             "torch ops (self device time)", ("op", "us/step", "calls/step"), ops
         )
     if row.get("call_sites"):
-        sites = [(site[-70:], op, us, calls) for site, op, us, calls in row["call_sites"]]
+        sites = [(site[:100], op, us, calls) for site, op, us, calls in row["call_sites"]]
         text += "\n" + print_table(
             "call sites (self time)", ("site", "op", "us/step", "calls/step"), sites
         )

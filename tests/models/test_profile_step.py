@@ -10,6 +10,9 @@ from benchmarks.profile_step import group_of, main
 
 def test_kernel_names_fall_in_their_groups():
     assert group_of("_attend_kernel") == "sparse_mla"
+    assert group_of("void flashinfer::mla::hopper::BatchMLAPageAttentionHopperKernel<x>") == (
+        "sparse_mla"
+    )
     assert group_of("_row_topk_kernel") == "topk"
     assert group_of("nvjet_sm90_tst_256x8_64x6_2x1_v_bz_splitK_TNT") == "gemm"
     assert group_of("void deep_gemm::sm90_fp8_paged_mqa_logits<1u, 64u>") == "indexer_logits"
