@@ -91,6 +91,13 @@ class Block(nn.Module):
         x = self.ffn_norm(h)
         return h + (self.ffn(x) if self.exchange is None else self.exchange(x, self.ffn))
 
+    def fuse_projections(self) -> None:
+        """Projections that read the same input run as one GEMM (see ``FusedWeights``)."""
+        self.attn.fuse_projections()
+        mlp = self.ffn if isinstance(self.ffn, MLP) else getattr(self.ffn, "shared", None)
+        if mlp is not None:
+            mlp.fuse_projections()
+
 
 class DSV32Model(nn.Module):
     """Embedding, ``num_hidden_layers`` blocks, final norm and LM head."""
@@ -142,6 +149,9 @@ class DSV32Model(nn.Module):
             self._reset_buffers()
             if seed is not None:
                 self._init_weights(seed)
+        if device.type == "cuda":  # the CPU keeps its batch-invariant per-layer float64 path
+            for block in self.layers:
+                block.fuse_projections()
 
     @property
     def device(self) -> torch.device:

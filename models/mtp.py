@@ -86,6 +86,8 @@ class MTPDraft(nn.Module):
         with torch.no_grad():  # see the class docstring: random weights, a sensible start
             self.eh_proj.weight.zero_()
             self.eh_proj.weight[:, :dim].copy_(torch.eye(dim, dtype=self.eh_proj.weight.dtype))
+        if target.device.type == "cuda":  # as the target's layers (DSV32Model.__init__)
+            self.block.fuse_projections()
 
     def new_cache(self, num_pages: int) -> PagedKVCache:
         """The layer's own KV and index cache over the target's page ids (same slots)."""

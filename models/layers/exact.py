@@ -62,3 +62,37 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """``torch.sigmoid`` rounded once from float64 on the CPU (see :func:`silu`)."""
     return torch.sigmoid(x.double()).to(x.dtype) if exact(x) else torch.sigmoid(x)
+
+
+class FusedWeights:
+    """Several bias-free ``Linear`` layers over the same input, run as one GEMM.
+
+    At decode batch sizes a projection's cost is reading its weight, and small ones
+    (the 576- and 128-wide MLA and indexer key projections) read it far below the
+    card's bandwidth. Stacked as row blocks of one buffer they are one larger GEMM.
+    The layers keep views of that buffer as their weights, so ``state_dict``, ``load``
+    (in-place copies) and ``save`` see the same parameters as before. If anything
+    re-points a weight (``.to()``, a replaced parameter), ``__call__`` returns None and
+    the caller runs the layers one by one: never a stale fused weight.
+    """
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        if any(layer.bias is not None for layer in linears):
+            raise ValueError("only bias-free Linear layers are fused")
+        self.weight = torch.cat([layer.weight.detach() for layer in linears], dim=0)
+        self.sizes = [layer.out_features for layer in linears]
+        start = 0
+        for layer, size in zip(linears, self.sizes, strict=True):
+            layer.weight = nn.Parameter(self.weight[start : start + size], requires_grad=False)
+            start += size
+        self._linears = linears
+        self._pointers = self._current()
+
+    def _current(self) -> tuple[int, ...]:
+        return tuple(layer.weight.data_ptr() for layer in self._linears)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Each layer's output (column views of one GEMM's), or None if the views broke."""
+        if self._current() != self._pointers or x.device != self.weight.device:
+            return None
+        return F.linear(x, self.weight).split(self.sizes, dim=-1)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from models.config import DSV32Config
-from models.layers.exact import Linear, contract, sigmoid, silu
+from models.layers.exact import FusedWeights, Linear, contract, sigmoid, silu
 from models.layers.moe_routing import routed_experts
 
 
@@ -26,9 +26,17 @@ class MLP(nn.Module):
         self.w1 = Linear(dim, inter, bias=False, dtype=dtype)
         self.w2 = Linear(inter, dim, bias=False, dtype=dtype)
         self.w3 = Linear(dim, inter, bias=False, dtype=dtype)
+        self.gate_up: FusedWeights | None = None
+        """``w1`` and ``w3`` as one GEMM (``fuse_projections``)."""
+
+    def fuse_projections(self) -> None:
+        """Run ``w1`` and ``w3`` (same input) as one GEMM: one weight read, one launch."""
+        self.gate_up = FusedWeights([self.w1, self.w3])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(silu(self.w1(x)) * self.w3(x))
+        fused = None if self.gate_up is None else self.gate_up(x)
+        gate, up = (self.w1(x), self.w3(x)) if fused is None else fused
+        return self.w2(silu(gate) * up)
 
 
 class Gate(nn.Module):

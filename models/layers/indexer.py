@@ -66,12 +66,18 @@ class Indexer(nn.Module):
         return self._rotate(q).to(x.dtype), self._rotate(k).to(x.dtype), w
 
     def project_roped(
-        self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_proj: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``project`` before the Hadamard rotation: roped ``q``, ``k``, and the weights."""
+        """``project`` before the Hadamard rotation: roped ``q``, ``k``, and the weights
+        (``k_proj``: ``wk(x)`` when the layer's fused input projection computed it)."""
         rows = x.shape[0]
         q = self._rope_first(self.wq_b(qr).view(rows, self.n_heads, self.head_dim), cos, sin)
-        k = self._rope_first(self.k_norm(self.wk(x)), cos, sin)
+        k = self._rope_first(self.k_norm(self.wk(x) if k_proj is None else k_proj), cos, sin)
         w = self.weights_proj(x.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
         return q, k, w
 
@@ -101,9 +107,10 @@ class Indexer(nn.Module):
         sin: torch.Tensor,
         plan: NSAPlan | NSAExtendPlan,
         index_cache: torch.Tensor,
+        k_proj: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's keys, then return ``topk_slots int32 [rows, topk]`` (-1 invalid)."""
-        q, k, w = self.project_roped(x, qr, cos, sin)
+        q, k, w = self.project_roped(x, qr, cos, sin, k_proj)
         # One fp8 scale per head vector (the 128-element block in the real model).
         k_fp8, k_scale = self.rotate_quantize(k)
         fp8.write_index_cache(index_cache, plan.out_cache_loc, k_fp8, k_scale)

@@ -20,7 +20,7 @@ from backends.nsa import NSAExtendPlan, NSAPlan
 from backends.nsa.attention import sparse_mla
 from backends.nsa_flashinfer import NSAFlashInferPlan, sparse_mla_flashinfer
 from models.config import DSV32Config
-from models.layers.exact import Linear, contract, exact
+from models.layers.exact import FusedWeights, Linear, contract, exact
 from models.layers.indexer import Indexer
 from models.layers.norm import RMSNorm
 from models.layers.rope import apply_rope_interleaved
@@ -48,23 +48,33 @@ class MLA(nn.Module):
         self.indexer = Indexer(cfg, dtype)
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Sums ``wo``'s partial output over tensor-parallel ranks (None: all heads here)."""
+        self.in_proj: FusedWeights | None = None
+        """``wq_a``, ``wkv_a`` and the indexer's ``wk`` as one GEMM (``fuse_projections``)."""
+
+    def fuse_projections(self) -> None:
+        """Run the three projections of the layer's input as one GEMM (on GPUs: at decode
+        sizes the 576- and 128-wide ones read their weights far below bandwidth)."""
+        self.in_proj = FusedWeights([self.wq_a, self.wkv_a, self.indexer.wk])
 
     # Steps 1-3 and 5 of the decode layer, separately callable for tests.
 
     def project_q(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qa: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(qr [rows, q_lora], q_nope [rows, H, nope], q_rope [rows, H, rope])``, roped."""
-        qr = self.q_norm(self.wq_a(x))
+        """``(qr [rows, q_lora], q_nope [rows, H, nope], q_rope [rows, H, rope])``, roped;
+        ``qa``: ``wq_a(x)`` when already computed (the fused input projection)."""
+        qr = self.q_norm(self.wq_a(x) if qa is None else qa)
         q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.nope + self.rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         return qr, q_nope, apply_rope_interleaved(q_rope, cos, sin)
 
     def project_kv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kva: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(latent [rows, kv_lora] normed, k_rope [rows, rope] roped)``: what is cached."""
-        latent, k_rope = self.wkv_a(x).split([self.kv_lora, self.rope], dim=-1)
+        """``(latent [rows, kv_lora] normed, k_rope [rows, rope] roped)``: what is cached;
+        ``kva``: ``wkv_a(x)`` when already computed."""
+        kv = self.wkv_a(x) if kva is None else kva
+        latent, k_rope = kv.split([self.kv_lora, self.rope], dim=-1)
         return self.kv_norm(latent), apply_rope_interleaved(k_rope, cos, sin)
 
     def _wkv_b(self) -> torch.Tensor:
@@ -126,11 +136,13 @@ class MLA(nn.Module):
         Writes this step's latent and rope key into ``kv_cache`` at the plan's
         ``out_cache_loc`` before attending, so every row sees its own token.
         """
-        qr, q_nope, q_rope = self.project_q(x, cos, sin)
-        latent, k_rope = self.project_kv(x, cos, sin)
+        fused = None if self.in_proj is None else self.in_proj(x)
+        qa, kva, k_index = (None, None, None) if fused is None else fused
+        qr, q_nope, q_rope = self.project_q(x, cos, sin, qa)
+        latent, k_rope = self.project_kv(x, cos, sin, kva)
         loc = plan.out_cache_loc
         kv_cache[loc] = torch.cat([latent, k_rope], dim=-1).to(kv_cache.dtype)
-        topk_slots = self.indexer(x, qr, cos, sin, plan, index_cache)
+        topk_slots = self.indexer(x, qr, cos, sin, plan, index_cache, k_index)
         q_abs = self.absorb_q(q_nope)
         if sparse is not None:
             o = sparse_mla_flashinfer(
