@@ -64,9 +64,10 @@ def indexer_topk(
     best ``plan.topk`` of its own positions ``< kv_lens[row]`` are taken by ``row_topk``
     (length-aware: nothing past a row's length is read, deep_gemm leaves it undefined;
     a row that fits takes all its positions unscored; ties go to the lowest position) and
-    mapped through ``token_slots`` of the row's request, ascending by position, ``-1``
-    after. ``max_seq_len`` must cover every ``kv_lens`` entry (positions past it can never
-    be chosen; checking would need a host sync).
+    mapped through ``token_slots`` of the row's request in the same call
+    (``topk_ref.map_positions_to_slots``), ascending by position, ``-1`` after.
+    ``max_seq_len`` must cover every ``kv_lens`` entry (positions past it can never be
+    chosen; checking would need a host sync).
     """
     next_n, kernel_n = plan.next_n, plan.kernel_next_n
     topk = plan.topk
@@ -89,13 +90,10 @@ def indexer_topk(
     )
     # Length-aware: each row's top-k over its own valid positions only (deep_gemm leaves the
     # rest undefined, so nothing past kv_lens is read), rows that fit take all theirs
-    # unscored. Positions come out ascending with -1 after, ties to the lowest position.
+    # unscored. The positions are mapped to slots in the same call (one launch on CUDA,
+    # not a chain of small ops a layer); ascending by position, -1 after.
     idx = torch.empty(rows, topk, dtype=torch.int32, device=logits.device)
-    row_topk(logits, kv_lens, topk, idx)
-    req_of_row = torch.arange(rows, device=idx.device) // next_n
-    col = idx.clamp(min=0, max=token_slots.shape[1] - 1).long()
-    slots = token_slots[req_of_row.unsqueeze(1), col]
-    return torch.where(idx >= 0, slots, torch.full_like(slots, -1)).to(torch.int32)
+    return row_topk(logits, kv_lens, topk, idx, slots=token_slots, next_n=next_n)
 
 
 def _check_mla_inputs(

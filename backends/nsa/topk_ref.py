@@ -18,6 +18,10 @@ Every provider (``backends.nsa.topk_triton``) must return exactly what
 
 The reference sorts the whole width (static shapes, no host sync: usable under CUDA
 graphs, just not length-aware); the Triton kernel does work proportional to ``L``.
+
+The decode indexer wants physical KV slots, not positions: ``map_positions_to_slots``
+is that mapping as torch ops (row ``r`` reads its request ``r // next_n``'s row of the
+slot table), and the exact result the Triton kernel's fused mapping must reproduce.
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ import torch
 
 from planner.errors import PlanError
 
-__all__ = ["PAD", "check_row_topk", "order_keys", "reference_row_topk"]
+__all__ = [
+    "PAD",
+    "check_row_topk",
+    "check_slot_map",
+    "map_positions_to_slots",
+    "order_keys",
+    "reference_row_topk",
+]
 
 PAD = -1  # an output entry that names no position
 _SIGN = 1 << 31
@@ -85,6 +96,69 @@ def check_row_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, out: tor
                 expected=str(logits.device),
                 actual=str(t.device),
             )
+
+
+def check_slot_map(rows: int, slots: torch.Tensor, next_n: int, device: torch.device) -> None:
+    """Checks for mapping ``rows`` top-k rows through ``slots``, shared by both providers so
+    they refuse the same tables. Metadata only (no host sync). A table with no column is
+    refused: the reference's clamp would have no column to land on."""
+    if not isinstance(next_n, int) or isinstance(next_n, bool) or next_n < 1:
+        raise PlanError(
+            "next_n must be a positive int", field="next_n", expected=">= 1", actual=next_n
+        )
+    if rows % next_n != 0:
+        raise PlanError(
+            "rows must be a multiple of next_n (rows = reqs * next_n)",
+            field="next_n",
+            expected=f"a divisor of {rows}",
+            actual=next_n,
+        )
+    reqs = rows // next_n
+    if slots.dim() != 2 or slots.dtype != torch.int32 or slots.shape[0] != reqs:
+        raise PlanError(
+            "slots must be int32 [reqs, max_len] with rows = reqs * next_n",
+            field="slots",
+            expected=f"int32 [{reqs}, max_len]",
+            actual=f"{slots.dtype} {tuple(slots.shape)}",
+        )
+    if slots.shape[1] == 0:
+        raise PlanError(
+            "slots needs at least one column",
+            field="slots",
+            expected="max_len >= 1",
+            actual=tuple(slots.shape),
+        )
+    if slots.shape[1] > 1 and slots.stride(1) != 1:
+        raise PlanError(
+            "slots rows must be contiguous (row stride may exceed the width)",
+            field="slots",
+            expected="stride(1) == 1",
+            actual=slots.stride(),
+        )
+    if slots.device != device:
+        raise PlanError(
+            "slots must be on the logits' device",
+            field="slots",
+            expected=str(device),
+            actual=str(slots.device),
+        )
+
+
+def map_positions_to_slots(
+    idx: torch.Tensor, token_slots: torch.Tensor, next_n: int
+) -> torch.Tensor:
+    """``token_slots[r // next_n, idx[r, j]]`` for every chosen position, ``-1`` kept: a new
+    ``int32`` tensor shaped like ``idx``.
+
+    Positions are clamped into the table before the gather so ``-1`` (and any position past
+    a narrow table) reads a real entry and shapes stay static; ``-1`` is put back after.
+    """
+    check_slot_map(idx.shape[0], token_slots, next_n, idx.device)
+    rows = idx.shape[0]
+    req_of_row = torch.arange(rows, device=idx.device) // next_n
+    col = idx.clamp(min=0, max=token_slots.shape[1] - 1).long()
+    slots = token_slots[req_of_row.unsqueeze(1), col]
+    return torch.where(idx >= 0, slots, torch.full_like(slots, -1)).to(torch.int32)
 
 
 def order_keys(x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,12 @@ reads only its row's ``[0, L)``:
 Rows with ``L <= k`` skip both passes over the scores and write ``0 .. L-1``. The
 semantics (ties, NaN, ``-0.0``, padding) are ``topk_ref.reference_row_topk``'s, bit for
 bit. Grid ``(rows,)`` from shapes only: no host sync, capturable in a CUDA graph.
+
+Optionally (``MAP_SLOTS``) the compaction stores ``slots[row // next_n, pos]`` instead of
+``pos``, which is ``topk_ref.map_positions_to_slots`` of the positions bit for bit. The
+decode indexer wants slots; mapping them afterwards in torch took ~8 small launches a
+layer, here it is one gather per chosen entry in the launch that already writes it.
+``MAP_SLOTS`` is a compile-time flag so the positions-only variant is unchanged.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from backends.common.triton_kernels import LazyKernel, require_launchable
-from backends.nsa.topk_ref import check_row_topk
+from backends.nsa.topk_ref import check_row_topk, check_slot_map
 
 try:
     import triton
@@ -47,16 +53,23 @@ def _row_topk_kernel(
     out_ptr,
     x_ptr,
     len_ptr,
+    slots_ptr,
     width,
     k,
     x_stride,
     out_stride,
+    slots_width,
+    slots_stride,
+    next_n,
     BLOCK: tl.constexpr,
     OUT_BLOCK: tl.constexpr,
+    MAP_SLOTS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     out_row = out_ptr + row * out_stride
+    if MAP_SLOTS:
+        slots_row = slots_ptr + (row // next_n) * slots_stride  # the row's request
     n = tl.minimum(tl.maximum(tl.load(len_ptr + row), 0), width)
     small = n <= k  # the whole row fits: take it without reading a score
     scored = tl.where(small, 0, n)  # positions whose scores are read
@@ -135,7 +148,13 @@ def _row_topk_kernel(
         used = tl.minimum(at_before, need) - tl.minimum(at_seen, need)
         dest = taken + (before & 0xFFFF) + used
         sel = always | (at & (at_before < need))
-        tl.store(out_row + dest, idx, mask=sel & (dest < k))
+        keep = sel & (dest < k)
+        value = idx
+        if MAP_SLOTS:
+            # The reference's clamp into the table (idx is never negative here), so a
+            # table narrower than the logits reads its last column as torch does.
+            value = tl.load(slots_row + tl.minimum(idx, slots_width - 1), mask=keep, other=-1)
+        tl.store(out_row + dest, value, mask=keep)
         total = tl.sum(both, axis=0)
         taken += (
             (total & 0xFFFF) + tl.minimum(at_seen + (total >> 16), need) - tl.minimum(at_seen, need)
@@ -157,15 +176,21 @@ def row_topk_triton(
     k: int,
     out: torch.Tensor,
     *,
+    slots: torch.Tensor | None = None,
+    next_n: int = 1,
     block: int = DEFAULT_BLOCK,
     num_warps: int = DEFAULT_WARPS,
 ) -> torch.Tensor:
     """``reference_row_topk``'s result, written into ``out``, with work per row ~ its length.
 
+    With ``slots`` (int32 ``[reqs, max_len]``, ``rows = reqs * next_n``, row stride free)
+    the result is ``map_positions_to_slots`` of it instead, in the same launch.
     ``block`` (a power of 2 in ``[16, 8192]``) and ``num_warps`` are tuning knobs only;
     results do not depend on them.
     """
     check_row_topk(logits, lengths, k, out)
+    if slots is not None:
+        check_slot_map(out.shape[0], slots, next_n, logits.device)
     device = logits.device
     require_launchable(device, "cumsum")
     if block < 16 or block > 8192 or block & (block - 1):
@@ -173,16 +198,25 @@ def row_topk_triton(
     rows, width = logits.shape
     if rows == 0:
         return out
+    mapped = slots is not None
+    # Unmapped, the table pointer is never read: ``out`` stands in (same dtype and
+    # alignment, so it adds no compiled variant).
+    table = slots if mapped else out
     _row_topk[(rows,)](
         out,
         logits,
         lengths,
+        table,
         width,
         k,
         logits.stride(0),
         out.stride(0),
+        table.shape[1] if mapped else 1,
+        table.stride(0) if mapped else 0,
+        next_n if mapped else 1,
         BLOCK=block,
         OUT_BLOCK=min(block, max(16, triton.next_power_of_2(k))),
+        MAP_SLOTS=mapped,
         num_warps=num_warps,
     )
     return out

@@ -1,15 +1,19 @@
 """Length-aware row top-k: the reference against hand-worked rows and ``torch.topk``,
-the Triton kernel bit for bit against the reference (interpreter here, compiled on GPU)."""
+the Triton kernel bit for bit against the reference (interpreter here, compiled on GPU),
+with and without the fused position-to-slot mapping the decode indexer uses."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.common.triton_kernels import triton_available
+from backends.nsa import topk as topk_module
 from backends.nsa.topk import row_topk, row_topk_provider
-from backends.nsa.topk_ref import order_keys, reference_row_topk
+from backends.nsa.topk_ref import map_positions_to_slots, order_keys, reference_row_topk
 from backends.nsa.topk_triton import row_topk_triton
 from planner.errors import PlanError
 
@@ -41,6 +45,36 @@ def random_case(
     else:
         x = torch.randn(shape, generator=gen)
     return x.to(device)[:, :width]
+
+
+def random_slots(gen: torch.Generator, reqs: int, width: int, device: str = "cpu") -> torch.Tensor:
+    """A slot table like the plan's: int32, random values, row stride past its width."""
+    table = torch.randint(-(2**31), 2**31 - 1, (reqs, width + 7), generator=gen, dtype=I32)
+    return table.to(device)[:, :width]
+
+
+def mapped_reference(
+    x: torch.Tensor, lengths: torch.Tensor, k: int, slots: torch.Tensor, next_n: int
+) -> torch.Tensor:
+    return map_positions_to_slots(reference_row_topk(x, lengths, k), slots, next_n)
+
+
+class Trace(TorchDispatchMode):
+    """Records each op and its output shape: equal traces for different data mean static
+    shapes and no data-dependent control flow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else None
+        self.ops.append((func.__name__, shape))
+        return out
+
+
+SYNCING_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item")
 
 
 # --------------------------------------------------------------------- reference
@@ -91,17 +125,6 @@ def test_reference_matches_torch_topk_sets_on_distinct_scores() -> None:
 def test_reference_has_no_host_sync_and_static_shapes() -> None:
     """Same op sequence and shapes for different data: what CUDA graph capture needs."""
 
-    class Trace(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[tuple[str, tuple]] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            shape = tuple(out.shape) if isinstance(out, torch.Tensor) else None
-            self.ops.append((func.__name__, shape))
-            return out
-
     traces = []
     for seed in (0, 1):
         gen = torch.Generator().manual_seed(seed)
@@ -111,8 +134,7 @@ def test_reference_has_no_host_sync_and_static_shapes() -> None:
             reference_row_topk(x, lengths, 7, torch.empty(4, 7, dtype=I32))
         traces.append(t.ops)
     assert traces[0] == traces[1]
-    bad = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item")
-    assert not [op for op, _ in traces[0] if any(b in op for b in bad)]
+    assert not [op for op, _ in traces[0] if any(b in op for b in SYNCING_OPS)]
 
 
 def test_checks_name_the_field() -> None:
@@ -127,6 +149,79 @@ def test_checks_name_the_field() -> None:
         reference_row_topk(x, lengths, 0, torch.empty(2, 0, dtype=I32))
     with pytest.raises(PlanError, match=r"\[out\]"):
         reference_row_topk(x, lengths, 4, out)
+
+
+def test_slot_mapping_by_hand() -> None:
+    # Rows 0-1 are request 0, rows 2-3 request 1; -1 stays -1 whatever slot 0 holds.
+    idx = torch.tensor([[0, 2, -1], [1, -1, -1], [0, 1, 2], [-1, -1, -1]], dtype=I32)
+    table = torch.tensor([[10, 11, 12, 99], [20, 21, 22, 99]], dtype=I32)
+    assert map_positions_to_slots(idx, table, 2).tolist() == [
+        [10, 12, -1],
+        [11, -1, -1],
+        [20, 21, 22],
+        [-1, -1, -1],
+    ]
+    # Positions past the table's width read its last column (the clamp), not out of bounds.
+    narrow = table[:, :2]
+    assert map_positions_to_slots(idx, narrow, 2).tolist()[2] == [20, 21, 21]
+
+
+def test_row_topk_with_slots_on_cpu_is_reference_then_mapping() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = random_case(gen, 6, 30, "ties")
+    lengths = torch.tensor([30, 4, 0, 17, 31, -2], dtype=I32)
+    slots = random_slots(gen, 2, 30)
+    out = torch.full((6, 8), 12345, dtype=I32)
+    assert row_topk(x, lengths, 8, out, slots=slots, next_n=3) is out
+    assert torch.equal(out, mapped_reference(x, lengths, 8, slots, 3))
+    # Without slots: positions, exactly as before.
+    assert torch.equal(row_topk(x, lengths, 8, out), reference_row_topk(x, lengths, 8))
+
+
+def test_slot_mapping_has_no_host_sync_and_static_shapes() -> None:
+    traces = []
+    for seed in (0, 1):
+        gen = torch.Generator().manual_seed(seed)
+        x = random_case(gen, 4, 40, "ties")
+        lengths = torch.randint(0, 41, (4,), generator=gen, dtype=I32)
+        slots = random_slots(gen, 2, 40)
+        with Trace() as t:
+            row_topk(x, lengths, 7, torch.empty(4, 7, dtype=I32), slots=slots, next_n=2)
+        traces.append(t.ops)
+    assert traces[0] == traces[1]
+    assert not [op for op, _ in traces[0] if any(b in op for b in SYNCING_OPS)]
+
+
+def bad_slot_maps() -> list[tuple[str, dict]]:
+    """(field, keywords) a top-k over 4 rows must refuse, whatever the provider."""
+    table = torch.zeros(2, 8, dtype=I32)
+    return [
+        ("slots", {"slots": table.long(), "next_n": 2}),  # wrong dtype
+        ("slots", {"slots": torch.zeros(2, 2, 8, dtype=I32), "next_n": 2}),  # not 2-D
+        ("slots", {"slots": table, "next_n": 1}),  # 2 requests for 4 rows of 1
+        ("slots", {"slots": table, "next_n": 4}),  # 2 requests for 4 rows of 4
+        ("next_n", {"slots": table, "next_n": 3}),  # 4 rows are not a multiple of 3
+        ("next_n", {"slots": table, "next_n": 0}),
+        ("next_n", {"slots": table, "next_n": 2.0}),
+        ("slots", {"slots": torch.zeros(8, 2, dtype=I32).t(), "next_n": 2}),  # column stride
+        ("slots", {"slots": torch.zeros(2, 0, dtype=I32), "next_n": 2}),  # no column to read
+    ]
+
+
+@pytest.mark.parametrize(("field", "kw"), bad_slot_maps())
+def test_slot_map_checks_name_the_field(field: str, kw: dict) -> None:
+    x, lengths = torch.zeros(4, 8), torch.full((4,), 8, dtype=I32)
+    out = torch.empty(4, 3, dtype=I32)
+    with pytest.raises(PlanError) as e:
+        row_topk(x, lengths, 3, out, **kw)
+    assert e.value.field == field
+    with pytest.raises(PlanError) as e:
+        map_positions_to_slots(out, kw["slots"], kw["next_n"])
+    assert e.value.field == field
+    if triton_available(torch.device("cpu")):
+        with pytest.raises(PlanError) as e:
+            row_topk_triton(x, lengths, 3, out, **kw)
+        assert e.value.field == field
 
 
 # ------------------------------------------------------------------------ triton
@@ -170,6 +265,101 @@ def test_triton_edge_rows() -> None:
     check_triton(x, torch.tensor([20, 13], dtype=I32), 7, block=16)
 
 
+def check_triton_slots(
+    x: torch.Tensor, lengths: torch.Tensor, k: int, slots: torch.Tensor, next_n: int, **kw
+) -> None:
+    want = mapped_reference(x, lengths, k, slots, next_n)
+    got = torch.full_like(want, 12345)  # poison: every entry must be written
+    row_topk_triton(x, lengths, k, got, slots=slots, next_n=next_n, **kw)
+    assert torch.equal(got, want), (lengths.tolist(), k, next_n, got, want)
+
+
+@needs_triton
+@pytest.mark.parametrize("next_n", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["distinct", "ties", "nasty"])
+def test_triton_slot_map_matches_reference_then_mapping(kind: str, next_n: int) -> None:
+    gen = torch.Generator().manual_seed(10 * next_n + ["distinct", "ties", "nasty"].index(kind))
+    for width, k in ((0, 3), (37, 1), (60, 7), (40, 61), (45, 17)):
+        reqs = 2
+        rows = reqs * next_n
+        x = random_case(gen, rows, width, kind)
+        lengths = torch.randint(-1, width + 3, (rows,), generator=gen, dtype=I32)
+        lengths[0] = width  # always one full row
+        lengths[-1] = min(k, width)  # and one that fits, taken unscored
+        check_triton_slots(x, lengths, k, random_slots(gen, reqs, max(width, 1)), next_n, block=32)
+
+
+@needs_triton
+def test_triton_slot_map_edge_rows() -> None:
+    gen = torch.Generator().manual_seed(5)
+    # Every length 0..width, request by request; block smaller than k and than the row.
+    x = torch.randint(-3, 4, (21, 20), generator=gen).float()
+    check_triton_slots(x, torch.arange(21, dtype=I32), 5, random_slots(gen, 7, 20), 3, block=16)
+    # Mostly NaN (fewer candidates than k), all NaN, all -inf, +-0 only.
+    x = torch.full((4, 40), NAN)
+    x[0, ::10] = 1.0
+    x[2] = -INF
+    x[3] = torch.tensor([0.0, -0.0]).repeat(20)
+    check_triton_slots(x, torch.full((4,), 40, dtype=I32), 6, random_slots(gen, 2, 40), 2, block=16)
+    # A slot table narrower than the logits: positions past it read its last column, as
+    # the reference's clamp does; one wider than the logits is read only up to the length.
+    x = torch.randn(4, 24, generator=gen)
+    lengths = torch.tensor([24, 9, 30, 3], dtype=I32)
+    for table_width in (1, 10, 50):
+        check_triton_slots(x, lengths, 12, random_slots(gen, 4, table_width), 1, block=16)
+    # A table whose rows are all one stored row (stride 0), like an expanded view.
+    table = torch.arange(100, 124, dtype=I32).expand(2, 24)
+    check_triton_slots(x, lengths, 5, table, 2, block=16)
+
+
+@needs_triton
+def test_row_topk_forwards_slots_to_the_triton_provider(monkeypatch) -> None:
+    monkeypatch.setattr(topk_module, "row_topk_provider", lambda device: "triton")
+    gen = torch.Generator().manual_seed(9)
+    x = random_case(gen, 4, 50, "normal")
+    lengths = torch.tensor([50, 3, 0, 21], dtype=I32)
+    slots = random_slots(gen, 2, 50)
+    out = torch.full((4, 8), 12345, dtype=I32)
+    assert row_topk(x, lengths, 8, out, slots=slots, next_n=2) is out
+    assert torch.equal(out, mapped_reference(x, lengths, 8, slots, 2))
+
+
+@pytest.mark.parametrize("provider", ["torch", "triton"])
+def test_indexer_topk_is_the_old_topk_then_torch_mapping(monkeypatch, provider: str) -> None:
+    """The decode indexer, wired to the fused call, returns what its former seven torch ops
+    after a positions-only top-k returned (written out here as they were)."""
+    if provider == "triton" and not triton_available(torch.device("cpu")):
+        pytest.skip("no interpreter")
+    from backends.nsa import attention as nsa
+
+    gen = torch.Generator().manual_seed(13)
+    reqs, next_n, width, topk = 3, 2, 40, 8
+    rows = reqs * next_n
+    logits = random_case(gen, rows, width, "ties")
+    kv_lens = torch.tensor([40, 39, 5, 6, 0, 23], dtype=I32)
+    token_slots = random_slots(gen, reqs, width)
+    plan = SimpleNamespace(
+        next_n=next_n,
+        kernel_next_n=next_n,
+        topk=topk,
+        max_seq_len=width,
+        kv_lens=kv_lens,
+        schedule=None,
+        token_slots=token_slots,
+        kernel_page_table=None,
+    )
+    monkeypatch.setattr(nsa, "fp8_paged_mqa_logits", lambda *args: logits)
+    monkeypatch.setattr(topk_module, "row_topk_provider", lambda device: provider)
+    got = nsa.indexer_topk(plan, torch.zeros(rows, 1, 1), torch.zeros(rows, 1), None)
+
+    idx = reference_row_topk(logits, kv_lens, topk)
+    req_of_row = torch.arange(rows) // next_n
+    col = idx.clamp(min=0, max=token_slots.shape[1] - 1).long()
+    slots = token_slots[req_of_row.unsqueeze(1), col]
+    want = torch.where(idx >= 0, slots, torch.full_like(slots, -1)).to(torch.int32)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+
+
 def test_row_topk_dispatch_on_cpu_is_the_reference() -> None:
     assert row_topk_provider(torch.device("cpu")) == "torch"
     x = torch.randn(3, 20)
@@ -209,3 +399,25 @@ def test_triton_topk_replays_in_a_cuda_graph() -> None:
     lengths.copy_(torch.randint(0, 4097, (16,), dtype=I32, device="cuda"))
     graph.replay()
     assert torch.equal(out, reference_row_topk(x, lengths, 2048))
+
+
+@pytest.mark.gpu
+def test_triton_slot_map_matches_on_cuda_and_replays_in_a_graph() -> None:
+    gen = torch.Generator().manual_seed(11)
+    for next_n in (1, 2):
+        reqs, width, k = 32, 4096, 2048
+        rows = reqs * next_n
+        x = random_case(gen, rows, width, "ties", "cuda")
+        lengths = torch.randint(0, width + 1, (rows,), generator=gen, dtype=I32).cuda()
+        slots = random_slots(gen, reqs, width, "cuda")
+        out = torch.empty(rows, k, dtype=I32, device="cuda")
+        row_topk(x, lengths, k, out, slots=slots, next_n=next_n)  # compile outside the capture
+        assert torch.equal(out, mapped_reference(x, lengths, k, slots, next_n))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            row_topk(x, lengths, k, out, slots=slots, next_n=next_n)
+        x.copy_(random_case(gen, rows, width, "normal", "cuda"))
+        lengths.copy_(torch.randint(0, width + 1, (rows,), generator=gen, dtype=I32).cuda())
+        slots.copy_(random_slots(gen, reqs, width, "cuda"))
+        graph.replay()
+        assert torch.equal(out, mapped_reference(x, lengths, k, slots, next_n))
