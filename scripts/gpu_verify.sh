@@ -11,7 +11,7 @@
 #   sparse_mla  Triton sparse MLA vs the reference and FlashInfer -> bench_sparse_mla.json
 #   sparse_fi   FlashInfer sparse MLA via the nsa_flashinfer plan   -> sparse_flashinfer.json/.png
 #   moe_topk    routed MoE and length-aware top-k                 -> bench_moe_topk.json
-#   gpu_tests   pytest -m gpu (real CUDA graphs, kernels)
+#   gpu_tests   pytest -m gpu over the whole tree (tests/gpu and the GPU cases elsewhere)
 #   small       dsv32-small decode, 16 requests                   -> small.json
 #   shapes      dsv32-shapes decode, 64 requests                  -> shapes.json
 #   small_fi, shapes_fi  the same with --mla-kernel flashinfer     -> small_fi.json, shapes_fi.json
@@ -59,7 +59,7 @@ for step in "$@"; do
     sparse_fi) run sparse_fi python3 -m benchmarks.verify_sparse_flashinfer \
         --out "$OUT/sparse_flashinfer.json" --plot "$OUT/sparse_flashinfer.png" ;;
     moe_topk) run moe_topk python3 benchmarks/bench_moe_topk.py --out "$OUT" --iters 30 ;;
-    gpu_tests) run gpu_tests python3 -m pytest -q -p no:cacheprovider --maxfail=3 -m gpu tests/gpu ;;
+    gpu_tests) run gpu_tests python3 -m pytest -q -p no:cacheprovider --maxfail=3 -m gpu tests ;;
     small) run small python3 -m planner decode --config configs/dsv32-small.yaml --requests 16 \
         --quiet --json "$OUT/small.json" ;;
     shapes) run shapes python3 -m planner decode --config configs/dsv32-shapes.yaml --requests 64 \
