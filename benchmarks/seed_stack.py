@@ -96,9 +96,13 @@ def make_table(batch: int, ctx: int, device: torch.device, seed: int):
 
 def make_batch(table, batch: int, ctx: int, rng: random.Random):
 
-    lens = [rng.randint(ctx - ctx // 8, ctx) for _ in range(batch)]
+    return batch_of(table, [rng.randint(ctx - ctx // 8, ctx) for _ in range(batch)])
+
+
+def batch_of(table: torch.Tensor, lens: list[int]) -> ForwardBatch:
+    """A decode batch of requests ``1..len(lens)`` of ``table`` with these lengths."""
     seq = torch.tensor(lens, dtype=torch.int32)
-    pool = torch.arange(1, batch + 1, dtype=torch.int32)
+    pool = torch.arange(1, len(lens) + 1, dtype=torch.int32)
     loc = table[pool.to(table.device).long(), (seq - 1).to(table.device).long()].cpu()
     return ForwardBatch(
         seq_lens_cpu=seq,

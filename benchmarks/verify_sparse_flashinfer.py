@@ -32,6 +32,7 @@ from backends.nsa.attention import sparse_mla, sparse_mla_decode
 from backends.nsa_flashinfer import sparse_mla_flashinfer
 from benchmarks.common import machine, plot_bars, print_table, time_host, write_json
 from benchmarks.graph_timers import time_graph
+from benchmarks.seed_stack import batch_of, make_table
 from planner import ForwardBatch, ForwardMode, Limits, Planner
 
 HEADS, LATENT, ROPE, TOPK = 128, 512, 64, 2048
@@ -57,25 +58,6 @@ def make_planner(
         "nsa_flashinfer": {"sparse_topk": TOPK, "sparse_heads": HEADS, "sparse_sm_scale": SCALE},
     }
     return Planner(list(backends), limits, options={b: options[b] for b in backends})
-
-
-def token_table(reqs: int, ctx: int, device: torch.device) -> torch.Tensor:
-    """Request ``r`` (1-based; row 0 the null request) owns slots ``[r * ctx, (r + 1) * ctx)``."""
-    return torch.arange((reqs + 1) * ctx, dtype=torch.int32, device=device).view(reqs + 1, ctx)
-
-
-def batch_of(table: torch.Tensor, lens: list[int]) -> ForwardBatch:
-    seq = torch.tensor(lens, dtype=torch.int32)
-    pool = torch.arange(1, len(lens) + 1, dtype=torch.int64)
-    loc = table[pool.to(table.device), (seq - 1).long().to(table.device)].cpu()
-    return ForwardBatch(
-        seq_lens_cpu=seq,
-        req_pool_indices=pool,
-        req_to_token=table,
-        out_cache_loc=loc,
-        positions=(seq - 1).to(torch.int32),
-        mode=ForwardMode.DECODE,
-    )
 
 
 def indexer_like_slots(kv_len: torch.Tensor, num_slots: int, gen: torch.Generator) -> torch.Tensor:
@@ -224,12 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(args.seed)
     rng = random.Random(args.seed)
-    table = token_table(max(args.sizes), args.ctx, device)
-    kv = (torch.randn(table.numel(), LATENT + ROPE, device=device, generator=gen) * 0.5).to(
-        torch.bfloat16
-    )
-    planner = make_planner(args.sizes, args.ctx, table.numel(), device)
-    nsa_only = make_planner(args.sizes, args.ctx, table.numel(), device, backends=("nsa",))
+    table, num_pages = make_table(max(args.sizes), args.ctx, device, args.seed)
+    slots = num_pages * 64
+    kv = (torch.randn(slots, LATENT + ROPE, device=device, generator=gen) * 0.5).to(torch.bfloat16)
+    planner = make_planner(args.sizes, args.ctx, slots, device)
+    nsa_only = make_planner(args.sizes, args.ctx, slots, device, backends=("nsa",))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for bs in args.sizes:

@@ -97,7 +97,7 @@ def _binds(*names: str) -> tuple[str, ...]:
     return ("qo_indptr", "kv_indptr", "kv_indices", *names)
 
 
-def _check_positive_int(settings: dict[str, Any], name: str, field: str) -> int:
+def check_positive_int(settings: dict[str, Any], name: str, field: str) -> int:
     value = settings[name]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SchemaError(
@@ -106,7 +106,7 @@ def _check_positive_int(settings: dict[str, Any], name: str, field: str) -> int:
     return value
 
 
-def _check_scale(value: Any, field: str, *, optional: bool) -> None:
+def check_scale(value: Any, field: str, *, optional: bool) -> None:
     if value is None and optional:
         return
     if (
@@ -181,8 +181,8 @@ class FlashInferDecodePlan(BatchInputsPlan, backend="flashinfer_decode"):
     def check_settings(cls, settings: dict[str, Any]) -> None:
         """What FlashInfer's decode kernels accept; refused when the planner is built."""
         b = "flashinfer_decode"
-        heads = _check_positive_int(settings, "num_qo_heads", b)
-        kv_heads = _check_positive_int(settings, "num_kv_heads", b)
+        heads = check_positive_int(settings, "num_qo_heads", b)
+        kv_heads = check_positive_int(settings, "num_kv_heads", b)
         if heads % kv_heads:
             raise SchemaError(
                 "query heads must be a multiple of KV heads",
@@ -198,12 +198,12 @@ class FlashInferDecodePlan(BatchInputsPlan, backend="flashinfer_decode"):
             )
         dtype_named(settings["q_dtype"], field=f"{b}.q_dtype")
         dtype_named(settings["kv_dtype"], field=f"{b}.kv_dtype", kv=True)
-        _check_scale(settings["decode_sm_scale"], f"{b}.decode_sm_scale", optional=True)
+        check_scale(settings["decode_sm_scale"], f"{b}.decode_sm_scale", optional=True)
         if not isinstance(settings["use_tensor_cores"], bool):
             raise SchemaError(
                 "must be a bool", field=f"{b}.use_tensor_cores", actual=settings["use_tensor_cores"]
             )
-        _check_positive_int(settings, "workspace_mb", b)
+        check_positive_int(settings, "workspace_mb", b)
 
 
 class FlashInferMLAPlan(BatchInputsPlan, backend="flashinfer_mla"):
@@ -265,7 +265,7 @@ class FlashInferMLAPlan(BatchInputsPlan, backend="flashinfer_mla"):
     def check_settings(cls, settings: dict[str, Any]) -> None:
         """What FlashInfer's MLA kernels accept; refused when the planner is built."""
         b = "flashinfer_mla"
-        _check_positive_int(settings, "num_heads", b)
+        check_positive_int(settings, "num_heads", b)
         if (settings["head_dim_ckv"], settings["head_dim_kpe"]) != (512, 64):
             raise SchemaError(
                 "FlashInfer's MLA kernels are built for DeepSeek's 512 latent + 64 rope dims",
@@ -282,8 +282,8 @@ class FlashInferMLAPlan(BatchInputsPlan, backend="flashinfer_mla"):
             )
         dtype_named(settings["q_dtype"], field=f"{b}.q_dtype")
         dtype_named(settings["kv_dtype"], field=f"{b}.kv_dtype")
-        _check_scale(settings["mla_sm_scale"], f"{b}.mla_sm_scale", optional=False)
-        _check_positive_int(settings, "workspace_mb", b)
+        check_scale(settings["mla_sm_scale"], f"{b}.mla_sm_scale", optional=False)
+        check_positive_int(settings, "workspace_mb", b)
         if settings["mla_backend"] not in ("auto", "fa2", "fa3"):
             raise SchemaError(
                 "unknown MLA backend",

@@ -35,7 +35,13 @@ from backends.nsa.sparse_mla_triton import sparse_mla_decode_triton
 from backends.nsa.topk import row_topk
 from planner.errors import PlanError
 
-__all__ = ["indexer_topk", "sparse_mla", "sparse_mla_decode", "dense_mla_decode"]
+__all__ = [
+    "check_mla_inputs",
+    "dense_mla_decode",
+    "indexer_topk",
+    "sparse_mla",
+    "sparse_mla_decode",
+]
 
 
 def _rows_of(kv_lens: torch.Tensor, next_n: int) -> tuple[int, int]:
@@ -96,7 +102,7 @@ def indexer_topk(
     return row_topk(logits, kv_lens, topk, idx, slots=token_slots, next_n=next_n)
 
 
-def _check_mla_inputs(
+def check_mla_inputs(
     q_nope_abs: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
 ) -> tuple[int, int]:
     rows, heads, latent = q_nope_abs.shape
@@ -134,7 +140,7 @@ def sparse_mla_decode(
     than filtered, so shapes are static (graph-capturable on CUDA, same code on CPU).
     Output dtype follows ``q_nope_abs``.
     """
-    latent, _ = _check_mla_inputs(q_nope_abs, q_rope, kv_cache)
+    latent, _ = check_mla_inputs(q_nope_abs, q_rope, kv_cache)
     rows = q_nope_abs.shape[0]
     if topk_slots.dim() != 2 or topk_slots.shape[0] != rows:
         raise PlanError(
@@ -204,7 +210,7 @@ def dense_mla_decode(
     next_n = plan.next_n
     kv_lens = plan.kv_lens
     token_slots = plan.token_slots
-    latent, _ = _check_mla_inputs(q_nope_abs, q_rope, kv_cache)
+    latent, _ = check_mla_inputs(q_nope_abs, q_rope, kv_cache)
     rows, _ = _rows_of(kv_lens, next_n)
     out = torch.zeros(q_nope_abs.shape, dtype=torch.float64, device=q_nope_abs.device)
     lens = kv_lens.tolist()

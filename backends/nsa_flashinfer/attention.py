@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.nsa.attention import sparse_mla_decode
+from backends.nsa.attention import check_mla_inputs, sparse_mla_decode
 from backends.nsa_flashinfer.plan import NSAFlashInferPlan
 from backends.nsa_flashinfer.slots import SparseSlot
 from planner.errors import PlanError
@@ -38,6 +38,7 @@ def _slot(plan: NSAFlashInferPlan) -> SparseSlot:
 def _check(
     plan: NSAFlashInferPlan,
     q_nope_abs: torch.Tensor,
+    q_rope: torch.Tensor,
     kv_cache: torch.Tensor,
     topk_slots: torch.Tensor,
     softmax_scale: float,
@@ -64,14 +65,7 @@ def _check(
             expected=plan.sm_scale,
             actual=softmax_scale,
         )
-    latent = q_nope_abs.shape[2]
-    if kv_cache.dim() != 2 or kv_cache.shape[1] <= latent:
-        raise PlanError(
-            "kv_cache must be [num_slots, latent + rope]",
-            field="kv_cache",
-            expected=("num_slots", f"{latent} + rope"),
-            actual=tuple(kv_cache.shape),
-        )
+    check_mla_inputs(q_nope_abs, q_rope, kv_cache)
     return rows
 
 
@@ -120,7 +114,7 @@ def sparse_mla_flashinfer(
     ``topk_slots`` is this layer's indexer output (``-1`` past each row's ``kv_len``,
     valid below it); ``softmax_scale`` must be the one the plan was made with.
     """
-    rows = _check(plan, q_nope_abs, kv_cache, topk_slots, softmax_scale)
+    rows = _check(plan, q_nope_abs, q_rope, kv_cache, topk_slots, softmax_scale)
     slot = _slot(plan)
     indices = _write_slots(slot, topk_slots, rows)
     if slot.wrapper is None:

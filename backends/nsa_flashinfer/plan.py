@@ -22,7 +22,9 @@ import torch
 
 from backends.common.inputs import BatchInputsPlan
 from backends.flashinfer.ops import dtype_named
+from backends.flashinfer.plans import check_positive_int, check_scale
 from backends.nsa_flashinfer import ops as _ops  # noqa: F401  (registers nsa_flashinfer_plan)
+from backends.paged.plan import causal_kv_lens_field
 from planner.errors import SchemaError
 from planner.schema import (
     PAD_DERIVED,
@@ -53,15 +55,7 @@ class NSAFlashInferPlan(BatchInputsPlan, backend="nsa_flashinfer"):
         "sparse_backend": "auto",
     }
 
-    kv_lens: Tensor = tensor_field(
-        I32,
-        ("rows",),
-        op="causal_lengths",
-        inputs=("seq_lens",),
-        params={"next_n": Setting("next_n")},
-        pad=PAD_DERIVED,
-        doc="causal KV length of each query row (shared with nsa's)",
-    )
+    kv_lens: Tensor = causal_kv_lens_field()
     kv_len: Tensor = tensor_field(
         I32,
         ("rows",),
@@ -112,11 +106,7 @@ class NSAFlashInferPlan(BatchInputsPlan, backend="nsa_flashinfer"):
         """What FlashInfer's MLA kernels accept; refused when the planner is built."""
         b = "nsa_flashinfer"
         for name in ("sparse_topk", "sparse_heads", "sparse_workspace_mb"):
-            value = settings[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SchemaError(
-                    "must be a positive int", field=f"{b}.{name}", expected=">= 1", actual=value
-                )
+            check_positive_int(settings, name, b)
         if (settings["sparse_latent"], settings["sparse_rope"]) != (512, 64):
             raise SchemaError(
                 "FlashInfer's MLA kernels are built for DeepSeek's 512 latent + 64 rope dims",
@@ -126,18 +116,7 @@ class NSAFlashInferPlan(BatchInputsPlan, backend="nsa_flashinfer"):
             )
         dtype_named(settings["sparse_q_dtype"], field=f"{b}.sparse_q_dtype")
         dtype_named(settings["sparse_kv_dtype"], field=f"{b}.sparse_kv_dtype")
-        scale = settings["sparse_sm_scale"]
-        if (
-            isinstance(scale, bool)
-            or not isinstance(scale, (int, float))
-            or not math.isfinite(scale)
-            or scale <= 0
-        ):
-            raise SchemaError(
-                "softmax scale must be a positive finite number",
-                field=f"{b}.sparse_sm_scale",
-                actual=scale,
-            )
+        check_scale(settings["sparse_sm_scale"], f"{b}.sparse_sm_scale", optional=False)
         if settings["sparse_backend"] not in BACKENDS:
             raise SchemaError(
                 "unknown FlashInfer MLA backend",

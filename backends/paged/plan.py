@@ -6,6 +6,8 @@ shared ones in ``backends.common``). The README's example of registering one.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from backends.common.inputs import BatchInputsPlan
@@ -14,10 +16,10 @@ from planner.schema import PAD_DERIVED, Setting, Tensor, scalar_field, tensor_fi
 I32 = torch.int32
 
 
-class PagedPlan(BatchInputsPlan, backend="paged"):
-    """What a paged decode / verify attention kernel reads in every layer."""
-
-    kv_lens: Tensor = tensor_field(
+def causal_kv_lens_field() -> Any:
+    """The causal KV length of each query row, as a field of its own for each schema that
+    declares it (the planner computes it once for all of them: same op, same inputs)."""
+    return tensor_field(
         I32,
         ("rows",),
         op="causal_lengths",
@@ -26,6 +28,12 @@ class PagedPlan(BatchInputsPlan, backend="paged"):
         pad=PAD_DERIVED,
         doc="causal KV length of each query row; padding rows get 1..next_n, never 0",
     )
+
+
+class PagedPlan(BatchInputsPlan, backend="paged"):
+    """What a paged decode / verify attention kernel reads in every layer."""
+
+    kv_lens: Tensor = causal_kv_lens_field()
     cu_seqlens_k: Tensor = tensor_field(
         I32,
         ("reqs+1",),
