@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from backends.flashinfer.wrappers import flashinfer_importable
 from backends.nsa import NSADraftExtendPlan, NSAExtendPlan, NSAPlan
 from backends.nsa_flashinfer import NSAFlashInferPlan
 from models.model import DSV32Model
@@ -39,6 +40,14 @@ def plan_schemas(
     schemas: list[type[Plan]] = [NSAPlan, NSAExtendPlan, NSADraftExtendPlan]
     needs = dict(type(model).PLANS)
     if flashinfer:
+        if device.type == "cuda" and not flashinfer_importable():
+            raise ConfigError(
+                "mla_kernel flashinfer needs flashinfer-python importable on this machine "
+                "(without it every layer would run the torch reference sparse MLA)",
+                field="planner.mla_kernel",
+                expected="auto / triton, or install flashinfer-python (the gpu extra)",
+                actual="flashinfer",
+            )
         options["nsa_flashinfer"] = flashinfer_options(model, device)
         schemas.append(NSAFlashInferPlan)
         needs |= type(model).OPTIONAL_PLANS

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from types import SimpleNamespace
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from backends.flashinfer import wrappers
 from backends.nsa.attention import sparse_mla_decode
 from backends.nsa_flashinfer import SPARSE_POOL, NSAFlashInferPlan, sparse_mla_flashinfer
 from backends.nsa_flashinfer.slots import row_lengths
-from planner import ForwardMode, PlanError, PlanSet, SchemaError
+from planner import ConfigError, ForwardMode, PlanError, PlanSet, SchemaError
 from tests.support.batches import random_batch
 from tests.support.planners import PlannerSetup, replay_smallest
 
@@ -263,3 +264,23 @@ def test_a_plan_set_without_the_companion_gives_none_to_get_and_an_error_to_inde
     assert alone.get("nsa_flashinfer") is None  # extend batches: layers keep nsa's kernel
     with pytest.raises(SchemaError, match="no plan for backend"):
         alone["nsa_flashinfer"]
+
+
+def test_the_engine_refuses_flashinfer_sparse_mla_on_a_gpu_without_flashinfer(monkeypatch):
+    from serving import plan_setup
+
+    class Model:  # what plan_schemas reads of a model
+        PLANS: ClassVar[dict] = {}
+        OPTIONAL_PLANS: ClassVar[dict] = {"nsa_flashinfer": (NSAFlashInferPlan,)}
+        config = SimpleNamespace(index_topk=TOPK, softmax_scale=SCALE)
+        attention_heads = HEADS
+        dtype = torch.bfloat16
+
+    model = Model()
+    monkeypatch.setattr(plan_setup, "flashinfer_importable", lambda: False)
+    with pytest.raises(ConfigError) as e:
+        plan_setup.plan_schemas("flashinfer", "0.1.0", model, torch.device("cuda"))
+    assert e.value.field == "planner.mla_kernel"
+    schemas, options, _ = plan_setup.plan_schemas("flashinfer", "0.1.0", model, torch.device("cpu"))
+    assert NSAFlashInferPlan in schemas and options["nsa"]["mla_kernel"] == "auto"
+    assert options["nsa_flashinfer"]["sparse_heads"] == HEADS
