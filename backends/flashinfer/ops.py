@@ -69,8 +69,20 @@ def dtype_named(name: str, *, field: str, kv: bool = False) -> torch.dtype:
     return table[name]
 
 
+_CONFIGS: dict[tuple, wrappers.WrapperConfig] = {}
+
+
 def wrapper_config(kind: str, params: dict[str, Any]) -> wrappers.WrapperConfig:
-    """The op's resolved parameters as the (hashable) wrapper configuration."""
+    """The op's resolved parameters as the (hashable) wrapper configuration, made once per
+    distinct parameters (every replay asks)."""
+    key = (kind, *params.items())
+    config = _CONFIGS.get(key)
+    if config is None:
+        config = _CONFIGS[key] = _new_config(kind, params)
+    return config
+
+
+def _new_config(kind: str, params: dict[str, Any]) -> wrappers.WrapperConfig:
     return wrappers.WrapperConfig(
         kind=kind,
         page_size=params["page_size"],

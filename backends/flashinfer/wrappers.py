@@ -1,11 +1,10 @@
 """FlashInfer wrappers: one per captured (batch size, mode), planned from host lengths.
 
-FlashInfer splits attention into ``plan`` (host: schedules work from the
-lengths, copies it to the device) and ``run`` (per layer). Under CUDA graphs
-``run`` is captured once over fixed buffers, so each captured batch size needs
-its own wrapper built with ``use_cuda_graph=True`` over the planner's static
-plan tensors, re-planned in place before every replay. Eager plans share one
-ordinary wrapper per configuration.
+FlashInfer splits attention into ``plan`` (host: schedules work from the lengths,
+copies it to the device) and ``run`` (per layer). Under CUDA graphs ``run`` is captured
+once over fixed buffers, so each captured batch size needs its own wrapper built with
+``use_cuda_graph=True`` over the planner's static plan tensors, re-planned in place
+before every replay. Eager plans share one ordinary wrapper per configuration.
 
 Two hazards are handled here rather than left to callers:
 
@@ -16,8 +15,7 @@ Two hazards are handled here rather than left to callers:
   pinned host buffers (ours and FlashInfer's own). Before a slot refills them
   for the next batch it waits for the event recorded after its previous plan.
 
-The ``flashinfer`` package is imported on first use, never at import time, so
-this module (and the planner's registry, which imports it) works on any CPU.
+``flashinfer`` is imported on first use, so this module works on any CPU.
 """
 
 from __future__ import annotations
@@ -137,12 +135,17 @@ class HostArgs:
         self._last_page_len = torch.zeros(capacity, **i32)
         self._kv_lens = torch.zeros(capacity, **i32)
         self.summary = torch.zeros(4, dtype=torch.int64, pin_memory=pin)
+        # numpy views of the same memory, made once: every replay fills them
+        self._np = [t.numpy() for t in (self._qo_indptr, self._kv_indptr, self._last_page_len)]
+        self._lens_np, self._summary_np = self._kv_lens.numpy(), self.summary.numpy()
+        self._pages = np.zeros(capacity, dtype=np.int32)
+        self._qo_for: tuple[int, int] | None = None
 
     def fill(self, seq_lens_cpu: torch.Tensor, reqs: int, page_size: int, next_n: int) -> None:
         """The batch's lengths padded to ``reqs`` with ``next_n`` (the plans' pad), then the tables.
 
-        Numpy on views of the same memory: a dozen tiny torch ops would cost
-        more host time than the whole plan.
+        Numpy in place on views made once: a dozen tiny torch ops (or fresh numpy
+        temporaries) would cost more host time than the whole plan.
         """
         real = seq_lens_cpu.shape[0]
         if not real <= reqs <= self.capacity:
@@ -153,17 +156,22 @@ class HostArgs:
                 actual=real,
             )
         self.reqs = reqs
-        lens = self._kv_lens.numpy()[:reqs]
+        qo, indptr, last = (a[: reqs + 1] for a in self._np)
+        lens, pages = self._lens_np[:reqs], self._pages[:reqs]
         lens[:real] = seq_lens_cpu.numpy()
         lens[real:] = next_n
-        indptr = self._kv_indptr.numpy()[: reqs + 1]
+        np.add(lens, page_size - 1, out=pages)
+        np.floor_divide(pages, page_size, out=pages)
         indptr[0] = 0
-        np.cumsum((lens + (page_size - 1)) // page_size, dtype=np.int32, out=indptr[1:])
-        np.add(np.fmod(lens - 1, page_size), 1, out=self._last_page_len.numpy()[:reqs])
-        np.multiply(
-            np.arange(reqs + 1, dtype=np.int32), next_n, out=self._qo_indptr.numpy()[: reqs + 1]
-        )
-        self.summary.numpy()[:] = summary_of(lens, page_size)
+        np.cumsum(pages, dtype=np.int32, out=indptr[1:])
+        last = last[:reqs]
+        np.subtract(lens, 1, out=last)
+        np.remainder(last, page_size, out=last)
+        last += 1
+        if self._qo_for != (reqs, next_n):  # the same for every batch of this size and mode
+            np.multiply(np.arange(reqs + 1, dtype=np.int32), next_n, out=qo)
+            self._qo_for = (reqs, next_n)
+        self._summary_np[:] = (reqs, int(indptr[reqs]), int(lens.sum(dtype=np.int64)), lens.max())
 
     @property
     def qo_indptr(self) -> torch.Tensor:
@@ -184,12 +192,6 @@ class HostArgs:
     @property
     def total_pages(self) -> int:
         return int(self._kv_indptr.numpy()[self.reqs])
-
-
-def summary_of(lens: np.ndarray, page_size: int) -> list[int]:
-    """``[requests, pages, tokens, longest]``: what a plan was made for, as the plan records it."""
-    pages = (lens.astype(np.int64) + (page_size - 1)) // page_size
-    return [int(lens.shape[0]), int(pages.sum()), int(lens.astype(np.int64).sum()), int(lens.max())]
 
 
 class PlanSlot:
