@@ -19,6 +19,7 @@ only the bookkeeping, so the three phases run and are checked on any machine.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -69,17 +70,15 @@ def dtype_named(name: str, *, field: str, kv: bool = False) -> torch.dtype:
     return table[name]
 
 
-_CONFIGS: dict[tuple, wrappers.WrapperConfig] = {}
-
-
 def wrapper_config(kind: str, params: dict[str, Any]) -> wrappers.WrapperConfig:
     """The op's resolved parameters as the (hashable) wrapper configuration, made once per
     distinct parameters (every replay asks)."""
-    key = (kind, *params.items())
-    config = _CONFIGS.get(key)
-    if config is None:
-        config = _CONFIGS[key] = _new_config(kind, params)
-    return config
+    return _config(kind, tuple(params.items()))
+
+
+@functools.cache
+def _config(kind: str, items: tuple) -> wrappers.WrapperConfig:
+    return _new_config(kind, dict(items))
 
 
 def _new_config(kind: str, params: dict[str, Any]) -> wrappers.WrapperConfig:

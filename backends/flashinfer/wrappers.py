@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from backends.common.pinned import PinnedCopies
 from planner.errors import ProviderError
 
 __all__ = [
@@ -211,8 +212,7 @@ class PlanSlot:
         self.bound = bound  # graph slots: the static plan tensors the wrapper reads
         self._pin = device.type == "cuda"
         self.args = HostArgs(reqs, self._pin)
-        self._done = torch.cuda.Event() if self._pin else None
-        self._pending = False
+        self._copies = PinnedCopies(self._pin)
         self.plans = 0
         self.handle: WrapperHandle | None = None
 
@@ -224,9 +224,7 @@ class PlanSlot:
         self, seq_lens_cpu: torch.Tensor, reqs: int, kv_indices: torch.Tensor, out: torch.Tensor
     ) -> None:
         """Fill the host arrays, plan the wrapper, record the summary in ``out``; no device sync."""
-        if self._pending:
-            self._done.synchronize()  # our previous plan's async copies still read these buffers
-            self._pending = False
+        self._copies.before_refill()  # our previous plan's async copies may still read them
         if reqs > self.args.capacity:  # eager slots grow to the largest batch seen
             self.args = HostArgs(reqs, self._pin)
         c = self.config
@@ -234,9 +232,7 @@ class PlanSlot:
         if self.wrapper is not None:
             self._plan_wrapper(kv_indices)
         out.copy_(self.args.summary, non_blocking=self._pin)
-        if self._done is not None:
-            self._done.record()
-            self._pending = True
+        self._copies.after_enqueue()
         self.plans += 1
 
     def _plan_wrapper(self, kv_indices: torch.Tensor) -> None:

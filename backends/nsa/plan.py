@@ -25,6 +25,20 @@ NATIVE_NEXT_N = (1, 2)
 lays verify rows out from (natively for these, expanded to one row per token otherwise)."""
 
 
+def topk_lens_field(topk: str, doc: str) -> Any:
+    """``min(kv_len, topk)`` per query row, ``topk`` the setting that names it; declared by
+    each schema that reads it (the planner computes it once for all of them)."""
+    return tensor_field(
+        I32,
+        ("rows",),
+        op="clamp",
+        inputs=("kv_lens",),
+        params={"lo": None, "hi": Setting(topk)},
+        pad=PAD_DERIVED,
+        doc=doc,
+    )
+
+
 class NSAPlan(PagedPlan, backend="nsa"):
     """What DeepSeek-V3.2's indexer and sparse MLA read in every layer (decode and target-verify).
 
@@ -53,14 +67,8 @@ class NSAPlan(PagedPlan, backend="nsa"):
         pad=PAD_DERIVED,
         doc="query offsets per request",
     )
-    topk_lens: Tensor = tensor_field(
-        I32,
-        ("rows",),
-        op="clamp",
-        inputs=("kv_lens",),
-        params={"lo": None, "hi": Setting("topk")},
-        pad=PAD_DERIVED,
-        doc="tokens sparse attention reads per row: min(kv_len, topk)",
+    topk_lens: Tensor = topk_lens_field(
+        "topk", "tokens sparse attention reads per row: min(kv_len, topk)"
     )
     kernel_page_table: Tensor = tensor_field(
         I32,

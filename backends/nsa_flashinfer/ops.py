@@ -10,6 +10,7 @@ three phases, the memo and the layers' reference path run on any machine.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -29,17 +30,15 @@ nsa_flashinfer_plan = metadata_op(
 )
 
 
-_CONFIGS: dict[tuple, SparseConfig] = {}
-
-
 def sparse_config(params: dict[str, Any]) -> SparseConfig:
     """The op's resolved parameters as the (hashable) wrapper configuration, made once per
     distinct parameters (every replay asks)."""
-    key = tuple(params.items())
-    config = _CONFIGS.get(key)
-    if config is None:
-        config = _CONFIGS[key] = _new_config(params)
-    return config
+    return _config(tuple(params.items()))
+
+
+@functools.cache
+def _config(items: tuple) -> SparseConfig:
+    return _new_config(dict(items))
 
 
 def _new_config(params: dict[str, Any]) -> SparseConfig:

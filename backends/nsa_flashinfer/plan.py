@@ -23,6 +23,7 @@ import torch
 from backends.common.inputs import BatchInputsPlan
 from backends.flashinfer.ops import dtype_named
 from backends.flashinfer.plans import check_positive_int, check_scale
+from backends.nsa.plan import topk_lens_field
 from backends.nsa_flashinfer import ops as _ops  # noqa: F401  (registers nsa_flashinfer_plan)
 from backends.paged.plan import causal_kv_lens_field
 from planner.errors import SchemaError
@@ -56,14 +57,8 @@ class NSAFlashInferPlan(BatchInputsPlan, backend="nsa_flashinfer"):
     }
 
     kv_lens: Tensor = causal_kv_lens_field()
-    kv_len: Tensor = tensor_field(
-        I32,
-        ("rows",),
-        op="clamp",
-        inputs=("kv_lens",),
-        params={"lo": None, "hi": Setting("sparse_topk")},
-        pad=PAD_DERIVED,
-        doc="slots FlashInfer reads per row: min(kv_len, topk) (nsa's topk_lens)",
+    kv_len: Tensor = topk_lens_field(
+        "sparse_topk", "slots FlashInfer reads per row: min(kv_len, topk) (nsa's topk_lens)"
     )
     kv_indptr: Tensor = tensor_field(
         I32,

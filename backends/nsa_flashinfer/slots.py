@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from backends.common.host_twins import causal_lengths
+from backends.common.pinned import PinnedCopies
 from backends.flashinfer.wrappers import POOL, load_flashinfer
 
 __all__ = ["SPARSE_POOL", "SparseConfig", "SparseHandle", "SparseSlot", "row_lengths"]
@@ -53,12 +55,14 @@ class SparseConfig:
 
 
 def row_lengths(seq_lens: np.ndarray, reqs: int, next_n: int, topk: int) -> np.ndarray:
-    """Each query row's sparse length ``min(causal kv_len, topk)``, padding requests as the
-    planner pads them (``seq_len = next_n``, so their rows read 1..next_n tokens)."""
+    """Each query row's sparse length ``min(causal kv_len, topk)``: the host twin of the
+    plan's ``causal_lengths`` op over the requests padded as the planner pads them
+    (``seq_len = next_n``, so their rows read 1..next_n tokens), clamped to ``topk``."""
     lens = np.full(reqs, next_n, dtype=np.int32)
     lens[: seq_lens.shape[0]] = seq_lens
-    back = np.arange(next_n - 1, -1, -1, dtype=np.int32)
-    return np.minimum((lens[:, None] - back[None, :]).reshape(-1), topk).astype(np.int32)
+    rows = np.empty(reqs * next_n, dtype=np.int32)
+    causal_lengths(rows, lens, next_n)
+    return np.minimum(rows, topk, out=rows)
 
 
 def summary_of(lens: np.ndarray, real_rows: int) -> list[int]:
@@ -91,8 +95,7 @@ class SparseSlot:
         self.kv_indices = torch.zeros(capacity * config.topk, dtype=torch.int32, device=device)
         """The layers' slots, row ``r`` at ``[r * topk, (r + 1) * topk)``; FlashInfer reads it."""
         self.wrapper = self._new_wrapper() if use_fi else None
-        self._done = torch.cuda.Event() if self._pin else None
-        self._pending = False
+        self._copies = PinnedCopies(self._pin)
         self._clamp = config.topk + config.next_n - 1
         """Row lengths depend on a request's length only up to this (``topk`` past the
         first row's causal offset): the memo compares lengths clamped to it."""
@@ -137,9 +140,7 @@ class SparseSlot:
             self.skipped += 1
             out.copy_(self.summary, non_blocking=self._pin)
             return
-        if self._pending:
-            self._done.synchronize()  # the previous plan's async copies still read these
-            self._pending = False
+        self._copies.before_refill()  # the previous plan's async copies may still read them
         lens = row_lengths(seq, rows // c.next_n, c.next_n, c.topk)
         kv_len = self._kv_len[:rows]
         kv_len.numpy()[:] = lens
@@ -163,9 +164,7 @@ class SparseSlot:
                 c.kv_dtype,
             )
         out.copy_(self.summary, non_blocking=self._pin)
-        if self._done is not None:
-            self._done.record()
-            self._pending = True
+        self._copies.after_enqueue()
         self._planned = key
         self.plans += 1
 
@@ -214,9 +213,6 @@ class SparsePool:
         if slot.handle is None:
             slot.handle = SparseHandle(slot, None)
         return slot.handle
-
-    def slots(self) -> list[SparseSlot]:
-        return list(self._slots.values())
 
     def release(self) -> None:
         self._slots.clear()
