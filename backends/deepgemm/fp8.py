@@ -18,7 +18,11 @@ from __future__ import annotations
 import torch
 
 from backends.common.triton_kernels import triton_available
-from backends.deepgemm.fp8_triton import KERNEL_DTYPES, quantize_fp8_triton
+from backends.deepgemm.fp8_triton import (
+    KERNEL_DTYPES,
+    quantize_fp8_to_cache_triton,
+    quantize_fp8_triton,
+)
 from planner.errors import PlanError
 
 __all__ = [
@@ -33,6 +37,7 @@ __all__ = [
     "gather_index_cache",
     "index_cache_views",
     "write_index_cache",
+    "quantize_into_index_cache",
     "pack_index_kv_cache",
     "unpack_index_kv_cache",
 ]
@@ -181,6 +186,16 @@ def index_cache_views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return k_fp8, k_scale
 
 
+def _check_slots(slots: torch.Tensor, n: int) -> None:
+    if slots.dim() != 1 or slots.numel() != n or slots.dtype not in (torch.int32, torch.int64):
+        raise PlanError(
+            "slots must be int [N]",
+            field="slots",
+            expected=f"int [{n}]",
+            actual=f"{slots.dtype} {tuple(slots.shape)}",
+        )
+
+
 def write_index_cache(
     cache: torch.Tensor, slots: torch.Tensor, k_fp8: torch.Tensor, k_scale: torch.Tensor
 ) -> None:
@@ -202,19 +217,61 @@ def write_index_cache(
     scale = k_scale.reshape(-1)
     if scale.numel() != n:
         raise PlanError("one scale per key", field="k_scale", expected=n, actual=scale.numel())
-    if slots.dim() != 1 or slots.numel() != n or slots.dtype not in (torch.int32, torch.int64):
-        raise PlanError(
-            "slots must be int [N]",
-            field="slots",
-            expected=f"int [{n}]",
-            actual=f"{slots.dtype} {tuple(slots.shape)}",
-        )
+    _check_slots(slots, n)
     slots = slots.to(torch.int64)
     block = torch.div(slots, PAGE, rounding_mode="floor")
     offset = slots - block * PAGE
     # index_put_ on the uint8 bytes: fp8 index_put is not implemented on every backend.
     k_view.view(torch.uint8).index_put_((block, offset), k_fp8.view(torch.uint8))
     s_view.index_put_((block, offset), scale.to(torch.float32))
+
+
+def quantize_into_index_cache(
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    rotation: torch.Tensor | None = None,
+    rotation_scale: float = 1.0,
+) -> None:
+    """Quantise keys ``x [N, D]`` (one vector each, after ``bf16((x @ rotation.T) *
+    rotation_scale)`` when ``rotation`` is given) and store them at ``slots [N]``.
+
+    The same bytes as :func:`quantize_fp8_e4m3_per_vector` then :func:`write_index_cache`
+    (the torch path here, off CUDA). On CUDA it is one Triton launch: the indexer writes a
+    key every layer, and the quantisation, the slot arithmetic and the two ``index_put_``
+    were about seven launches of a few KB each. There, slots outside the cache are skipped
+    rather than raised on (the kernel cannot raise without a host sync; the planner's door
+    range-checks ``out_cache_loc``); in place and capturable either way. The kernel rotates
+    bf16 keys only (see ``fp8_triton``); other dtypes with a ``rotation`` take the torch path.
+    """
+    k_view, s_view = index_cache_views(cache)
+    d = k_view.shape[-1]
+    if not x.is_floating_point() or x.dim() != 2 or x.shape[1] != d:
+        raise PlanError(
+            "keys must be floating point [N, D]",
+            field="x",
+            expected=f"float [N, {d}]",
+            actual=f"{x.dtype} {tuple(x.shape)}",
+        )
+    _check_slots(slots, x.shape[0])
+    if slots.device != cache.device or x.device != cache.device:
+        raise PlanError(
+            "keys, slots and cache must share a device",
+            field="slots",
+            expected=str(cache.device),
+            actual=f"x on {x.device}, slots on {slots.device}",
+        )
+    kernel_reads = x.dtype in KERNEL_DTYPES and (rotation is None or x.dtype == torch.bfloat16)
+    if x.is_cuda and kernel_reads and triton_available(x.device):
+        codes = k_view.view(torch.uint8)
+        quantize_fp8_to_cache_triton(
+            x, codes, s_view, slots, rotation=rotation, rotation_scale=rotation_scale
+        )
+        return
+    if rotation is not None:
+        x = ((x.float() @ rotation.float().t()) * rotation_scale).to(x.dtype)
+    write_index_cache(cache, slots, *_quantize_torch(x, d))
 
 
 def gather_index_cache(

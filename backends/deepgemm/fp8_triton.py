@@ -30,6 +30,11 @@ because nothing that depends on the platform's float rounding is left in it:
   not used: the interpreter's version rounds ties away from zero and breaks on a mantissa
   carry, so it could not be tested bit for bit on the CPU.
 
+Two more outputs ride on the same launch, each replacing small torch kernels a layer: the
+indexer's key can be stored straight into the paged index cache at its slot (instead of
+new tensors and a ``write_index_cache`` of about six launches, two of them ``index_put_``),
+and the indexer's query can return its head weights times its scale (one multiply kernel).
+
 Vector size is a compile-time constant (128 in the model); vector counts and row strides
 are runtime values, unspecialised by ``LazyKernel``, so a new batch never compiles
 mid-serving. The launch allocates through torch and reads nothing back to the host, so it
@@ -52,7 +57,12 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
     triton = None
     tl = None
 
-__all__ = ["KERNEL_DTYPES", "quantize_fp8_triton"]
+__all__ = [
+    "KERNEL_DTYPES",
+    "quantize_fp8_to_cache_triton",
+    "quantize_fp8_triton",
+    "quantize_fp8_weighted_triton",
+]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 """Input dtypes the kernel reads (widening to fp32, or rounding fp64 to it, as ``x.float()``
@@ -69,10 +79,16 @@ def _quantize_kernel(
     s_ptr,
     x_ptr,
     r_ptr,
+    slot_ptr,
+    w_ptr,
+    ws_ptr,
     r_scale,
     vectors,
     groups,
     x_stride,
+    pages,
+    q_page_stride,
+    s_page_stride,
     FLOOR_BITS: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_P2: tl.constexpr,
@@ -80,6 +96,10 @@ def _quantize_kernel(
     ROW_ALIGN: tl.constexpr,
     ROTATE: tl.constexpr,
     DOT_F32: tl.constexpr,
+    TO_CACHE: tl.constexpr,
+    PAGE: tl.constexpr,
+    Q_ALIGN: tl.constexpr,
+    WEIGHTS: tl.constexpr,
 ):
     # Vector v is group v % groups of row v // groups. Offsets in int64: rows * stride
     # passes 2**31 in a long prefill.
@@ -146,8 +166,32 @@ def _quantize_kernel(
     code = tl.where(mag > 0x7F800000, 0x7F, code)  # NaN keeps its sign, as in c10
     code = code | ((bits >> 24) & 0x80)
 
-    tl.store(q_ptr + vec[:, None] * BLOCK + cols[None, :], code.to(tl.uint8), mask=mask)
-    tl.store(s_ptr + vec, scale, mask=live)
+    if TO_CACHE:
+        # Vector v is the key of slot slots[v]: page slot // PAGE, offset slot % PAGE of the
+        # index cache, whose codes and scales live in separate regions of each page (see
+        # fp8.py). A slot outside the cache writes nothing: torch's index_put_ would raise
+        # (or wrap a negative one), and a kernel cannot raise without a host sync.
+        slot = tl.load(slot_ptr + vec, mask=live, other=-1).to(tl.int64)
+        page = slot // PAGE
+        keep = live & (slot >= 0) & (page < pages)
+        at = slot - page * PAGE
+        q_at = page * q_page_stride + at * BLOCK
+        if Q_ALIGN > 1:
+            # The launcher checked the page stride and BLOCK: wide stores, not byte ones.
+            q_at = tl.multiple_of(q_at, Q_ALIGN)
+        q_mask = keep[:, None]
+        if BLOCK_P2 != BLOCK:
+            q_mask = q_mask & (cols < BLOCK)[None, :]
+        tl.store(q_ptr + q_at[:, None] + cols[None, :], code.to(tl.uint8), mask=q_mask)
+        tl.store(s_ptr + page * s_page_stride + at, scale, mask=keep)
+    else:
+        tl.store(q_ptr + vec[:, None] * BLOCK + cols[None, :], code.to(tl.uint8), mask=mask)
+        tl.store(s_ptr + vec, scale, mask=live)
+    if WEIGHTS:
+        # The indexer's head weights times the query scale (deep_gemm takes no query scale):
+        # one fp32 product, the torch multiply's rounding, without its launch.
+        w = tl.load(w_ptr + vec, mask=live, other=0.0)
+        tl.store(ws_ptr + vec, w * scale, mask=live)
 
 
 _quantize = LazyKernel(_quantize_kernel, aligned=True)
@@ -173,6 +217,74 @@ def _check_rotation(x: torch.Tensor, block: int, rotation: torch.Tensor) -> None
         )
 
 
+def _check_input(x: torch.Tensor, block: int, rotation: torch.Tensor | None) -> None:
+    require_launchable(x.device, "max")
+    if x.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"the kernel reads {KERNEL_DTYPES}, got {x.dtype}")
+    if x.dim() == 0 or block < 1 or x.shape[-1] % block:
+        raise ValueError(f"need x [..., k * {block}], got {tuple(x.shape)}")
+    if rotation is not None:
+        _check_rotation(x, block, rotation)
+
+
+def _launch(
+    x: torch.Tensor,
+    block: int,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    rotation: torch.Tensor | None,
+    rotation_scale: float,
+    *,
+    slots: torch.Tensor | None = None,
+    weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """One launch over ``x``'s vectors into ``q`` (uint8 bytes) and ``scale``: dense
+    ``[vectors, block]`` / ``[vectors]`` outputs, or, with ``slots``, the index cache's
+    code and scale views ``[pages, 64, block]`` / ``[pages, 64]`` (any page stride).
+    ``weights = (w, out)``: ``out = w * scale`` per vector, both fp32 and dense."""
+    x2 = rows_view(x)
+    rows = x2.shape[0]
+    d = x.shape[-1]
+    # One row: its offset is 0 whatever the stride, so report D and keep the variant
+    # (ROW_ALIGN) the same as for many rows of a contiguous input.
+    stride = x2.stride(0) if rows > 1 else d
+    groups = d // block
+    vectors = rows * groups
+    block_p2 = triton.next_power_of_2(block)
+    per_program = max(_TILE // block_p2, 1)
+    to_cache = slots is not None
+    pages, q_page, s_page = (q.shape[0], q.stride(0), scale.stride(0)) if to_cache else (0, 0, 0)
+    w, ws = weights if weights is not None else (x2, x2)
+    _quantize[(triton.cdiv(vectors, per_program),)](
+        q,
+        scale,
+        x2,
+        x2 if rotation is None else rotation,
+        slots if to_cache else x2,
+        w,
+        ws,
+        rotation_scale,
+        vectors,
+        groups,
+        stride,
+        pages,
+        q_page,
+        s_page,
+        FLOOR_BITS=_FLOOR_BITS,
+        BLOCK=block,
+        BLOCK_P2=block_p2,
+        ROWS=per_program,
+        ROW_ALIGN=row_align(math.gcd(stride, block), x.dtype),
+        ROTATE=rotation is not None,
+        DOT_F32=x.device.type != "cuda",
+        TO_CACHE=to_cache,
+        PAGE=q.shape[1] if to_cache else 1,
+        Q_ALIGN=row_align(math.gcd(q_page, block), torch.uint8) if to_cache else 1,
+        WEIGHTS=weights is not None,
+        num_warps=min(max(per_program * block_p2 // 512, 1), 8),
+    )
+
+
 def quantize_fp8_triton(
     x: torch.Tensor,
     block: int,
@@ -189,44 +301,83 @@ def quantize_fp8_triton(
     maps each bf16 vector to ``bf16((v @ rotation.T) * rotation_scale)`` inside the same
     launch, which the torch path spends five kernels and an fp32 GEMM on.
     """
-    device = x.device
-    require_launchable(device, "max")
-    if x.dtype not in KERNEL_DTYPES:
-        raise ValueError(f"the kernel reads {KERNEL_DTYPES}, got {x.dtype}")
-    if x.dim() == 0 or block < 1 or x.shape[-1] % block:
-        raise ValueError(f"need x [..., k * {block}], got {tuple(x.shape)}")
-    if rotation is not None:
-        _check_rotation(x, block, rotation)
-    d = x.shape[-1]
-    groups = d // block
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device)
-    scale = torch.empty((*x.shape[:-1], groups), dtype=torch.float32, device=device)
-    if q.numel() == 0:
-        return q, scale
-    x2 = rows_view(x)
-    rows = x2.shape[0]
-    # One row: its offset is 0 whatever the stride, so report D and keep the variant
-    # (ROW_ALIGN) the same as for many rows of a contiguous input.
-    stride = x2.stride(0) if rows > 1 else d
-    vectors = rows * groups
-    block_p2 = triton.next_power_of_2(block)
-    per_program = max(_TILE // block_p2, 1)
-    _quantize[(triton.cdiv(vectors, per_program),)](
-        q.view(torch.uint8),
-        scale,
-        x2,
-        x2 if rotation is None else rotation,
-        rotation_scale,
-        vectors,
-        groups,
-        stride,
-        FLOOR_BITS=_FLOOR_BITS,
-        BLOCK=block,
-        BLOCK_P2=block_p2,
-        ROWS=per_program,
-        ROW_ALIGN=row_align(math.gcd(stride, block), x.dtype),
-        ROTATE=rotation is not None,
-        DOT_F32=device.type != "cuda",
-        num_warps=min(max(per_program * block_p2 // 512, 1), 8),
-    )
+    _check_input(x, block, rotation)
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((*x.shape[:-1], x.shape[-1] // block), dtype=torch.float32, device=x.device)
+    if q.numel():
+        _launch(x, block, q.view(torch.uint8), scale, rotation, rotation_scale)
     return q, scale
+
+
+def quantize_fp8_weighted_triton(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    rotation: torch.Tensor | None = None,
+    rotation_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_fp8_triton(x, D)`` (one vector per row of the last dim: the indexer's
+    query heads) plus ``weights * scale`` (``weights [...]`` fp32 of ``x.shape[:-1]``) from
+    the same launch: the query's head weights with its fp8 scale folded in, which would
+    otherwise be one more launch a layer. Returns ``(x_fp8, scale [..., 1], weighted)``."""
+    block = x.shape[-1] if x.dim() else 0
+    _check_input(x, block, rotation)
+    if weights.shape != x.shape[:-1] or weights.dtype != torch.float32:
+        raise ValueError(
+            f"weights must be float32 {tuple(x.shape[:-1])}, "
+            f"got {weights.dtype} {tuple(weights.shape)}"
+        )
+    if weights.device != x.device:
+        raise ValueError(f"weights are on {weights.device}, x on {x.device}")
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    weighted = torch.empty(weights.shape, dtype=torch.float32, device=x.device)
+    if q.numel():
+        w = weights.contiguous()
+        _launch(x, block, q.view(torch.uint8), scale, rotation, rotation_scale,
+                weights=(w, weighted))  # fmt: skip
+    return q, scale, weighted
+
+
+def quantize_fp8_to_cache_triton(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    rotation: torch.Tensor | None = None,
+    rotation_scale: float = 1.0,
+) -> None:
+    """Quantise (and rotate) each row of ``x [N, D]`` as one vector and store its fp8 bytes
+    and scale straight into an index cache at ``slots [N]`` (int32 or int64): ``codes`` and
+    ``scales`` are the cache's views from ``fp8.index_cache_views`` (``codes`` as uint8),
+    whose page strides the kernel follows. Bytes as ``quantize_fp8_triton`` followed by
+    ``fp8.write_index_cache``, in one launch instead of about six. The user-facing checks
+    are ``fp8.quantize_into_index_cache``'s; this refuses only what it cannot run."""
+    block = x.shape[-1] if x.dim() else 0
+    _check_input(x, block, rotation)
+    if x.dim() != 2:
+        raise ValueError(f"need x [N, D], got {tuple(x.shape)}")
+    pages, page = codes.shape[:2] if codes.dim() == 3 else (0, 0)
+    if (
+        codes.dtype != torch.uint8
+        or tuple(codes.shape) != (pages, page, block)
+        or codes.stride()[1:] != (block, 1)
+        or scales.dtype != torch.float32
+        or tuple(scales.shape) != (pages, page)
+        or scales.stride(1) != 1
+    ):
+        raise ValueError(
+            f"need codes uint8 [pages, page, {block}] and scales float32 [pages, page], dense "
+            f"inside a page; got {codes.dtype} {tuple(codes.shape)} {codes.stride()} and "
+            f"{scales.dtype} {tuple(scales.shape)} {scales.stride()}"
+        )
+    if slots.shape != (x.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"need slots int [{x.shape[0]}], got {slots.dtype} {tuple(slots.shape)}")
+    if not (codes.device == scales.device == slots.device == x.device):
+        raise ValueError(
+            f"x on {x.device}, codes on {codes.device}, scales on {scales.device}, "
+            f"slots on {slots.device}"
+        )
+    if x.shape[0] and pages:
+        _launch(x, block, codes, scales, rotation, rotation_scale, slots=slots.contiguous())

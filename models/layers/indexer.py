@@ -10,20 +10,29 @@ itself. Lengths, slots and schedules come from the plan.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 from backends.common.triton_kernels import triton_available
 from backends.deepgemm import fp8
-from backends.deepgemm.fp8_triton import quantize_fp8_triton
+from backends.deepgemm.fp8_triton import quantize_fp8_triton, quantize_fp8_weighted_triton
 from backends.nsa import NSAExtendPlan, NSAPlan
 from backends.nsa.attention import indexer_topk
 from backends.nsa.extend_attention import indexer_topk_extend
 from models.config import DSV32Config
+from models.layers import bf16_terms
+from models.layers.bf16_terms import Bf16TermsProjection, mm_fp32_out_available
 from models.layers.exact import Linear
 from models.layers.hadamard import hadamard_matrix, hadamard_rotate
 from models.layers.norm import LayerNorm
 from models.layers.rope import apply_rope_half_leading
+
+
+@functools.cache
+def _fp32_out_gemm(device: torch.device) -> bool:
+    return mm_fp32_out_available(device)
 
 
 class Indexer(nn.Module):
@@ -39,6 +48,7 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.head_dim)
         # fp32: the head weights multiply every relu'd dot product in the ranking.
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
+        self._terms: Bf16TermsProjection | None = None
         # Filled by reset_buffers: built empty so construction on "meta" stays cheap.
         self.register_buffer(
             "hadamard", torch.empty(self.head_dim, self.head_dim), persistent=False
@@ -77,12 +87,33 @@ class Indexer(nn.Module):
         (``k_proj``: ``wk(x)`` when the layer's fused input projection computed it)."""
         rows = x.shape[0]
         q = self._rope_first(self.wq_b(qr).view(rows, self.n_heads, self.head_dim), cos, sin)
-        k = self._rope_first(self.k_norm(self.wk(x) if k_proj is None else k_proj), cos, sin)
-        w = self.weights_proj(x.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        # The norm takes the rope as an argument: on CUDA the two are one launch.
+        k_in = self.wk(x) if k_proj is None else k_proj
+        k = self.k_norm(k_in, (cos, sin, self.rope_dim))
+        w = self._head_weights(x) * (self.n_heads**-0.5 * self.head_dim**-0.5)
         return q, k, w
+
+    def _head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """``weights_proj(x)`` in fp32 from fp32 weights. On CUDA with bf16 activations and at
+        least ``MIN_ROWS`` rows, one bf16 tensor-core GEMM over the weight's exact bf16 terms
+        (``bf16_terms``) instead of a cast, cuBLAS's SIMT fp32 GEMM and its split-K
+        reduction."""
+        rows = x.numel() // max(x.shape[-1], 1)
+        terms = rows >= bf16_terms.MIN_ROWS and x.dtype == torch.bfloat16
+        if terms and x.is_cuda and _fp32_out_gemm(x.device):
+            if self._terms is None:
+                self._terms = Bf16TermsProjection(self.weights_proj)
+            return self._terms(x)
+        return self.weights_proj(x.float())
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         return hadamard_rotate(x, self.hadamard)
+
+    def _fused_kernels(self, x: torch.Tensor) -> bool:
+        """Whether the rotation, quantisation and what consumes their output (the cache
+        write, the query-scaled weights) run as single Triton launches: CUDA bf16 only,
+        the CPU keeps its float64 torch path."""
+        return x.is_cuda and x.dtype == torch.bfloat16 and triton_available(x.device)
 
     def rotate_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp8 codes and per-vector scales of ``bf16(rotate(x))``.
@@ -93,7 +124,7 @@ class Indexer(nn.Module):
         The products are exact and both sum in fp32, so results agree whenever those sums
         are exact (tests/gpu/test_fp8_triton_gpu.py counts any that do not).
         """
-        if x.is_cuda and x.dtype == torch.bfloat16 and triton_available(x.device):
+        if self._fused_kernels(x):
             return quantize_fp8_triton(
                 x, self.head_dim, rotation=self.hadamard, rotation_scale=self.head_dim**-0.5
             )
@@ -112,10 +143,18 @@ class Indexer(nn.Module):
         """Write this step's keys, then return ``topk_slots int32 [rows, topk]`` (-1 invalid)."""
         q, k, w = self.project_roped(x, qr, cos, sin, k_proj)
         # One fp8 scale per head vector (the 128-element block in the real model).
-        k_fp8, k_scale = self.rotate_quantize(k)
-        fp8.write_index_cache(index_cache, plan.out_cache_loc, k_fp8, k_scale)
-        q_fp8, q_scale = self.rotate_quantize(q)
-        weights = w * q_scale.squeeze(-1)
+        if self._fused_kernels(k) and self._fused_kernels(q):
+            # The key's rotation, quantisation and cache store in one launch, and the query's
+            # with its scale folded into the head weights in another: the same bytes as the
+            # path below, in two launches where it takes about ten.
+            rotation = {"rotation": self.hadamard, "rotation_scale": self.head_dim**-0.5}
+            fp8.quantize_into_index_cache(index_cache, plan.out_cache_loc, k, **rotation)
+            q_fp8, _, weights = quantize_fp8_weighted_triton(q, w, **rotation)
+        else:
+            k_fp8, k_scale = self.rotate_quantize(k)
+            fp8.write_index_cache(index_cache, plan.out_cache_loc, k_fp8, k_scale)
+            q_fp8, q_scale = self.rotate_quantize(q)
+            weights = w * q_scale.squeeze(-1)
         if isinstance(plan, NSAExtendPlan):
             return indexer_topk_extend(plan, q_fp8, weights, index_cache)
         return indexer_topk(plan, q_fp8, weights, index_cache)

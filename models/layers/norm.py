@@ -7,8 +7,10 @@ here, once, for every caller.
 
 On CUDA, ``RMSNorm`` is one Triton launch (``norm_triton``) instead of the seven or so
 kernels of the torch formula: it runs four times a layer, and in a decode step those
-launches, not the bytes they move, were its cost. The CPU keeps the torch formula, whose
-float64 bits the CPU model's exactness tests depend on.
+launches, not the bytes they move, were its cost. ``LayerNorm`` likewise is one launch
+(``layer_norm_triton``) instead of three, and takes the indexer key's rope into that
+launch when asked. The CPU keeps the torch formulas, whose float64 bits the CPU model's
+exactness tests depend on.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from torch import nn
 
 from backends.common.triton_kernels import triton_available
 from models.layers.exact import accumulate_dtype
+from models.layers.layer_norm_triton import layer_norm_rope_triton, layer_norm_triton
 from models.layers.norm_triton import rms_norm_triton
+from models.layers.rope import apply_rope_half_leading
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,6 +35,16 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (xf * weight.to(acc)).to(x.dtype)
 
 
+def layer_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The torch formula: ``LayerNorm`` off CUDA (float64 on the CPU, see
+    ``accumulate_dtype``) and the GPU kernel's reference (fp32)."""
+    acc = accumulate_dtype(x)
+    y = F.layer_norm(x.to(acc), (x.shape[-1],), weight.to(acc), bias.to(acc), eps)
+    return y.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight`` in fp32, returned in the input dtype."""
 
@@ -39,11 +53,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The kernel has no backward: where autograd would record the norm, the torch
-        # formula runs instead (the serving model has no parameter that needs a gradient).
+    def takes_kernel(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is normalised by the Triton kernel (CUDA, no autograd) rather than
+        the torch formula. The kernel has no backward: where autograd would record the
+        norm, the torch formula runs (the serving model has no parameter that needs one)."""
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        if x.is_cuda and not needs_grad and triton_available(x.device):
+        return x.is_cuda and not needs_grad and triton_available(x.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes_kernel(x):
             return rms_norm_triton(x, self.weight, self.eps)
         return rms_norm_reference(x, self.weight, self.eps)
 
@@ -57,9 +75,23 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
         self.bias = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        acc = accumulate_dtype(x)
-        y = F.layer_norm(
-            x.to(acc), (x.shape[-1],), self.weight.to(acc), self.bias.to(acc), self.eps
+    def takes_kernel(self, x: torch.Tensor) -> bool:
+        """As ``RMSNorm.takes_kernel``: CUDA and nothing autograd would need a backward for."""
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad or self.weight.requires_grad or self.bias.requires_grad
         )
-        return y.to(x.dtype)
+        return x.is_cuda and not needs_grad and triton_available(x.device)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    ) -> torch.Tensor:
+        """The norm, then, with ``rope = (cos, sin, rope_dim)``, ``apply_rope_half_leading``
+        on it: on CUDA both in one launch, which is why the rope is an argument here rather
+        than the caller's next call. Through ``__call__`` so module hooks (the profiler's
+        per-module ranges) still see the fused launch as this module's."""
+        if self.takes_kernel(x):
+            if rope is None:
+                return layer_norm_triton(x, self.weight, self.bias, self.eps)
+            return layer_norm_rope_triton(x, self.weight, self.bias, self.eps, *rope)
+        y = layer_norm_reference(x, self.weight, self.bias, self.eps)
+        return y if rope is None else apply_rope_half_leading(y, *rope)

@@ -14,7 +14,7 @@ import torch
 
 from backends.common.triton_kernels import triton_available
 from backends.deepgemm.fp8 import quantize_fp8_e4m3_per_vector_reference
-from backends.deepgemm.fp8_triton import quantize_fp8_triton
+from backends.deepgemm.fp8_triton import quantize_fp8_triton, quantize_fp8_weighted_triton
 
 needs_triton = pytest.mark.skipif(
     not triton_available(torch.device("cpu")), reason="no interpreter"
@@ -98,3 +98,42 @@ def test_the_rotated_variant_refuses_what_it_cannot_compute() -> None:
         quantize_fp8_triton(x, D, rotation=r.double())
     with pytest.raises(ValueError, match="block"):
         quantize_fp8_triton(exact_sum_vectors(gen, (4, 24)), 24, rotation=signs(gen, 24))
+
+
+# ---- the query's variant: head weights times the fp8 scale from the same launch --------
+
+
+@pytest.mark.parametrize("shape", [(1, 4, D), (5, 8, D), (33, 2, D)])
+def test_weighted_query_equals_quantize_then_the_torch_multiply(shape) -> None:
+    gen = torch.Generator().manual_seed(shape[0] + 50)
+    x, r = exact_sum_vectors(gen, shape), signs(gen)
+    w = torch.randn(shape[:-1], generator=gen) * torch.exp2(
+        torch.randint(-30, 30, shape[:-1], generator=gen).float()
+    )
+    w[0, 0] = 0.0
+    q, s, weighted = quantize_fp8_weighted_triton(x, w, rotation=r, rotation_scale=SCALE)
+    assert q.shape == x.shape and s.shape == (*shape[:-1], 1) and weighted.shape == w.shape
+    assert_bytes_equal((q, s), torch_path(x, r))
+    assert_bytes_equal((q, s), quantize_fp8_triton(x, D, rotation=r, rotation_scale=SCALE))
+    want = w * s.squeeze(-1)
+    assert torch.equal(weighted.view(torch.int32), want.view(torch.int32))
+
+
+def test_weighted_query_without_rotation_and_with_strided_weights() -> None:
+    gen = torch.Generator().manual_seed(60)
+    x = exact_sum_vectors(gen, (6, 3, D)).float()
+    w = torch.randn(3, 6, generator=gen).t()  # not contiguous: copied by the launcher
+    q, s, weighted = quantize_fp8_weighted_triton(x, w)
+    assert_bytes_equal((q, s), quantize_fp8_e4m3_per_vector_reference(x, D))
+    assert torch.equal(weighted, w * s.squeeze(-1))
+
+
+def test_weighted_query_refuses_mismatched_weights() -> None:
+    gen = torch.Generator().manual_seed(61)
+    x, r = exact_sum_vectors(gen, (4, 2, D)), signs(gen)
+    with pytest.raises(ValueError, match="weights"):
+        quantize_fp8_weighted_triton(x, torch.ones(4, 3), rotation=r)
+    with pytest.raises(ValueError, match="weights"):
+        quantize_fp8_weighted_triton(x, torch.ones(4, 2, dtype=torch.float64), rotation=r)
+    q, s, weighted = quantize_fp8_weighted_triton(x[:0], torch.ones(0, 2), rotation=r)
+    assert q.shape == (0, 2, D) and s.shape == (0, 2, 1) and weighted.shape == (0, 2)
