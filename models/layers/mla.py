@@ -22,6 +22,7 @@ from backends.nsa_flashinfer import NSAFlashInferPlan, sparse_mla_flashinfer
 from models.config import DSV32Config
 from models.layers.exact import FusedWeights, Linear, contract, exact
 from models.layers.indexer import Indexer
+from models.layers.kv_write_triton import write_latent_kv_triton
 from models.layers.norm import RMSNorm
 from models.layers.rope import apply_rope_interleaved
 
@@ -76,6 +77,29 @@ class MLA(nn.Module):
         kv = self.wkv_a(x) if kva is None else kva
         latent, k_rope = kv.split([self.kv_lora, self.rope], dim=-1)
         return self.kv_norm(latent), apply_rope_interleaved(k_rope, cos, sin)
+
+    def write_kv(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        loc: torch.Tensor,
+        kva: torch.Tensor | None = None,
+    ) -> None:
+        """Store ``project_kv``'s two parts as the rows ``kv_cache[loc]``.
+
+        On CUDA that is one Triton launch (``kv_write_triton``) instead of five (norm, rope,
+        cat, cast, index_put), with the same bits. The CPU keeps the torch ops, whose
+        float64 norm the CPU model's exactness tests depend on; so does anything autograd
+        would record, which the kernel cannot."""
+        kv = self.wkv_a(x) if kva is None else kva
+        if self.kv_norm.takes_kernel(kv):  # CUDA, nothing autograd would record
+            norm = self.kv_norm
+            write_latent_kv_triton(kv, norm.weight, norm.eps, cos, sin, kv_cache, loc)
+            return
+        latent, k_rope = self.project_kv(x, cos, sin, kv)
+        kv_cache[loc] = torch.cat([latent, k_rope], dim=-1).to(kv_cache.dtype)
 
     def _wkv_b(self) -> torch.Tensor:
         return self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
@@ -139,9 +163,7 @@ class MLA(nn.Module):
         fused = None if self.in_proj is None else self.in_proj(x)
         qa, kva, k_index = (None, None, None) if fused is None else fused
         qr, q_nope, q_rope = self.project_q(x, cos, sin, qa)
-        latent, k_rope = self.project_kv(x, cos, sin, kva)
-        loc = plan.out_cache_loc
-        kv_cache[loc] = torch.cat([latent, k_rope], dim=-1).to(kv_cache.dtype)
+        self.write_kv(x, cos, sin, kv_cache, plan.out_cache_loc, kva)
         topk_slots = self.indexer(x, qr, cos, sin, plan, index_cache, k_index)
         q_abs = self.absorb_q(q_nope)
         if sparse is not None:
