@@ -34,6 +34,7 @@ from models.layers.exact import Linear
 from models.layers.ffn import MLP, MoE
 from models.layers.mla import MLA
 from models.layers.norm import RMSNorm
+from models.layers.residual import add_rms_norm
 from models.layers.rope import rope_cos_sin, yarn_attention_factor, yarn_inv_freq
 from planner.errors import ConfigError, PlanError
 from planner.planset import PlanSet
@@ -86,10 +87,21 @@ class Block(nn.Module):
         kv_cache: torch.Tensor,
         index_cache: torch.Tensor,
         sparse: NSAFlashInferPlan | None = None,
-    ) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), cos, sin, plan, kv_cache, index_cache, sparse)
-        x = self.ffn_norm(h)
-        return h + (self.ffn(x) if self.exchange is None else self.exchange(x, self.ffn))
+        *,
+        delta: torch.Tensor | None = None,
+        defer: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``h`` after this layer; ``defer`` returns ``(h, ffn_out)`` unsummed instead, for
+        the next layer to take as ``delta``: each residual add then runs inside the launch
+        of the norm that follows it (``add_rms_norm``), one kernel where there were two."""
+        if delta is None:
+            x = self.attn_norm(h)
+        else:
+            h, x = add_rms_norm(h, delta, self.attn_norm)
+        a = self.attn(x, cos, sin, plan, kv_cache, index_cache, sparse)
+        h, x = add_rms_norm(h, a, self.ffn_norm)
+        f = self.ffn(x) if self.exchange is None else self.exchange(x, self.ffn)
+        return (h, f) if defer else h + f
 
     def fuse_projections(self) -> None:
         """Projections that read the same input run as one GEMM (see ``FusedWeights``)."""
@@ -270,13 +282,20 @@ class DSV32Model(nn.Module):
         sparse: NSAFlashInferPlan | None = plans.get("nsa_flashinfer")
         self._check(input_ids, plan, cache)
         cos, sin = rope_cos_sin(plan.positions, self.inv_freq, self.rope_factor)
-        h = self.embed(input_ids)
+        h, delta = self.embed(input_ids), None
         for i, block in enumerate(self.layers):
-            h = block(h, cos, sin, plan, cache.mla[i], cache.index[i], sparse)
+            h, delta = block(
+                h, cos, sin, plan, cache.mla[i], cache.index[i], sparse, delta=delta, defer=True
+            )
         ragged = isinstance(plan, NSAExtendPlan)
+        if delta is None:  # no layers
+            normed = self.norm(h)
+        elif ragged and not hidden:  # only the logit rows are normalised
+            h = h + delta
+        else:
+            h, normed = add_rms_norm(h, delta, self.norm)
         if not hidden:
-            return self.head(self.norm(h[plan.logit_rows.long()] if ragged else h)).float()
-        normed = self.norm(h)
+            return self.head(self.norm(h[plan.logit_rows.long()]) if ragged else normed).float()
         last = normed[plan.logit_rows.long()] if ragged else normed
         return {"logits": self.head(last).float(), "hidden": normed}
 

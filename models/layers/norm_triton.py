@@ -28,18 +28,21 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
     triton = None
     tl = None
 
-__all__ = ["rms_norm_triton"]
+__all__ = ["add_rms_norm_triton", "rms_norm_triton"]
 
 
 def _rms_norm_kernel(
     out_ptr,
+    sum_ptr,
     x_ptr,
+    delta_ptr,
     w_ptr,
     x_stride,
     eps,
     D: tl.constexpr,
     BLOCK: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):
     # Row offsets in int64: rows * stride passes 2**31 in a long prefill.
     row = tl.program_id(0).to(tl.int64)
@@ -51,7 +54,15 @@ def _rms_norm_kernel(
         x_row = tl.multiple_of(x_row, ROW_ALIGN)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    x = tl.load(x_ptr + x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + x_row + cols, mask=mask, other=0.0)
+    if RESIDUAL:
+        # The residual stream's ``h + delta``, rounded to h's dtype exactly as torch's
+        # elementwise add rounds it, stored, then normalised from those rounded bits: the
+        # same values the separate add and norm launches produced.
+        d = tl.load(delta_ptr + out_row + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + out_row + cols, x, mask=mask)
+    x = x.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     # Masked lanes load 0, so they add nothing to the sum. Times 1/D (rounded to fp32),
     # as torch's CUDA mean does, rather than a division.
@@ -74,6 +85,32 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     """``x / rms(x) * weight`` over the last dim, in fp32, returned as a new contiguous
     tensor of ``x``'s shape and dtype. ``weight`` is ``[D]`` (any float dtype, read as
     fp32). Needs CUDA, or CPU tensors under ``TRITON_INTERPRET=1``."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, rms_norm(s))`` with ``s = x + delta`` rounded to ``x``'s dtype, in one launch.
+
+    The decoder's residual stream adds each sub-layer's output and normalises the sum for
+    the next one; as two launches that is an add kernel and a norm kernel per sub-layer.
+    Both results are bit-equal to ``x + delta`` followed by :func:`rms_norm_triton` (same
+    kernel, same reduction). ``delta`` has ``x``'s shape and dtype."""
+    if delta.shape != x.shape or delta.dtype != x.dtype or delta.device != x.device:
+        raise ValueError(
+            f"delta must match x ({x.dtype} {tuple(x.shape)} on {x.device}), got "
+            f"{delta.dtype} {tuple(delta.shape)} on {delta.device}"
+        )
+    if x.dtype == torch.float64:
+        raise ValueError("the fused residual add takes 16- or 32-bit floats (it adds in fp32)")
+    out, total = _launch(x, delta, weight, eps)
+    return total, out
+
+
+def _launch(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     device = x.device
     require_launchable(device, "sum")
     if x.dim() == 0:
@@ -86,23 +123,29 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     if not (x.dtype.is_floating_point and weight.dtype.is_floating_point):
         raise ValueError(f"floating-point tensors only, got {x.dtype} and {weight.dtype}")
     out = torch.empty(x.shape, dtype=x.dtype, device=device)
+    total = None if delta is None else torch.empty(x.shape, dtype=x.dtype, device=device)
     if out.numel() == 0:
-        return out
+        return out, total
     x2 = rows_view(x)
     rows = x2.shape[0]
     # One row: its offset is 0 whatever the stride, so report D and keep the variant
     # (ROW_ALIGN) the same as for many rows of a contiguous input.
     stride = x2.stride(0) if rows > 1 else d
     block = triton.next_power_of_2(d)
+    # Without a residual the sum and delta pointers are never read: ``out`` stands in.
+    delta2 = out if delta is None else delta.contiguous().view(rows, d)
     _rms_norm[(rows,)](
         out,
+        out if total is None else total,
         x2,
+        delta2,
         weight.contiguous(),
         stride,
         float(eps),
         D=d,
         BLOCK=block,
         ROW_ALIGN=row_align(stride, x.dtype),
+        RESIDUAL=delta is not None,
         num_warps=_num_warps(block),
     )
-    return out
+    return out, total

@@ -157,3 +157,18 @@ def test_new_row_counts_and_strides_reuse_the_compiled_variant() -> None:
     norm(wide[:, 64:])
     torch.cuda.synchronize()
     assert _compiled_variants() == before
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64, 200])
+def test_residual_add_fused_equals_add_then_norm_in_bf16(rows: int) -> None:
+    """The decoder's ``add_rms_norm``: the sum rounded as torch's bf16 add rounds it, and the
+    norm of those bits, both equal to the two separate launches bit for bit."""
+    from models.layers.residual import add_rms_norm
+
+    norm = _norm(7168, seed=rows)
+    h = _randn(rows, rows, 7168, scale=4.0)
+    delta = _randn(rows + 1, rows, 7168)
+    total, normed = add_rms_norm(h, delta, norm)
+    want = h + delta
+    assert torch.equal(total, want)
+    assert torch.equal(normed, norm_triton.rms_norm_triton(want, norm.weight, norm.eps))

@@ -192,3 +192,55 @@ def test_cpu_module_keeps_the_torch_formula_bit_for_bit(dtype: torch.dtype) -> N
         out = norm(x)
     assert torch.equal(out, _old_formula(x, norm.weight, 1e-6))
     assert torch.equal(out, rms_norm_reference(x, norm.weight, 1e-6))
+
+
+# ----------------------------------------------------------------- residual add fused in
+
+
+@pytest.mark.parametrize("dtype", [torch.float32])
+@pytest.mark.parametrize("d", [7, 512, 7168])
+def test_add_then_norm_equals_the_two_launches(dtype: torch.dtype, d: int) -> None:
+    """``(h + delta, norm(h + delta))`` bit for bit as the add and the norm launched apart:
+    the sum rounds to h's dtype as torch's add does, and the norm reads those bits. (bf16
+    is checked compiled, in tests/gpu/test_norm_triton_gpu.py: the interpreter truncates
+    fp32 -> bf16 casts where the compiled kernel and torch round to nearest even.)"""
+    gen = torch.Generator().manual_seed(d)
+    h = (torch.randn(5, d, generator=gen) * 3).to(dtype)
+    delta = torch.randn(5, d, generator=gen).to(dtype)
+    w = torch.rand(d, generator=gen) + 0.5
+    total, normed = norm_triton.add_rms_norm_triton(h, delta, w, EPS)
+    want = h + delta
+    assert total.dtype == dtype and torch.equal(total, want)
+    assert torch.equal(normed, rms_norm_triton(want, w, EPS))
+
+
+def test_add_then_norm_reads_a_strided_stream() -> None:
+    gen = torch.Generator().manual_seed(9)
+    h = torch.randn(4, 70, generator=gen)[:, 3:67]
+    delta = torch.randn(4, 64, generator=gen)
+    w = torch.rand(64, generator=gen)
+    total, normed = norm_triton.add_rms_norm_triton(h, delta, w, EPS)
+    assert torch.equal(total, h + delta)
+    assert torch.equal(normed, rms_norm_triton(h + delta, w, EPS))
+
+
+def test_add_then_norm_refuses_a_mismatched_delta() -> None:
+    h = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="delta must match"):
+        norm_triton.add_rms_norm_triton(h, torch.randn(3, 7), torch.ones(8), EPS)
+    with pytest.raises(ValueError, match="delta must match"):
+        norm_triton.add_rms_norm_triton(h, torch.randn(3, 8).double(), torch.ones(8), EPS)
+    with pytest.raises(ValueError, match="16- or 32-bit"):
+        norm_triton.add_rms_norm_triton(h.double(), h.double(), torch.ones(8), EPS)
+
+
+def test_model_residual_step_on_the_cpu_is_the_plain_add_and_norm() -> None:
+    """Off CUDA ``add_rms_norm`` is the add and ``RMSNorm`` unchanged (float64 norm bits)."""
+    from models.layers.residual import add_rms_norm
+
+    gen = torch.Generator().manual_seed(5)
+    h, delta = torch.randn(3, 32, generator=gen), torch.randn(3, 32, generator=gen)
+    norm = RMSNorm(32)
+    total, normed = add_rms_norm(h, delta, norm)
+    assert torch.equal(total, h + delta)
+    assert torch.equal(normed, rms_norm_reference(h + delta, norm.weight, norm.eps))
