@@ -24,6 +24,11 @@ Optionally (``MAP_SLOTS``) the compaction stores ``slots[row // next_n, pos]`` i
 decode indexer wants slots; mapping them afterwards in torch took ~8 small launches a
 layer, here it is one gather per chosen entry in the launch that already writes it.
 ``MAP_SLOTS`` is a compile-time flag so the positions-only variant is unchanged.
+
+This chunked kernel is ``variant="chunked"``, kept so benchmarks can compare. The
+default, ``variant="resident"`` (``topk_triton_resident``), keeps a row's scores in
+registers across histogram passes instead of re-reading them in every pass: the same
+result, at about 2.5x less latency at decode sizes, which one program per row is bound by.
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ import torch
 
 from backends.common.triton_kernels import LazyKernel, require_launchable
 from backends.nsa.topk_ref import check_row_topk, check_slot_map
+from backends.nsa.topk_triton_resident import (
+    MAX_RESIDENT_WIDTH,
+    RESIDENT_CHOICES,
+    row_topk_resident,
+)
 
 try:
     import triton
@@ -40,13 +50,34 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
     triton = None
     tl = None
 
-__all__ = ["row_topk_triton"]
+__all__ = ["VARIANTS", "default_resident", "row_topk_triton"]
+
+VARIANTS = ("resident", "chunked")
 
 # Scores per chunk of a pass. The histogram is a [BLOCK, 16] compare: 1024 with 16 warps
 # keeps it at 32 values per thread, the fastest of the block x warps sweep on the H200
 # (128 full rows of 16384: 79.8 us, against 103.2 us with 8 warps; docs/benchmarks.md).
 DEFAULT_BLOCK = 1024
 DEFAULT_WARPS = 16
+# The resident variant's defaults, the fastest on the H200 at widths 4096 and 16384 and
+# 1 to 128 rows (against 4 and 16 warps, 4 to 8 bits; benchmarks/row_topk_latency.py).
+DEFAULT_RESIDENT_WARPS = 8
+DEFAULT_DIGIT_BITS = 5
+DIGIT_BITS_CHOICES = (4, 5, 6, 7, 8)  # the pick packs a digit into 8 bits
+
+
+def default_resident(width: int) -> int:
+    """The resident block for a logits width: the width's power of two, at least 16 and
+    at most 8192; wider rows continue in re-read chunks of 8192.
+
+    Lanes past a row's length still cost each pass, so a block wider than the width is
+    slower (8192 for width 4096: ~14.5 us against ~10 us on the H200), and a power of two
+    per width is one compiled variant per power of two, not per batch: the decode width
+    is the plan's fixed ``max_seq_len``, and prompt chunk widths fall into a handful.
+    Past 8192 a whole-row block did not pay: at width 16384 it won by up to ~7% without
+    slots, lost by up to ~20% with them, and by 2x on a single short row.
+    """
+    return min(max(16, triton.next_power_of_2(max(width, 1))), 8192)
 
 
 def _row_topk_kernel(
@@ -178,31 +209,54 @@ def row_topk_triton(
     *,
     slots: torch.Tensor | None = None,
     next_n: int = 1,
+    variant: str = "resident",
     block: int = DEFAULT_BLOCK,
-    num_warps: int = DEFAULT_WARPS,
+    num_warps: int | None = None,
+    resident: int | None = None,
+    digit_bits: int = DEFAULT_DIGIT_BITS,
 ) -> torch.Tensor:
     """``reference_row_topk``'s result, written into ``out``, with work per row ~ its length.
 
     With ``slots`` (int32 ``[reqs, max_len]``, ``rows = reqs * next_n``, row stride free)
     the result is ``map_positions_to_slots`` of it instead, in the same launch.
-    ``block`` (a power of 2 in ``[16, 8192]``) and ``num_warps`` are tuning knobs only;
-    results do not depend on them.
+
+    The rest are tuning knobs only; results do not depend on them. ``variant`` picks the
+    kernel: ``"resident"`` (rows up to ``resident`` scores, a power of 2 in
+    ``[16, 16384]``, default ``default_resident(width)``, stay in registers; ``digit_bits``
+    in ``[4, 8]`` per radix pass) or ``"chunked"`` (``block``, a power of 2 in ``[16, 8192]``,
+    scores per chunk). ``num_warps`` defaults to each variant's best on the H200.
     """
     check_row_topk(logits, lengths, k, out)
     if slots is not None:
         check_slot_map(out.shape[0], slots, next_n, logits.device)
     device = logits.device
     require_launchable(device, "cumsum")
-    if block < 16 or block > 8192 or block & (block - 1):
-        raise ValueError(f"block must be a power of 2 in [16, 8192], got {block}")
     rows, width = logits.shape
+    if variant == "chunked":
+        if block < 16 or block > 8192 or block & (block - 1):
+            raise ValueError(f"block must be a power of 2 in [16, 8192], got {block}")
+        kernel, warps = _row_topk, DEFAULT_WARPS
+        sizes = {"BLOCK": block}
+        chunk = block
+    elif variant == "resident":
+        chunk = default_resident(width) if resident is None else resident
+        if chunk not in RESIDENT_CHOICES:
+            raise ValueError(f"resident must be a power of 2 in [16, 16384], got {resident}")
+        if digit_bits not in DIGIT_BITS_CHOICES:
+            raise ValueError(f"digit_bits must be one of {DIGIT_BITS_CHOICES}, got {digit_bits}")
+        if width >= MAX_RESIDENT_WIDTH:
+            raise ValueError(f"the resident variant takes widths below 2**28, got {width}")
+        kernel, warps = row_topk_resident, DEFAULT_RESIDENT_WARPS
+        sizes = {"RESIDENT": chunk, "DIGIT_BITS": digit_bits}
+    else:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if rows == 0:
         return out
     mapped = slots is not None
     # Unmapped, the table pointer is never read: ``out`` stands in (same dtype and
     # alignment, so it adds no compiled variant).
     table = slots if mapped else out
-    _row_topk[(rows,)](
+    kernel[(rows,)](
         out,
         logits,
         lengths,
@@ -214,9 +268,9 @@ def row_topk_triton(
         table.shape[1] if mapped else 1,
         table.stride(0) if mapped else 0,
         next_n if mapped else 1,
-        BLOCK=block,
-        OUT_BLOCK=min(block, max(16, triton.next_power_of_2(k))),
+        **sizes,
+        OUT_BLOCK=min(chunk, max(16, triton.next_power_of_2(k))),
         MAP_SLOTS=mapped,
-        num_warps=num_warps,
+        num_warps=warps if num_warps is None else num_warps,
     )
     return out
