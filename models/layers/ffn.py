@@ -16,6 +16,7 @@ from torch import nn
 from models.config import DSV32Config
 from models.layers.exact import FusedWeights, Linear, contract, sigmoid, silu
 from models.layers.moe_routing import routed_experts
+from models.layers.swiglu_triton import silu_mul
 
 
 class MLP(nn.Module):
@@ -36,7 +37,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = None if self.gate_up is None else self.gate_up(x)
         gate, up = (self.w1(x), self.w3(x)) if fused is None else fused
-        return self.w2(silu(gate) * up)
+        # One launch on CUDA (reading the fused GEMM's halves in place), same bits as the
+        # two torch kernels; the CPU's float64 silu otherwise (``swiglu_triton.silu_mul``).
+        return self.w2(silu_mul(gate, up))
 
 
 class Gate(nn.Module):
