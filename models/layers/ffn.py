@@ -13,8 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from backends.common.triton_kernels import triton_available
 from models.config import DSV32Config
-from models.layers.exact import FusedWeights, Linear, contract, sigmoid, silu
+from models.layers.exact import FusedWeights, Linear, contract, silu
+from models.layers.moe_gate_triton import MAX_EXPERTS, route_reference, route_triton
 from models.layers.moe_routing import routed_experts
 from models.layers.swiglu_triton import silu_mul
 
@@ -48,6 +50,10 @@ class Gate(nn.Module):
     The bias (``e_score_correction_bias``) balances load: it shifts which
     experts are *chosen* but not how much they *weigh*, so weights come from
     the unbiased scores, normalised over the chosen experts and scaled.
+
+    On CUDA everything after the GEMM is one launch (``moe_gate_triton``) instead of
+    about fifteen small kernels; the CPU keeps the torch formula (``route_reference``),
+    whose float64 bits the CPU model's exactness tests depend on.
     """
 
     def __init__(self, cfg: DSV32Config, dtype: torch.dtype | None = None) -> None:
@@ -59,20 +65,31 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
+    def takes_kernel(self, x: torch.Tensor) -> bool:
+        """Whether routing runs the Triton kernel: CUDA and nothing autograd would need a
+        backward for (as ``RMSNorm.takes_kernel``), at most ``MAX_EXPERTS`` experts and
+        logits the kernel reads (fp32, fp16, bf16)."""
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad or self.weight.requires_grad or self.bias.requires_grad
+        )
+        wide = torch.promote_types(x.dtype, self.weight.dtype)
+        return (
+            x.is_cuda
+            and not needs_grad
+            and self.weight.shape[0] <= MAX_EXPERTS
+            and wide in (torch.float32, torch.float16, torch.bfloat16)
+            and triton_available(x.device)
+        )
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [rows, top_k] fp32, indices [rows, top_k] int64)``."""
-        scores = sigmoid(contract("rd,ed->re", x, self.weight, dtype=torch.float32))
-        biased = scores + self.bias
-        if self.n_group > 1:
-            grouped = biased.unflatten(-1, (self.n_group, -1))
-            group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [rows, n_group]
-            kept = group_score.topk(self.topk_group, dim=-1).indices
-            mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
-            biased = grouped.masked_fill(~mask[..., None], float("-inf")).flatten(-2)
-        indices = biased.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, indices)
-        weights = weights / weights.sum(-1, keepdim=True) * self.route_scale
-        return weights, indices
+        route = (self.bias, self.top_k, self.n_group, self.topk_group, self.route_scale)
+        if self.takes_kernel(x):
+            # The GEMM in its own dtype, the same call as below: the kernel widens the logits
+            # to fp32 in registers (exactly), which saves the cast's launch.
+            wide = torch.promote_types(x.dtype, self.weight.dtype)
+            return route_triton(contract("rd,ed->re", x, self.weight, dtype=wide), *route)
+        return route_reference(contract("rd,ed->re", x, self.weight, dtype=torch.float32), *route)
 
 
 class MoE(nn.Module):

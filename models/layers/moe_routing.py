@@ -7,6 +7,10 @@ reads its maximum back to the host on CUDA). The grouped GEMMs run on those rang
 the results are put back in pair order and summed per token over its ``top_k`` slots.
 Every shape is ``P`` or ``rows`` and no value is read back, so the whole path can be
 captured in a CUDA graph. The combine is deterministic: no atomics, a fixed sum order.
+
+On CUDA, for decode-sized batches (``KERNEL_PAIRS``), the sort and its bookkeeping are one
+launch (``moe_dispatch_triton``) instead of about ten small kernels, same outputs bit for
+bit; the CPU and larger batches keep the torch path.
 """
 
 from __future__ import annotations
@@ -15,10 +19,19 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.common.triton_kernels import triton_available
+from models.layers import moe_dispatch_triton
 from models.layers.grouped_gemm import grouped_mm
 from models.layers.swiglu_triton import silu_mul
 
-__all__ = ["ExpertBatch", "combine", "routed_experts", "sort_by_expert"]
+__all__ = [
+    "ExpertBatch",
+    "combine",
+    "dispatch_takes_kernel",
+    "routed_experts",
+    "sort_by_expert",
+    "sort_by_expert_torch",
+]
 
 
 @dataclass(frozen=True)
@@ -31,8 +44,42 @@ class ExpertBatch:
     ends: torch.Tensor  # [E] int32: one past the last sorted pair of each expert
 
 
+KERNEL_PAIRS = 1024
+"""Most (token, expert) pairs ``sort_by_expert`` hands the kernel: 128 decode rows of top-8,
+the sizes a captured graph holds, where its launches are the cost. Larger (prefill)
+batches are eager and take the torch path, whose ten launches are small beside their
+GEMMs; the kernel's wider sorts (to ``MAX_PAIRS``) are checked under the interpreter but
+had not run on a GPU when this limit was set (docs/verification.md, round 6)."""
+
+
+def dispatch_takes_kernel(weights: torch.Tensor, indices: torch.Tensor, n_experts: int) -> bool:
+    """Whether ``sort_by_expert`` runs the one-launch kernel: CUDA, Triton, at most
+    ``KERNEL_PAIRS`` pairs (decided from shapes, so capture and replay agree) and no
+    autograd through the weights (the kernel records no backward)."""
+    needs_grad = torch.is_grad_enabled() and weights.requires_grad
+    return (
+        indices.is_cuda
+        and not needs_grad
+        and 0 < indices.numel() <= KERNEL_PAIRS
+        and 0 < n_experts <= moe_dispatch_triton.MAX_EXPERTS
+        and triton_available(indices.device)
+    )
+
+
 def sort_by_expert(weights: torch.Tensor, indices: torch.Tensor, n_experts: int) -> ExpertBatch:
     """Group the ``[rows, top_k]`` routing choices by expert, with static shapes."""
+    if dispatch_takes_kernel(weights, indices, n_experts):
+        order, rows, sorted_weights, ends = moe_dispatch_triton.sort_by_expert_triton(
+            weights, indices, n_experts
+        )
+        return ExpertBatch(order=order, rows=rows, weights=sorted_weights, ends=ends)
+    return sort_by_expert_torch(weights, indices, n_experts)
+
+
+def sort_by_expert_torch(
+    weights: torch.Tensor, indices: torch.Tensor, n_experts: int
+) -> ExpertBatch:
+    """The torch formulation: the CPU's path, and the kernel's reference."""
     top_k = indices.shape[1]
     expert, order = torch.sort(indices.reshape(-1), stable=True)
     ids = torch.arange(n_experts, device=indices.device, dtype=expert.dtype)
