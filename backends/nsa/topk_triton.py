@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
     triton = None
     tl = None
 
-__all__ = ["VARIANTS", "default_resident", "row_topk_triton"]
+__all__ = ["RESIDENT_DEFAULTS", "VARIANTS", "default_resident", "row_topk_triton"]
 
 VARIANTS = ("resident", "chunked")
 
@@ -66,18 +66,29 @@ DEFAULT_DIGIT_BITS = 5
 DIGIT_BITS_CHOICES = (4, 5, 6, 7, 8)  # the pick packs a digit into 8 bits
 
 
-def default_resident(width: int) -> int:
-    """The resident block for a logits width: the width's power of two, at least 16 and
-    at most 8192; wider rows continue in re-read chunks of 8192.
+RESIDENT_DEFAULTS = (1024, 4096, 8192)
+"""The resident blocks the launcher picks from (see ``default_resident``)."""
 
-    Lanes past a row's length still cost each pass, so a block wider than the width is
-    slower (8192 for width 4096: ~14.5 us against ~10 us on the H200), and a power of two
-    per width is one compiled variant per power of two, not per batch: the decode width
-    is the plan's fixed ``max_seq_len``, and prompt chunk widths fall into a handful.
-    Past 8192 a whole-row block did not pay: at width 16384 it won by up to ~7% without
-    slots, lost by up to ~20% with them, and by 2x on a single short row.
+
+def default_resident(width: int) -> int:
+    """The resident block for a logits width: the smallest of ``RESIDENT_DEFAULTS`` that
+    holds it; wider rows continue in re-read chunks of 8192.
+
+    Each block is a compiled variant, and a variant first met mid-serving compiles there
+    (seconds on the H200: r6-3's first dsv32-small prefill, at a new width, took 2 s with
+    one variant per power of two). Three fixed blocks are few enough for graph capture and
+    the engine's extend warm-up to compile all of them. A block wider than the width
+    costs each pass (8192 for width 4096: ~14.5 us against ~10 us on the H200), which is
+    why 4096 is one of them, the decode width of a 4k context; below 1024 a row costs
+    little either way, and rows no longer than k (2048 in the model) take the unscored
+    path, whose cost is the compaction. Past 8192 a whole-row block did not pay: at width
+    16384 it won by up to ~7% without slots, lost by up to ~20% with them, and by 2x on
+    a single short row.
     """
-    return min(max(16, triton.next_power_of_2(max(width, 1))), 8192)
+    for block in RESIDENT_DEFAULTS:
+        if width <= block:
+            return block
+    return RESIDENT_DEFAULTS[-1]
 
 
 def _row_topk_kernel(

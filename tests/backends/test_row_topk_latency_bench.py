@@ -25,7 +25,13 @@ def test_row_topk_latency_smoke(tmp_path: Path) -> None:
     configs = {r["config"] for r in results}
     # The baseline, the resident default at both smoke digit widths, and a block small
     # enough that the smoke rows take the re-read chunks.
-    assert {"chunked", "resident256-d5-w4", "resident256-d8-w4", "resident64-d5-w4"} == configs
+    res = bench.default_resident(256)
+    assert {
+        "chunked",
+        f"resident{res}-d5-w4",
+        f"resident{res}-d8-w4",
+        "resident64-d5-w4",
+    } == configs
     assert all(r["ok"] and r["median_us"] > 0 for r in results)
     assert set(saved["best"]) == {f"256/{rows}/{kind}/pos" for rows in (1, 4) for kind in
                                   ("random", "full")}  # fmt: skip

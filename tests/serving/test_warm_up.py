@@ -21,11 +21,11 @@ def test_warm_up_batches_cover_a_chunk_with_and_without_a_prefix():
         (int(b.seq_lens_cpu[0]) - int(b.extend_lens_cpu[0]), int(b.extend_lens_cpu[0]))
         for b, _ in sched.warm_up_batches(topk=2048, chunk=2048, max_context=4352)
     }
-    assert shapes == {(2048, 1), (0, 128), (2048, 128), (0, 2048), (2048, 2048)}
+    assert shapes == {(2048, 1), (0, 16), (0, 128), (2048, 128), (0, 2048), (2048, 2048)}
     # a short context keeps only what fits
     short = sched.warm_up_batches(topk=2048, chunk=2048, max_context=2100)
     assert all(int(b.seq_lens_cpu[0]) <= 2100 for b, _ in short)
-    assert {int(b.extend_lens_cpu[0]) for b, _ in short} == {1, 2048, 128}
+    assert {int(b.extend_lens_cpu[0]) for b, _ in short} == {1, 16, 2048, 128}
 
 
 def test_warm_up_touches_only_the_null_request_and_slot():
