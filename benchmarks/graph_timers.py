@@ -15,8 +15,15 @@ from typing import Any
 import torch
 
 
-def time_graph(fn: Callable[[], Any], *, warmup: int, iters: int) -> dict[str, float]:
-    """Capture ``fn`` once, replay it; per-replay CUDA-event times in microseconds."""
+def time_graph(
+    fn: Callable[[], Any], *, warmup: int, iters: int, reps: int = 1
+) -> dict[str, float]:
+    """Capture ``fn`` ``reps`` times back to back in one graph, replay it; CUDA-event
+    microseconds per call (each replay's time over ``reps``).
+
+    ``reps=1`` charges each call with a whole graph launch (~10 us on the H200, more than
+    a small kernel); a chain of calls (a decode step's layers) spreads that, which is
+    closer to what one launch costs inside the decode step's graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -25,7 +32,8 @@ def time_graph(fn: Callable[[], Any], *, warmup: int, iters: int) -> dict[str, f
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(reps):
+            fn()
     for _ in range(warmup):
         graph.replay()
     marks = [
@@ -38,7 +46,7 @@ def time_graph(fn: Callable[[], Any], *, warmup: int, iters: int) -> dict[str, f
         end.record()
     torch.cuda.synchronize()
     del graph
-    return _stats([s.elapsed_time(e) * 1e3 for s, e in marks])
+    return _stats([s.elapsed_time(e) * 1e3 / reps for s, e in marks])
 
 
 def time_eager(fn: Callable[[], Any], *, warmup: int, iters: int) -> dict[str, float]:

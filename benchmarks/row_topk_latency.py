@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,7 +38,7 @@ from backends.common.triton_kernels import triton_available  # noqa: E402
 from backends.nsa.topk_ref import map_positions_to_slots, reference_row_topk  # noqa: E402
 from backends.nsa.topk_triton import default_resident, row_topk_triton  # noqa: E402
 from benchmarks.common import machine, print_table, write_json  # noqa: E402
-from benchmarks.graph_timers import time_eager  # noqa: E402
+from benchmarks.graph_timers import time_eager, time_graph  # noqa: E402
 
 Config = tuple[str, dict[str, Any]]
 
@@ -99,39 +98,8 @@ def configs(width: int, args: argparse.Namespace) -> list[Config]:
 
 
 def time_replays(fn: Callable[[], Any], *, reps: int, warmup: int, iters: int) -> dict[str, float]:
-    """``fn`` captured ``reps`` times back to back in one CUDA graph, replayed ``iters`` times:
-    CUDA-event microseconds per launch (each replay's time over ``reps``), median and p99.
-
-    ``reps=1`` charges each launch with a whole graph launch (~10 us on the H200, more than
-    the kernel itself); ``reps=20`` spreads that over the chain, which is closer to what a
-    layer's launch costs inside the decode step's graph.
-    """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # compile and allocate outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    for _ in range(warmup):
-        graph.replay()
-    marks = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(iters)
-    ]
-    for start, end in marks:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    samples = sorted(start.elapsed_time(end) * 1e3 / reps for start, end in marks)
-    return {
-        "median_us": statistics.median(samples),
-        "p99_us": samples[min(len(samples) - 1, (len(samples) * 99) // 100)],
-    }
+    """``fn`` captured ``reps`` times in one CUDA graph (``graph_timers.time_graph``)."""
+    return time_graph(fn, warmup=warmup, iters=iters, reps=reps)
 
 
 def lengths_of(kind: str, rows: int, width: int, k: int, gen: torch.Generator) -> torch.Tensor:

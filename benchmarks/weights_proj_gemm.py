@@ -20,43 +20,17 @@ Also the max error of each against float64. Medians and p99 over ``--iters`` rep
 from __future__ import annotations
 
 import argparse
-import statistics
 from typing import Any
 
 import torch
 from torch import nn
 
 from benchmarks.common import machine, plot_bars, print_table, write_json
+from benchmarks.graph_timers import time_graph
 from models.layers.bf16_terms import Bf16TermsProjection, mm_fp32_out_available
 
 LAYERS = 61
 SCALE = 64**-0.5 * 128**-0.5
-
-
-def _time_stack(fn, iters: int) -> dict[str, float]:
-    """``fn`` captured ``LAYERS`` times in one graph; per-call us of each replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(LAYERS):
-            fn()
-    for _ in range(10):
-        graph.replay()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / LAYERS)
-    samples.sort()
-    return {"median_us": statistics.median(samples), "p99_us": samples[int(0.99 * len(samples))]}
 
 
 def measure(rows: int, iters: int) -> dict[str, Any]:
@@ -75,7 +49,7 @@ def measure(rows: int, iters: int) -> dict[str, Any]:
     }
     out: dict[str, Any] = {"rows": rows}
     for name, fn in ways.items():
-        out[name] = _time_stack(fn, iters)
+        out[name] = time_graph(fn, warmup=10, iters=iters, reps=LAYERS)
         out[f"{name}_max_abs_err"] = (fn().double() - exact).abs().max().item()
     return out
 

@@ -41,7 +41,7 @@ import torch
 from backends.common import triton_kernels as tk
 from backends.common.triton_kernels import LazyKernel, require_launchable
 from models.layers.exact import sigmoid
-from models.layers.swiglu_triton import HAS_LIBDEVICE_EXP
+from models.layers.swiglu_triton import HAS_LIBDEVICE_EXP, libdevice  # the kernel's exp
 
 try:
     import triton
@@ -49,14 +49,6 @@ try:
 except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
     triton = None
     tl = None
-
-try:
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover - depends on the Triton release
-    try:
-        from triton.language.extra.cuda import libdevice
-    except ImportError:
-        libdevice = None
 
 __all__ = ["MAX_EXPERTS", "route_reference", "route_triton", "select_experts"]
 
