@@ -77,11 +77,16 @@ def profile_config(model, batch: int, ctx: int, kernel: str, phase: str, args, d
         warnings.simplefilter("ignore")
         runner.capture()
         eager = "profiled eagerly" if phase == "eager" else None
+        stacks = phase == "eager" and args.sites
+        # Labels on before the warm-up, so their first use (torch's profiler ops load
+        # lazily) runs outside the profile. The Python tracer keeps frame names as
+        # pointers into code objects; with the labels first used inside the profile, about
+        # 1 CPU run in 4 failed to parse (a freed name, pytorch/pytorch#64345), 0 of 16
+        # since.
+        hooks = label_modules(model) if stacks else []
         for i in range(args.warmup):
             runner.step(batches[i % len(batches)], eager=eager)
         sync(device)
-        stacks = phase == "eager" and args.sites
-        hooks = label_modules(model) if stacks else []
         with torch.profiler.profile(activities=activities, with_stack=stacks) as prof:
             for i in range(args.steps):
                 runner.step(batches[i % len(batches)], eager=eager)
