@@ -288,14 +288,13 @@ class DSV32Model(nn.Module):
                 h, cos, sin, plan, cache.mla[i], cache.index[i], sparse, delta=delta, defer=True
             )
         ragged = isinstance(plan, NSAExtendPlan)
-        if delta is None:  # no layers
-            normed = self.norm(h)
-        elif ragged and not hidden:  # only the logit rows are normalised
-            h = h + delta
-        else:
-            h, normed = add_rms_norm(h, delta, self.norm)
+        if ragged and not hidden:  # only the logit rows are normalised
+            h = h if delta is None else h + delta
+            return self.head(self.norm(h[plan.logit_rows.long()])).float()
+        # The last layer's FFN output joins the stream in the final norm's launch.
+        normed = self.norm(h) if delta is None else add_rms_norm(h, delta, self.norm)[1]
         if not hidden:
-            return self.head(self.norm(h[plan.logit_rows.long()]) if ragged else normed).float()
+            return self.head(normed).float()
         last = normed[plan.logit_rows.long()] if ragged else normed
         return {"logits": self.head(last).float(), "hidden": normed}
 

@@ -26,6 +26,8 @@ place (its version counter moves: ``load``, ``copy_`` under ``no_grad``); a writ
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -44,8 +46,11 @@ def bf16_terms(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([first, second, third], dim=0)
 
 
+@functools.cache
 def mm_fp32_out_available(device: torch.device) -> bool:
-    """Whether this torch has the bf16-in, fp32-out GEMM on ``device`` (CUDA, torch >= 2.8)."""
+    """Whether this torch has the bf16-in, fp32-out GEMM on ``device`` (CUDA, torch >= 2.8);
+    probed once per device by trying it (torch raises NotImplementedError for a backend
+    without the kernel, TypeError where ``out_dtype`` is unknown)."""
     if device.type != "cuda":
         return False
     try:

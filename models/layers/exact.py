@@ -22,10 +22,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.common.triton_kernels import triton_available
+
 
 def exact(t: torch.Tensor) -> bool:
     """Whether computations on ``t`` take the batch-invariant float64 path (the CPU)."""
     return t.device.type == "cpu"
+
+
+def forward_takes_kernel(*tensors: torch.Tensor) -> bool:
+    """Whether a model op over ``tensors`` runs its Triton kernel rather than the torch
+    formula: the first tensor on CUDA, Triton there, and nothing autograd would record.
+    The kernels have no backward (the serving model needs none), and off CUDA the torch
+    formulas stay, whose float64 bits the CPU model's exactness tests pin. One rule for
+    every fused forward kernel, so none of them decides it differently."""
+    first = tensors[0]
+    if not first.is_cuda or not triton_available(first.device):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def accumulate_dtype(t: torch.Tensor) -> torch.dtype:

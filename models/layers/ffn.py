@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backends.common.triton_kernels import triton_available
 from models.config import DSV32Config
-from models.layers.exact import FusedWeights, Linear, contract, silu
+from models.layers.exact import FusedWeights, Linear, contract, forward_takes_kernel, silu
 from models.layers.moe_gate_triton import MAX_EXPERTS, route_reference, route_triton
 from models.layers.moe_routing import routed_experts
 from models.layers.swiglu_triton import silu_mul
@@ -69,16 +68,11 @@ class Gate(nn.Module):
         """Whether routing runs the Triton kernel: CUDA and nothing autograd would need a
         backward for (as ``RMSNorm.takes_kernel``), at most ``MAX_EXPERTS`` experts and
         logits the kernel reads (fp32, fp16, bf16)."""
-        needs_grad = torch.is_grad_enabled() and (
-            x.requires_grad or self.weight.requires_grad or self.bias.requires_grad
-        )
         wide = torch.promote_types(x.dtype, self.weight.dtype)
         return (
-            x.is_cuda
-            and not needs_grad
-            and self.weight.shape[0] <= MAX_EXPERTS
+            self.weight.shape[0] <= MAX_EXPERTS
             and wide in (torch.float32, torch.float16, torch.bfloat16)
-            and triton_available(x.device)
+            and forward_takes_kernel(x, self.weight, self.bias)
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

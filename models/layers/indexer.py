@@ -10,8 +10,6 @@ itself. Lengths, slots and schedules come from the plan.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -28,11 +26,6 @@ from models.layers.exact import Linear
 from models.layers.hadamard import hadamard_matrix, hadamard_rotate
 from models.layers.norm import LayerNorm
 from models.layers.rope import apply_rope_half_leading
-
-
-@functools.cache
-def _fp32_out_gemm(device: torch.device) -> bool:
-    return mm_fp32_out_available(device)
 
 
 class Indexer(nn.Module):
@@ -98,9 +91,8 @@ class Indexer(nn.Module):
         least ``MIN_ROWS`` rows, one bf16 tensor-core GEMM over the weight's exact bf16 terms
         (``bf16_terms``) instead of a cast, cuBLAS's SIMT fp32 GEMM and its split-K
         reduction."""
-        rows = x.numel() // max(x.shape[-1], 1)
-        terms = rows >= bf16_terms.MIN_ROWS and x.dtype == torch.bfloat16
-        if terms and x.is_cuda and _fp32_out_gemm(x.device):
+        terms = x.shape[0] >= bf16_terms.MIN_ROWS and x.dtype == torch.bfloat16
+        if terms and x.is_cuda and mm_fp32_out_available(x.device):
             if self._terms is None:
                 self._terms = Bf16TermsProjection(self.weights_proj)
             return self._terms(x)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from backends.common.triton_kernels import LazyKernel, require_launchable, row_align
-from models.layers.norm_triton import _num_warps
+from models.layers.norm_triton import norm_warps
 
 try:
     import triton
@@ -214,6 +214,6 @@ def write_latent_kv_triton(
         HALF_BLOCK=triton.next_power_of_2(half),
         KVA_ALIGN=row_align(kva_stride, kva.dtype),
         CACHE_ALIGN=row_align(cache_stride, kv_cache.dtype),
-        num_warps=_num_warps(block),
+        num_warps=norm_warps(block),
         **_EXACT,
     )

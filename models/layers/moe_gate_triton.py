@@ -38,10 +38,9 @@ from __future__ import annotations
 
 import torch
 
-from backends.common import triton_kernels as tk
 from backends.common.triton_kernels import LazyKernel, require_launchable
 from models.layers.exact import sigmoid
-from models.layers.swiglu_triton import HAS_LIBDEVICE_EXP, libdevice  # the kernel's exp
+from models.layers.swiglu_triton import exp_is_libdevice, libdevice  # the kernel's exp
 
 try:
     import triton
@@ -264,7 +263,7 @@ def route_triton(
         PER_P2=_pow2(per),
         TOPK_GROUP=topk_group if groups > 1 else 1,
         # The interpreter cannot call libdevice; it evaluates tl.exp with numpy instead.
-        LIBDEVICE_EXP=HAS_LIBDEVICE_EXP and not tk._interpreting(),
+        LIBDEVICE_EXP=exp_is_libdevice(),
         # A row is at most 256 keys: one warp holds them, and no reduction crosses warps.
         num_warps=1,
     )

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.common.triton_kernels import triton_available
 from models.layers import moe_dispatch_triton
+from models.layers.exact import forward_takes_kernel
 from models.layers.grouped_gemm import grouped_mm
 from models.layers.swiglu_triton import silu_mul
 
@@ -56,13 +56,10 @@ def dispatch_takes_kernel(weights: torch.Tensor, indices: torch.Tensor, n_expert
     """Whether ``sort_by_expert`` runs the one-launch kernel: CUDA, Triton, at most
     ``KERNEL_PAIRS`` pairs (decided from shapes, so capture and replay agree) and no
     autograd through the weights (the kernel records no backward)."""
-    needs_grad = torch.is_grad_enabled() and weights.requires_grad
     return (
-        indices.is_cuda
-        and not needs_grad
-        and 0 < indices.numel() <= KERNEL_PAIRS
+        0 < indices.numel() <= KERNEL_PAIRS
         and 0 < n_experts <= moe_dispatch_triton.MAX_EXPERTS
-        and triton_available(indices.device)
+        and forward_takes_kernel(indices, weights)
     )
 
 

@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.common.triton_kernels import triton_available
-from models.layers.exact import accumulate_dtype
+from models.layers.exact import accumulate_dtype, forward_takes_kernel
 from models.layers.layer_norm_triton import layer_norm_rope_triton, layer_norm_triton
 from models.layers.norm_triton import rms_norm_triton
 from models.layers.rope import apply_rope_half_leading
@@ -54,11 +53,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def takes_kernel(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` is normalised by the Triton kernel (CUDA, no autograd) rather than
-        the torch formula. The kernel has no backward: where autograd would record the
-        norm, the torch formula runs (the serving model has no parameter that needs one)."""
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
-        return x.is_cuda and not needs_grad and triton_available(x.device)
+        """Whether ``x`` is normalised by the Triton kernel rather than the torch formula
+        (``forward_takes_kernel``)."""
+        return forward_takes_kernel(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_kernel(x):
@@ -76,11 +73,8 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
 
     def takes_kernel(self, x: torch.Tensor) -> bool:
-        """As ``RMSNorm.takes_kernel``: CUDA and nothing autograd would need a backward for."""
-        needs_grad = torch.is_grad_enabled() and (
-            x.requires_grad or self.weight.requires_grad or self.bias.requires_grad
-        )
-        return x.is_cuda and not needs_grad and triton_available(x.device)
+        """As ``RMSNorm.takes_kernel`` (``forward_takes_kernel``)."""
+        return forward_takes_kernel(x, self.weight, self.bias)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, int] | None = None

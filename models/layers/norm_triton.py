@@ -75,7 +75,7 @@ def _rms_norm_kernel(
 _rms_norm = LazyKernel(_rms_norm_kernel, aligned=True)
 
 
-def _num_warps(block: int) -> int:
+def norm_warps(block: int) -> int:
     # Triton's layer-norm heuristic: about 32 fp32 values a thread at most, at most
     # 8 warps. A tuning knob only; results do not depend on it beyond summation order.
     return min(max(block // 256, 1), 8)
@@ -146,6 +146,6 @@ def _launch(
         BLOCK=block,
         ROW_ALIGN=row_align(stride, x.dtype),
         RESIDUAL=delta is not None,
-        num_warps=_num_warps(block),
+        num_warps=norm_warps(block),
     )
     return out, total

@@ -19,8 +19,8 @@ import math
 
 import torch
 
-from backends.common.triton_kernels import triton_available
 from models.config import YarnScaling, yarn_mscale
+from models.layers.exact import forward_takes_kernel
 from models.layers.rope_triton import rope_half_leading_triton, rope_interleaved_triton
 
 
@@ -79,11 +79,7 @@ def _broadcast(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _use_triton(x: torch.Tensor) -> bool:
     """One launch instead of 8-10 on CUDA. CPU stays on the torch formula (the CPU model's
     exactness tests pin it); so does anything that needs autograd, which the kernels lack."""
-    return (
-        x.is_cuda
-        and triton_available(x.device)
-        and not (x.requires_grad and torch.is_grad_enabled())
-    )
+    return forward_takes_kernel(x)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -34,9 +34,8 @@ from backends.common.triton_kernels import (
     require_launchable,
     row_align,
     rows_view,
-    triton_available,
 )
-from models.layers.exact import silu
+from models.layers.exact import forward_takes_kernel, silu
 
 try:
     import triton
@@ -53,10 +52,17 @@ except ImportError:  # pragma: no cover - depends on the Triton release
     except ImportError:
         libdevice = None
 
-__all__ = ["HAS_LIBDEVICE_EXP", "silu_mul", "silu_mul_triton"]
+__all__ = ["HAS_LIBDEVICE_EXP", "exp_is_libdevice", "silu_mul", "silu_mul_triton"]
 
 HAS_LIBDEVICE_EXP = libdevice is not None and hasattr(libdevice, "exp")
 """Whether the compiled kernel's exp is CUDA's own ``expf`` (bit-equal to torch)."""
+
+
+def exp_is_libdevice() -> bool:
+    """The ``LIBDEVICE_EXP`` flag of a launch now: libdevice's exp where it exists and the
+    kernel is compiled (the interpreter cannot run libdevice, ``tl.exp`` stands in)."""
+    return HAS_LIBDEVICE_EXP and not tk._interpreting()
+
 
 # Columns a program: 16-byte vectors over 4 warps for bf16, few programs at decode sizes
 # (16 rows x 18432 columns is 288 of them); a tuning knob only, results do not depend on it.
@@ -148,7 +154,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         UP_ALIGN=row_align(u_stride, dtype),
         OUT_ALIGN=row_align(n_cols, dtype),
         # The interpreter cannot call libdevice; it evaluates tl.exp with numpy instead.
-        LIBDEVICE_EXP=HAS_LIBDEVICE_EXP and not tk._interpreting(),
+        LIBDEVICE_EXP=exp_is_libdevice(),
         num_warps=_NUM_WARPS,
     )
     return out
@@ -158,15 +164,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's activation for the model: the kernel on CUDA, ``exact.silu(gate) * up``
     elsewhere (the CPU model's float64 silu) and wherever autograd needs a graph, which
     the kernel does not record."""
-    needs_grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
     if (
-        gate.is_cuda
-        and up.is_cuda
-        and not needs_grad
+        up.is_cuda
         and gate.dtype in _FLOATS
         and gate.dtype == up.dtype
         and gate.shape == up.shape
-        and triton_available(gate.device)
+        and forward_takes_kernel(gate, up)
     ):
         return silu_mul_triton(gate, up)
     return silu(gate) * up
