@@ -5,7 +5,8 @@
 #
 # Steps (each bounded by STEP_TIMEOUT seconds, default 300; one log, $OUT/log.txt, keeps
 # everything printed, and each step's JSON lands in $OUT, so a device call returns at most
-# a handful of files):
+# a handful of files; GPU_MAXFAIL (default 3) bounds gpu_tests' failures, SEED_ITERS
+# (default 20) the timed steps of each model_seed cell):
 #   mqa         fp8_mqa_logits drop-in vs the real kernel         -> verify_mqa_logits.json
 #   deepgemm    paged MQA schedule and logits vs the real kernel  -> verify_deepgemm.json
 #   sparse_mla  Triton sparse MLA vs the reference and FlashInfer -> bench_sparse_mla.json
@@ -59,7 +60,7 @@ for step in "$@"; do
     sparse_fi) run sparse_fi python3 -m benchmarks.verify_sparse_flashinfer \
         --out "$OUT/sparse_flashinfer.json" --plot "$OUT/sparse_flashinfer.png" ;;
     moe_topk) run moe_topk python3 benchmarks/bench_moe_topk.py --out "$OUT" --iters 30 ;;
-    gpu_tests) run gpu_tests python3 -m pytest -q -p no:cacheprovider --maxfail=3 -m gpu tests ;;
+    gpu_tests) run gpu_tests python3 -m pytest -q -p no:cacheprovider --maxfail="${GPU_MAXFAIL:-3}" -m gpu tests ;;
     small) run small python3 -m planner decode --config configs/dsv32-small.yaml --requests 16 \
         --quiet --json "$OUT/small.json" ;;
     shapes) run shapes python3 -m planner decode --config configs/dsv32-shapes.yaml --requests 64 \
@@ -72,10 +73,10 @@ for step in "$@"; do
     step_profile) run step_profile python3 -m benchmarks.profile_step --batches 1 64 \
         --out "$OUT/profile_step.json" --plot "$OUT/profile_step.png" ;;
     model_seed) run model_seed python3 benchmarks/seed_stack.py --stack model --contexts 4096 \
-        --batches 1 16 64 --modes graph --runs 2 --warmup 5 --iters 20 --out "$OUT/model_seed.json" ;;
+        --batches 1 16 64 --modes graph --runs 2 --warmup 5 --iters "${SEED_ITERS:-20}" --out "$OUT/model_seed.json" ;;
     model_seed_fi) run model_seed_fi python3 benchmarks/seed_stack.py --stack model \
-        --contexts 4096 --batches 1 16 64 --modes graph --runs 2 --warmup 5 --iters 20 \
-        --mla-kernel flashinfer --out "$OUT/model_seed_fi.json" ;;
+        --contexts 4096 --batches 1 16 64 --modes graph --runs 2 --warmup 5 \
+        --iters "${SEED_ITERS:-20}" --mla-kernel flashinfer --out "$OUT/model_seed_fi.json" ;;
     host) run host python3 -m benchmarks.planner_overhead --runs 2 --iters 300 \
         --out "$OUT/planner_overhead.json" --plot "$OUT/planner_overhead.png" ;;
     refresh)
