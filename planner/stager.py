@@ -132,13 +132,20 @@ class Stager:
             host = torch.empty(total, dtype=torch.int32)
             view, done = host.numpy(), None
         pending = []
+        base = host.data_ptr()
         for r, batch in enumerate(batches):
             region = view[r * size : (r + 1) * size] if n > 1 else view
             counts = real_counts(batch)
-            on_device = self.layout.fill(
-                region, batch, reqs, tokens, ranges, read_device=read_device, counts=counts
+            on_device = self.layout.fill_checked(
+                region,
+                base + 4 * r * size,
+                batch,
+                reqs,
+                tokens,
+                ranges,
+                read_device=read_device,
+                counts=counts,
             )
-            self.layout.check(region, batch, ranges, on_device, counts)
             if read_table:
                 self.layout.check_table(region, batch, ranges)
             pending.append((counts, on_device))

@@ -22,6 +22,7 @@ import torch
 from planner.batch import SOURCES, ForwardBatch, implied_positions
 from planner.door import check_table_width
 from planner.errors import BatchError
+from planner.staging_screen import StageScreen
 from planner.value_checks import (
     ElementBounds,
     all_distinct,
@@ -142,6 +143,36 @@ class StagingLayout:
         )
         """What ``fill`` reads of each segment, unpacked once, with the batch attribute its
         source is read from (None: derived, or written as a constant)."""
+        capacity = max((seg.capacity for seg in self._order), default=1)
+        self.screen = StageScreen.for_layout(self._order, capacity)
+        """The compiled fill-and-check (``planner.staging_screen``), or None without one."""
+
+    def fill_checked(
+        self,
+        host: np.ndarray,
+        address: int | None,
+        batch: ForwardBatch,
+        reqs: int,
+        tokens: int,
+        ranges: Ranges,
+        *,
+        read_device: bool,
+        counts: tuple[int, int],
+    ) -> list[tuple[Segment, torch.Tensor]]:
+        """:meth:`fill` then :meth:`check`, through the compiled screen where it takes the
+        batch (``address`` is ``host``'s); the Python path otherwise, and whenever the
+        screen refuses, so a refusal always names its field."""
+        if self.screen is not None and address is not None:
+            on_device = self.screen.run(
+                address, batch, reqs, tokens, ranges, read_device=read_device
+            )
+            if on_device is not None:
+                return on_device
+        on_device = self.fill(
+            host, batch, reqs, tokens, ranges, read_device=read_device, counts=counts
+        )
+        self.check(host, batch, ranges, on_device, counts)
+        return on_device
 
     def _bounds_for(
         self, reqs: int, tokens: int, ranges: Ranges, skip: frozenset, *, keep: bool = True

@@ -1,0 +1,106 @@
+"""Compiled screens for the replay hot path, built from C with the system's compiler.
+
+Why: a replay's staging (write five inputs and their padding into the pinned buffer,
+range-check them, look for a repeated KV slot or request, compare positions with the
+lengths) is a few hundred integer operations, but as numpy calls it costs about 20 us
+of Python a step on a fast host and several times that in a serving loop, where the
+model step between two replays evicts the interpreter's caches. One C call does it in
+a microsecond or two over a few cache lines.
+
+The C code is a screen, never the authority: it says "good" only when it wrote exactly
+what the Python path writes and every check passed; otherwise the Python path runs and
+names the field and the limit. So a missing compiler costs speed, never correctness:
+the library is built once per source version into a per-user cache (``cc`` or ``$CC``,
+plain C, no Python or torch headers, so it does not depend on the torch build), loaded
+with ``ctypes``, and when anything in that fails the planner says so once and keeps the
+Python path. ``FORWARD_PLANNER_NATIVE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from planner.notices import warn_once
+
+SOURCES = ("stage_screen.c",)
+_HERE = Path(__file__).resolve().parent
+_I64 = ctypes.c_int64
+
+
+def enabled() -> bool:
+    """Whether the compiled screens may be used (``FORWARD_PLANNER_NATIVE=0``: never)."""
+    return os.environ.get("FORWARD_PLANNER_NATIVE", "1") not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$FORWARD_PLANNER_CACHE``, else the user cache."""
+    base = os.environ.get("FORWARD_PLANNER_CACHE")
+    if base:
+        return Path(base)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "forward-planner"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(target_dir: Path | None = None) -> Path:
+    """Compile the sources into a shared library named by their hash; its path.
+
+    Built into a temporary file and renamed, so processes starting together (one per
+    GPU) never load a half-written library. Raises ``RuntimeError`` with the compiler's
+    output when there is no compiler or the build fails.
+    """
+    text = b"".join((_HERE / name).read_bytes() for name in SOURCES)
+    digest = hashlib.sha256(text).hexdigest()[:16]
+    target_dir = target_dir or cache_dir()
+    target = target_dir / f"fp_native_{digest}.so"
+    if target.exists():
+        return target
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or $CC) on PATH")
+    target_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
+    os.close(fd)
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-std=c99", "-o", tmp]
+    cmd += [str(_HERE / name) for name in SOURCES]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:2000]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built library, or None (disabled, or the build or load failed: said once)."""
+    if not enabled():
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        warn_once(f"forward-planner: compiled staging screen unavailable, Python path used: {exc}")
+        return None
+    screen = lib.fp_stage_screen
+    screen.restype = ctypes.c_int
+    screen.argtypes = [_I64, _I64]
+    return lib
+
+
+def stage_screen():
+    """The C staging screen as a ctypes function, or None: ``fn(host, args)`` with the
+    addresses of the int32 staging region and of its packed int64 arguments."""
+    lib = library()
+    return None if lib is None else lib.fp_stage_screen
