@@ -26,7 +26,7 @@ from planner.planner import Planner
 from planner.planset import PlanSet
 from serving.dump_ring import DumpRing, MismatchDumper
 from serving.model_setup import build_model, kv_pages, model_config, resolve_device
-from serving.plan_setup import plan_schemas
+from serving.plan_setup import kernel_name, plan_schemas
 from serving.requests import Request, make_workload
 from serving.run_config import RunConfig
 from serving.samples import Samples
@@ -106,6 +106,8 @@ class DecodeEngine:
             device=str(self.device),
         )
         schemas, options, needs = plan_schemas(p.mla_kernel, p.schedule_layout, model, self.device)
+        self.mla_kernel = kernel_name(p.mla_kernel, model, self.device)
+        """The sparse MLA kernel decode batches run (``auto`` resolved), for the summary."""
         self.planner = Planner(
             schemas,
             self.limits,

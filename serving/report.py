@@ -42,6 +42,7 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
     return {
         "device": str(engine.device),
         "layers": engine.model_config.num_hidden_layers,
+        "sparse_mla_kernel": engine.mla_kernel,
         "requests_finished": result.finished,
         "generated_tokens": generated,
         "wall_seconds": result.wall_seconds,
@@ -91,7 +92,10 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
 
 def render(summary: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
-    table = Table(title=f"DeepSeek-V3.2 decode ({summary['layers']} layers, {summary['device']})")
+    table = Table(
+        title=f"DeepSeek-V3.2 decode ({summary['layers']} layers, {summary['device']}, "
+        f"sparse MLA: {summary['sparse_mla_kernel']})"
+    )
     table.add_column("metric")
     table.add_column("value", justify="right")
     schedule = summary["schedule_calls_per_step"]

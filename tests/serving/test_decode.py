@@ -41,6 +41,7 @@ def test_every_request_finishes_with_its_budget(with_graphs):
     summary = summarize(engine, result)
     assert summary["graph_replays"] == result.decode_steps > 0
     assert summary["schedule_calls_per_step"] == pytest.approx(1.0)
+    assert summary["sparse_mla_kernel"] == "torch"  # the CPU: the exact reference
     assert not engine.scheduler.running and engine.cache.num_used_pages == 0
 
 
