@@ -72,6 +72,11 @@ class CapturedPlans:
                 )
 
 
+NO_HANDLES = ({},)
+"""What a replay with no host ops hands :meth:`CapturedBatch.check_unmoved`: one step,
+no handles."""
+
+
 @dataclass
 class CapturedBatch:
     """The captured plans of one (mode, size): the plan set the graph reads and, per step (one
@@ -85,6 +90,8 @@ class CapturedBatch:
     ranges: Ranges | None = None
     program_steps: tuple[Step, ...] = ()
     host_steps: tuple[Step, ...] = ()
+    screened: bool = False
+    """One step, no host ops and a compiled screen: the replay's staging hot path applies."""
 
     @property
     def table_ptr(self) -> int:
@@ -104,6 +111,30 @@ class CapturedBatch:
                 expected=(hex(self.table_ptr), self.table_shape),
                 actual=(hex(table.data_ptr()), tuple(table.shape)),
             )
+
+    def keep(
+        self,
+        storages: list[StaticStorage],
+        dims: dict[str, int],
+        ranges: Ranges,
+        program_steps: tuple[Step, ...],
+    ) -> None:
+        """What every replay of this size reads, resolved at capture."""
+        self.storages, self.dims, self.ranges = storages, dims, ranges
+        self.program_steps = program_steps
+        self.host_steps = tuple(step for step in program_steps if not step.in_graph)
+        self.screened = (
+            len(storages) == 1
+            and not self.host_steps
+            and storages[0].stager.layout.screen is not None
+        )
+
+    def stage_screened(self, batch: ForwardBatch, bs: int) -> bool:
+        """The replay hot path of a :attr:`screened` capture: the compiled screen stages the
+        batch and one copy sends it (``Stager.stage_screened``); False where it cannot, and
+        the general path (``materialise_all``) runs instead."""
+        stager = self.storages[0].stager
+        return stager.stage_screened(batch, bs, self.dims["tokens"], self.ranges) is not None
 
     def check_unmoved(self, handles: list[Handles]) -> None:
         for step, step_handles in zip(self.steps, handles):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from planner.batch import ForwardBatch, ForwardMode
-from planner.captured import CapturedBatch, capture_steps, dummy_batch
+from planner.captured import NO_HANDLES, CapturedBatch, capture_steps, dummy_batch
 from planner.debug import MismatchHook, check_replay, debug_from_env, guard
 from planner.door import check_capture, check_pad_to, check_size, validate_batch
 from planner.errors import BatchError, ReplayError, SchemaError
@@ -292,9 +292,7 @@ class Planner:
             storages, batches, bs, dims, ranges, program.steps, read_device=True, read_table=True
         )
         captured = capture_steps(program, mode, bs, batches, results, dims, req_to_token)
-        captured.storages, captured.dims, captured.ranges = storages, dims, ranges
-        captured.program_steps = program.steps
-        captured.host_steps = tuple(step for step in program.steps if not step.in_graph)
+        captured.keep(storages, dims, ranges, program.steps)
         self._captured[(mode, bs)] = captured
         self.stats.batches["capture"] += 1
         return captured.plans
@@ -349,17 +347,21 @@ class Planner:
         captured = self._captured_for(mode.plans_as, bs)
         captured.check_table(batch.req_to_token)
         batches = batches_of(batch) if mode.stepped else [batch]
-        results = materialise_all(
-            captured.storages,
-            batches,
-            bs,
-            captured.dims,
-            captured.ranges,
-            captured.host_steps,
-            read_device=self.debug,
-            read_table=self.debug,
-        )
-        captured.check_unmoved([handles for _, handles in results])
+        # Debug mode takes the general path: it also reads device-resident inputs and the table.
+        if captured.screened and not self.debug and captured.stage_screened(batch, bs):
+            captured.check_unmoved(NO_HANDLES)
+        else:
+            results = materialise_all(
+                captured.storages,
+                batches,
+                bs,
+                captured.dims,
+                captured.ranges,
+                captured.host_steps,
+                read_device=self.debug,
+                read_table=self.debug,
+            )
+            captured.check_unmoved([handles for _, handles in results])
         captured.plans.mark("replay", mode, real)
         self.stats.record_steps(mode, captured.program_steps, len(batches))
         self.stats.batches["replay"] += 1

@@ -157,6 +157,33 @@ class Stager:
             )
         else:
             dev = self.device_buf
+        self._send(host, dev, done)
+        views = [dev[r * size : (r + 1) * size] for r in range(n)] if n > 1 else [dev]
+        for region, (counts, on_device) in zip(views, pending):
+            _copy_on_device(region, on_device, counts)
+        return views
+
+    def stage_screened(
+        self, batch: ForwardBatch, reqs: int, tokens: int, ranges: Ranges
+    ) -> torch.Tensor | None:
+        """The replay hot path of a static stager, one batch: the compiled screen fills and
+        checks the ring's next buffer, one copy sends it; None (nothing sent) where the
+        screen cannot take the batch or refuses it, and :meth:`stage` must run instead."""
+        screen = self.layout.screen
+        if screen is None or not self.static:
+            return None
+        host, _view, done = self._next_host(self._size)
+        on_device = screen.run(host.data_ptr(), batch, reqs, tokens, ranges, read_device=False)
+        if on_device is None:
+            return None
+        self._send(host, self.device_buf, done)
+        if on_device:
+            _copy_on_device(self.device_buf, on_device, real_counts(batch))
+        return self.device_buf
+
+    def _send(self, host: torch.Tensor, dev: torch.Tensor, done: torch.cuda.Event | None) -> None:
+        """The one host-to-device copy (asynchronous from a pinned buffer, whose event says
+        when it may be refilled); on the CPU a copy only where the buffers differ."""
         if done is None:
             if dev is not host:
                 dev.copy_(host)
@@ -164,9 +191,12 @@ class Stager:
             dev.copy_(host, non_blocking=True)
             done.record()
         self.copies += 1
-        views = [dev[r * size : (r + 1) * size] for r in range(n)] if n > 1 else [dev]
-        for region, (counts, on_device) in zip(views, pending):
-            for seg, tensor in on_device:
-                n_real = counts[seg.per_token]
-                region[seg.offset : seg.offset + n_real].copy_(tensor)
-        return views
+
+
+def _copy_on_device(
+    region: torch.Tensor, on_device: list[tuple[Segment, torch.Tensor]], counts: tuple[int, int]
+) -> None:
+    """Device-resident inputs into their segments of the staged device buffer, after the copy."""
+    for seg, tensor in on_device:
+        n_real = counts[seg.per_token]
+        region[seg.offset : seg.offset + n_real].copy_(tensor)
