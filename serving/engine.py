@@ -106,7 +106,7 @@ class DecodeEngine:
             device=str(self.device),
         )
         schemas, options, needs = plan_schemas(p.mla_kernel, p.schedule_layout, model, self.device)
-        self.mla_kernel = kernel_name(p.mla_kernel, model, self.device)
+        self.mla_kernel = kernel_name(p.mla_kernel, self.device)
         """The sparse MLA kernel decode batches run (``auto`` resolved), for the summary."""
         self.planner = Planner(
             schemas,

@@ -1,7 +1,6 @@
 """Which plan schemas an engine's planner makes, with their options, from the run config.
 
-The layers read ``nsa``'s plans in every mode. With ``planner.mla_kernel: flashinfer`` (and
-with ``auto`` where FlashInfer's kernel can run: see ``resolve_mla_kernel``) the
+The layers read ``nsa``'s plans in every mode. With ``planner.mla_kernel: flashinfer`` the
 planner also makes FlashInfer's sparse MLA companion plan (``nsa_flashinfer``) for the
 uniform batches (decode, target verify, draft decode), and the layers run the sparse MLA
 on FlashInfer's kernel there; extend and draft-extend batches keep the NSA plan's own
@@ -25,24 +24,17 @@ from planner.schema import Plan
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def resolve_mla_kernel(mla_kernel: str, model: DSV32Model, device: torch.device) -> str:
-    """``auto`` as the kernel it runs: FlashInfer's, planned once per batch, where it can run
-    (CUDA, flashinfer-python importable, a bfloat16 or float16 model); else the NSA plan's
-    own (Triton on CUDA, the torch reference on the CPU). Why FlashInfer first: on the H200
-    the dsv32-shapes step with it is 1.63-1.98x its HBM floor at B 1-128 against 1.62-2.80x
-    with the Triton kernel (``docs/benchmarks.md``, round 7); a named kernel is kept."""
+def kernel_name(mla_kernel: str, device: torch.device) -> str:
+    """The sparse MLA kernel decode batches run, by name, for reports (``auto``: the NSA
+    plan's own, Triton on CUDA, the torch reference elsewhere).
+
+    ``auto`` does not take FlashInfer's kernel, though the 61-layer step with it is
+    1.63-1.98x its HBM floor at B 1-128 against 1.62-2.80x with Triton: in the serving
+    loop it gave no more tokens/s (dsv32-shapes, 64 requests: 1567 against 1576) and its
+    ``plan()`` runs on the host every replay (644 against 248 us of planner time per
+    replay; docs/benchmarks.md, round 7)."""
     if mla_kernel != "auto":
         return mla_kernel
-    if device.type == "cuda" and model.dtype in _DTYPE_NAMES and flashinfer_importable():
-        return "flashinfer"
-    return "auto"
-
-
-def kernel_name(mla_kernel: str, model: DSV32Model, device: torch.device) -> str:
-    """The sparse MLA kernel decode batches run, by name, for reports."""
-    resolved = resolve_mla_kernel(mla_kernel, model, device)
-    if resolved != "auto":
-        return resolved
     return "triton" if device.type == "cuda" and triton_available(device) else "torch"
 
 
@@ -50,9 +42,8 @@ def plan_schemas(
     mla_kernel: str, schedule_layout: str, model: DSV32Model, device: torch.device
 ) -> tuple[list[type[Plan]], dict[str, dict[str, Any]], dict[str, tuple[type[Plan], ...]]]:
     """``(schemas, options, needs)``: what the planner makes, its backend options, and the
-    plan classes the model's layers must be handed (for ``Planner.check_serves``);
-    ``mla_kernel`` as :func:`resolve_mla_kernel` resolves it."""
-    flashinfer = resolve_mla_kernel(mla_kernel, model, device) == "flashinfer"
+    plan classes the model's layers must be handed (for ``Planner.check_serves``)."""
+    flashinfer = mla_kernel == "flashinfer"
     options: dict[str, dict[str, Any]] = {
         "nsa": {
             "topk": model.config.index_topk,

@@ -52,10 +52,8 @@ class PlannerSection(_Section):
     schedule_layout: Literal["0.1.0", "new"] = "0.1.0"
     mla_kernel: Literal["auto", "triton", "torch", "flashinfer"] = Field(
         "auto",
-        description="sparse MLA: flashinfer (FlashInfer's MLA kernel planned once per batch for "
-        "decode and verify; extend keeps the Triton kernel), triton, torch, or auto (flashinfer "
-        "where it runs: CUDA, flashinfer-python, a bf16/fp16 model; else triton on CUDA, torch "
-        "on the CPU)",
+        description="sparse MLA: auto (the Triton kernel on CUDA), triton, torch, or flashinfer "
+        "(FlashInfer's MLA kernel planned once per batch for decode and verify; extend keeps auto)",
     )
 
 

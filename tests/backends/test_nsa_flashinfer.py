@@ -284,30 +284,3 @@ def test_the_engine_refuses_flashinfer_sparse_mla_on_a_gpu_without_flashinfer(mo
     schemas, options, _ = plan_setup.plan_schemas("flashinfer", "0.1.0", model, torch.device("cpu"))
     assert NSAFlashInferPlan in schemas and options["nsa"]["mla_kernel"] == "auto"
     assert options["nsa_flashinfer"]["sparse_heads"] == HEADS
-
-
-def test_auto_takes_flashinfer_where_it_runs_and_the_triton_kernel_elsewhere(monkeypatch):
-    from serving import plan_setup
-
-    class Model:
-        PLANS: ClassVar[dict] = {}
-        OPTIONAL_PLANS: ClassVar[dict] = {"nsa_flashinfer": (NSAFlashInferPlan,)}
-        config = SimpleNamespace(index_topk=TOPK, softmax_scale=SCALE)
-        attention_heads = HEADS
-        dtype = torch.bfloat16
-
-    model, cuda, cpu = Model(), torch.device("cuda"), torch.device("cpu")
-    resolve = plan_setup.resolve_mla_kernel
-    monkeypatch.setattr(plan_setup, "flashinfer_importable", lambda: True)
-    assert resolve("auto", model, cuda) == "flashinfer"
-    schemas, options, _ = plan_setup.plan_schemas("auto", "0.1.0", model, cuda)
-    assert NSAFlashInferPlan in schemas and options["nsa"]["mla_kernel"] == "auto"
-    assert resolve("auto", model, cpu) == "auto"  # the CPU keeps the torch reference
-    assert resolve("triton", model, cuda) == "triton"  # a named kernel is kept
-    model.dtype = torch.float32  # FlashInfer's MLA takes bf16 / fp16 only
-    assert resolve("auto", model, cuda) == "auto"
-    model.dtype = torch.bfloat16
-    monkeypatch.setattr(plan_setup, "flashinfer_importable", lambda: False)
-    assert resolve("auto", model, cuda) == "auto"
-    schemas, _, _ = plan_setup.plan_schemas("auto", "0.1.0", model, cuda)
-    assert NSAFlashInferPlan not in schemas
