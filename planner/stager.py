@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from planner.batch import ForwardBatch
+from planner.cuda_events import record_on_current_stream
 from planner.errors import BatchError
 from planner.staging import Ranges, Segment, StagingLayout, real_counts
 
@@ -48,6 +49,7 @@ class Stager:
         self.device_buf: torch.Tensor | None = None
         self._size = max(layout.size, 1)
         self._pinned = device.type == "cuda"
+        self._cuda_index: int | None = None  # the device buffers' (resolved at the first copy)
         self._ring: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
         if static or self._pinned:
             for _ in range(RING if self._pinned else 1):
@@ -189,7 +191,10 @@ class Stager:
                 dev.copy_(host)
         else:
             dev.copy_(host, non_blocking=True)
-            done.record()
+            index = self._cuda_index
+            if index is None:
+                index = self._cuda_index = dev.device.index
+            record_on_current_stream(done, index)
         self.copies += 1
 
 

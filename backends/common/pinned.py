@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from planner.cuda_events import record_on_current_stream
+
 
 class PinnedCopies:
     """``before_refill()`` before writing the arrays, ``after_enqueue()`` after the copies
@@ -27,5 +29,5 @@ class PinnedCopies:
 
     def after_enqueue(self) -> None:
         if self._done is not None:
-            self._done.record()
+            record_on_current_stream(self._done, torch.cuda.current_device())
             self._pending = True
