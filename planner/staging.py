@@ -150,7 +150,7 @@ class StagingLayout:
     def fill_checked(
         self,
         host: np.ndarray,
-        address: int | None,
+        address: int,
         batch: ForwardBatch,
         reqs: int,
         tokens: int,
@@ -162,7 +162,7 @@ class StagingLayout:
         """:meth:`fill` then :meth:`check`, through the compiled screen where it takes the
         batch (``address`` is ``host``'s); the Python path otherwise, and whenever the
         screen refuses, so a refusal always names its field."""
-        if self.screen is not None and address is not None:
+        if self.screen is not None:
             on_device = self.screen.run(
                 address, batch, reqs, tokens, ranges, read_device=read_device
             )
