@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-import numpy as np
 import torch
 
 from backends.common.pinned import PinnedCopies
+from backends.flashinfer import direct_plan
+from backends.flashinfer.direct_plan import DirectPlan
+from backends.flashinfer.host_args import HostArgs
 from planner.errors import ProviderError
 
 __all__ = [
@@ -120,81 +122,6 @@ class WrapperConfig:
         return self.next_n > 1
 
 
-class HostArgs:
-    """Host copies of the arrays FlashInfer's ``plan`` reads, for up to ``capacity`` requests.
-
-    Pinned on CUDA so FlashInfer's ``non_blocking`` copies out of them are truly
-    asynchronous (a pageable source may make the driver synchronise).
-    """
-
-    def __init__(self, capacity: int, pin: bool) -> None:
-        self.capacity = capacity
-        self.reqs = 0
-        i32 = {"dtype": torch.int32, "pin_memory": pin}
-        self._qo_indptr = torch.zeros(capacity + 1, **i32)
-        self._kv_indptr = torch.zeros(capacity + 1, **i32)
-        self._last_page_len = torch.zeros(capacity, **i32)
-        self._kv_lens = torch.zeros(capacity, **i32)
-        self.summary = torch.zeros(4, dtype=torch.int64, pin_memory=pin)
-        # numpy views of the same memory, made once: every replay fills them
-        self._np = [t.numpy() for t in (self._qo_indptr, self._kv_indptr, self._last_page_len)]
-        self._lens_np, self._summary_np = self._kv_lens.numpy(), self.summary.numpy()
-        self._pages = np.zeros(capacity, dtype=np.int32)
-        self._qo_for: tuple[int, int] | None = None
-
-    def fill(self, seq_lens_cpu: torch.Tensor, reqs: int, page_size: int, next_n: int) -> None:
-        """The batch's lengths padded to ``reqs`` with ``next_n`` (the plans' pad), then the tables.
-
-        Numpy in place on views made once: a dozen tiny torch ops (or fresh numpy
-        temporaries) would cost more host time than the whole plan.
-        """
-        real = seq_lens_cpu.shape[0]
-        if not real <= reqs <= self.capacity:
-            raise ProviderError(
-                "batch does not fit the planned size",
-                field="seq_lens_cpu",
-                expected=f"<= {reqs}",
-                actual=real,
-            )
-        self.reqs = reqs
-        qo, indptr, last = (a[: reqs + 1] for a in self._np)
-        lens, pages = self._lens_np[:reqs], self._pages[:reqs]
-        lens[:real] = seq_lens_cpu.numpy()
-        lens[real:] = next_n
-        np.add(lens, page_size - 1, out=pages)
-        np.floor_divide(pages, page_size, out=pages)
-        indptr[0] = 0
-        np.cumsum(pages, dtype=np.int32, out=indptr[1:])
-        last = last[:reqs]
-        np.subtract(lens, 1, out=last)
-        np.remainder(last, page_size, out=last)
-        last += 1
-        if self._qo_for != (reqs, next_n):  # the same for every batch of this size and mode
-            np.multiply(np.arange(reqs + 1, dtype=np.int32), next_n, out=qo)
-            self._qo_for = (reqs, next_n)
-        self._summary_np[:] = (reqs, int(indptr[reqs]), int(lens.sum(dtype=np.int64)), lens.max())
-
-    @property
-    def qo_indptr(self) -> torch.Tensor:
-        return self._qo_indptr[: self.reqs + 1]
-
-    @property
-    def kv_indptr(self) -> torch.Tensor:
-        return self._kv_indptr[: self.reqs + 1]
-
-    @property
-    def last_page_len(self) -> torch.Tensor:
-        return self._last_page_len[: self.reqs]
-
-    @property
-    def kv_lens(self) -> torch.Tensor:
-        return self._kv_lens[: self.reqs]
-
-    @property
-    def total_pages(self) -> int:
-        return int(self._kv_indptr.numpy()[self.reqs])
-
-
 class PlanSlot:
     """One wrapper (``None`` without flashinfer), its host arrays, and the event guarding them."""
 
@@ -215,6 +142,9 @@ class PlanSlot:
         self._copies = PinnedCopies(self._pin)
         self.plans = 0
         self.handle: WrapperHandle | None = None
+        self.direct: DirectPlan | None = None
+        """Graph slots, once proven at capture: the scheduler call replays make instead of
+        ``plan()`` (``backends.flashinfer.direct_plan``)."""
 
     @property
     def static(self) -> bool:
@@ -229,17 +159,44 @@ class PlanSlot:
             self.args = HostArgs(reqs, self._pin)
         c = self.config
         self.args.fill(seq_lens_cpu, reqs, c.page_size, c.next_n)
-        if self.wrapper is not None:
+        if self.direct is not None:
+            self.direct(self.args)
+        elif self.wrapper is not None:
             self._plan_wrapper(kv_indices)
+            if self.static and self.plans == 0:
+                self.direct = self._prove_direct(kv_indices)
         out.copy_(self.args.summary, non_blocking=self._pin)
         self._copies.after_enqueue()
         self.plans += 1
 
-    def _plan_wrapper(self, kv_indices: torch.Tensor) -> None:
+    def _prove_direct(self, kv_indices: torch.Tensor) -> DirectPlan | None:
+        """At capture: the direct scheduler call, if it plans a probe batch exactly as
+        ``plan()`` does; the wrapper is then planned again for this batch."""
+        c = self.config
+        direct = direct_plan.candidate(self.wrapper, c)
+        if direct is None:
+            return None
+        reqs = self.args.reqs
+        probe = HostArgs(reqs, self._pin)
+        longest = kv_indices.shape[0] // reqs * c.page_size
+        lens = direct_plan.probe_lengths(reqs, longest, c.next_n)
+        probe.fill(lens, reqs, c.page_size, c.next_n)
+        proven = direct_plan.prove(
+            self.wrapper,
+            c,
+            direct,
+            lambda args: self._plan_wrapper(kv_indices, args),
+            probe,
+            self.device,
+        )
+        self._plan_wrapper(kv_indices)  # the probe's plan is in the buffers: this batch's again
+        return direct if proven else None
+
+    def _plan_wrapper(self, kv_indices: torch.Tensor, args: HostArgs | None = None) -> None:
         # kv_indices: the plan's own device field, cut to the pages in use. In graph
         # mode FlashInfer copies it onto its buffer, which is that same memory, and
         # torch skips a copy between identical views; eager wrappers keep a reference.
-        c, a = self.config, self.args
+        c, a = self.config, (args if args is not None else self.args)
         indices = kv_indices[: a.total_pages]
         if c.kind == "decode":
             self.wrapper.plan(

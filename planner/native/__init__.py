@@ -51,17 +51,25 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(target_dir: Path | None = None) -> Path:
-    """Compile the sources into a shared library named by their hash; its path.
+def build(
+    target_dir: Path | None = None,
+    *,
+    sources: tuple[Path, ...] | None = None,
+    name: str = "fp_native",
+) -> Path:
+    """Compile ``sources`` (default: this package's) into a shared library named by their
+    hash; its path. Backends build their own C through this, so every compiled piece shares
+    one cache, one switch and one way of failing.
 
     Built into a temporary file and renamed, so processes starting together (one per
     GPU) never load a half-written library. Raises ``RuntimeError`` with the compiler's
     output when there is no compiler or the build fails.
     """
-    text = b"".join((_HERE / name).read_bytes() for name in SOURCES)
+    paths = sources if sources is not None else tuple(_HERE / source for source in SOURCES)
+    text = b"".join(path.read_bytes() for path in paths)
     digest = hashlib.sha256(text).hexdigest()[:16]
     target_dir = target_dir or cache_dir()
-    target = target_dir / f"fp_native_{digest}.so"
+    target = target_dir / f"{name}_{digest}.so"
     if target.exists():
         return target
     cc = _compiler()
@@ -71,7 +79,7 @@ def build(target_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
     os.close(fd)
     cmd = [cc, "-O2", "-shared", "-fPIC", "-std=c99", "-o", tmp]
-    cmd += [str(_HERE / name) for name in SOURCES]
+    cmd += [str(path) for path in paths]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
@@ -83,15 +91,24 @@ def build(target_dir: Path | None = None) -> Path:
     return target
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The built library, or None (disabled, or the build or load failed: said once)."""
+def load(name: str, sources: tuple[Path, ...], what: str) -> ctypes.CDLL | None:
+    """Build (once per source version) and load a library; None when disabled, or when the
+    build or the load failed, which is said once as ``what`` unavailable."""
     if not enabled():
         return None
     try:
-        lib = ctypes.CDLL(str(build()))
+        return ctypes.CDLL(str(build(sources=sources, name=name)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        warn_once(f"forward-planner: compiled staging screen unavailable, Python path used: {exc}")
+        warn_once(f"forward-planner: {what} unavailable, Python path used: {exc}")
+        return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The staging screen's library, or None (disabled, or the build or load failed: said
+    once)."""
+    lib = load("fp_native", tuple(_HERE / source for source in SOURCES), "compiled staging screen")
+    if lib is None:
         return None
     screen = lib.fp_stage_screen
     screen.restype = ctypes.c_int
