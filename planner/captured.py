@@ -15,7 +15,7 @@ import torch
 
 from planner.batch import ForwardBatch, ForwardMode
 from planner.errors import ReplayError
-from planner.materialise import Handles, StaticStorage, Tensors, build_plans
+from planner.materialise import Handles, StaticStorage, Tensors, build_plans, run_steps
 from planner.planset import PlanSet
 from planner.program import Program, Step
 from planner.staging import Ranges
@@ -91,7 +91,8 @@ class CapturedBatch:
     program_steps: tuple[Step, ...] = ()
     host_steps: tuple[Step, ...] = ()
     screened: bool = False
-    """One step, no host ops and a compiled screen: the replay's staging hot path applies."""
+    """One step and a compiled screen: the replay's staging hot path applies (host ops, if
+    any, then run over the captured tensors)."""
 
     @property
     def table_ptr(self) -> int:
@@ -123,11 +124,7 @@ class CapturedBatch:
         self.storages, self.dims, self.ranges = storages, dims, ranges
         self.program_steps = program_steps
         self.host_steps = tuple(step for step in program_steps if not step.in_graph)
-        self.screened = (
-            len(storages) == 1
-            and not self.host_steps
-            and storages[0].stager.layout.screen is not None
-        )
+        self.screened = len(storages) == 1 and storages[0].stager.layout.screen is not None
 
     def stage_screened(self, batch: ForwardBatch, bs: int) -> bool:
         """The replay hot path of a :attr:`screened` capture: the compiled screen stages the
@@ -136,7 +133,14 @@ class CapturedBatch:
         stager = self.storages[0].stager
         return stager.stage_screened(batch, bs, self.dims["tokens"], self.ranges) is not None
 
-    def check_unmoved(self, handles: list[Handles]) -> None:
+    def run_host_ops(self, batch: ForwardBatch) -> list[Handles] | tuple[Handles, ...]:
+        """After :meth:`stage_screened`: the host ops over the captured tensors (what the
+        general path runs after staging), and the handles they returned."""
+        if not self.host_steps:
+            return NO_HANDLES
+        return [run_steps(self.host_steps, self.steps[0].tensors, batch, static=True)]
+
+    def check_unmoved(self, handles: list[Handles] | tuple[Handles, ...]) -> None:
         for step, step_handles in zip(self.steps, handles):
             step.check_unmoved(step_handles)
 

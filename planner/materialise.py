@@ -192,7 +192,7 @@ def materialise(
     tensors, done = storage.prepare(
         batch, reqs, dims, ranges, read_device=read_device, read_table=read_table
     )
-    return tensors, _run(steps, tensors, batch, storage.static, done)
+    return tensors, run_steps(steps, tensors, batch, storage.static, done)
 
 
 def materialise_all(
@@ -229,12 +229,16 @@ def materialise_all(
     out = []
     for storage, batch, region in zip(storages, batches, staged):
         tensors = storage.tensors(region, reqs, dims)
-        out.append((tensors, _run(steps, tensors, batch, storage.static, frozenset())))
+        out.append((tensors, run_steps(steps, tensors, batch, storage.static)))
     return out
 
 
-def _run(
-    steps: Sequence[Step], tensors: Tensors, batch: ForwardBatch, static: bool, done: frozenset
+def run_steps(
+    steps: Sequence[Step],
+    tensors: Tensors,
+    batch: ForwardBatch,
+    static: bool,
+    done: frozenset = frozenset(),
 ) -> Handles:
     """Run ``steps`` over ``tensors`` (skipping outputs the host pass made); host ops' handles."""
     if steps:  # a replay whose ops are all in the graph runs none here

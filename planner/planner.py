@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from planner.batch import ForwardBatch, ForwardMode
-from planner.captured import NO_HANDLES, CapturedBatch, capture_steps, dummy_batch
+from planner.captured import CapturedBatch, capture_steps, dummy_batch
 from planner.debug import MismatchHook, check_replay, debug_from_env, guard
 from planner.door import check_capture, check_pad_to, check_size, validate_batch
 from planner.errors import BatchError, ReplayError, SchemaError
@@ -349,7 +349,7 @@ class Planner:
         batches = batches_of(batch) if mode.stepped else [batch]
         # Debug mode takes the general path: it also reads device-resident inputs and the table.
         if captured.screened and not self.debug and captured.stage_screened(batch, bs):
-            captured.check_unmoved(NO_HANDLES)
+            captured.check_unmoved(captured.run_host_ops(batch))
         else:
             results = materialise_all(
                 captured.storages,
