@@ -11,7 +11,8 @@ For each batch size: host time (no device sync, median of ``--iters``) of
   - hand-written eager: the same into fresh tensors.
 Plus target-verify replays (``next_n`` 2), an eager extend plan of one 2048-token chunk,
 and the FlashInfer plans where that backend and flashinfer are usable, each beside the
-bare FlashInfer ``plan()`` call of the same batch (the host op's own cost, its floor).
+bare FlashInfer ``plan()`` call of the same batch (the host op as engines call it) and the
+compiled scheduler call alone that a graph slot's replay makes instead (its floor).
 Medians and p99 of ``--iters`` calls after ``--warmup``.
 
     python3 -m benchmarks.planner_overhead --out $OUT/planner_overhead.json --plot $OUT/planner_overhead.png
@@ -172,6 +173,11 @@ def measure(args, batch_size: int, device: torch.device) -> dict[str, Any]:
                     lambda i, s=slot, x=indices: s._plan_wrapper(x), **kw
                 )
                 sync(device)
+                if slot.direct is not None:  # the scheduler call replays make, alone
+                    out[f"{backend}_scheduler"] = time_host(
+                        lambda i, s=slot: s.direct(s.args), **kw
+                    )
+                    sync(device)
             out[f"{backend}_plan"] = time_host(lambda i, p=planner: p.plan(batches[i % 8]), **kw)
             sync(device)
     return out
@@ -260,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         "hand_replay",
         "hand_plan",
     ]
-    fi_cols = [f"{b}_{k}" for b in args.flashinfer for k in ("plan", "replay", "bare_plan")]
+    fi_cols = [
+        f"{b}_{k}" for b in args.flashinfer for k in ("plan", "replay", "bare_plan", "scheduler")
+    ]
     cols += [c for c in fi_cols if any(c in r for r in results)]
     rows = [
         (r["run"], r["batch"], *(r[c]["median_us"] if c in r else "-" for c in cols))

@@ -127,7 +127,7 @@ def prove(
             pinned.fill_(_SENTINEL)
             run(probe)
             _sync(device)
-            results.append((_as_list(wrapper._plan_info), pinned.clone()))
+            results.append((as_list(wrapper._plan_info), pinned.clone()))
     except Exception as exc:  # another version's signature, a refused argument
         warn_once(
             f"FlashInfer {config.kind} slots keep plan(): the direct scheduler call failed "
@@ -144,7 +144,7 @@ def prove(
     return same
 
 
-def _as_list(info: Any) -> list:
+def as_list(info: Any) -> list:
     if info is None:
         return []
     return info.tolist() if hasattr(info, "tolist") else list(info)
