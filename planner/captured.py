@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from planner.batch import ForwardBatch, ForwardMode
+from planner.batch import BATCH, BATCH_TABLES, ForwardBatch, ForwardMode
 from planner.errors import ReplayError
-from planner.materialise import Handles, StaticStorage, Tensors, build_plans, run_steps
+from planner.materialise import Handles, StaticStorage, Tensors, build_plans
 from planner.planset import PlanSet
 from planner.program import Program, Step
 from planner.staging import Ranges
@@ -90,6 +90,8 @@ class CapturedBatch:
     ranges: Ranges | None = None
     program_steps: tuple[Step, ...] = ()
     host_steps: tuple[Step, ...] = ()
+    host_inputs: tuple[str, ...] = ()
+    """The batch's own tensors the host ops read (bound per replay: only these)."""
     screened: bool = False
     """One step and a compiled screen: the replay's staging hot path applies (host ops, if
     any, then run over the captured tensors)."""
@@ -124,6 +126,11 @@ class CapturedBatch:
         self.storages, self.dims, self.ranges = storages, dims, ranges
         self.program_steps = program_steps
         self.host_steps = tuple(step for step in program_steps if not step.in_graph)
+        self.host_inputs = tuple(
+            sorted(
+                {name for step in self.host_steps for who, name in step.input_keys if who == BATCH}
+            )
+        )
         self.screened = len(storages) == 1 and storages[0].stager.layout.screen is not None
 
     def stage_screened(self, batch: ForwardBatch, bs: int) -> bool:
@@ -138,7 +145,17 @@ class CapturedBatch:
         general path runs after staging), and the handles they returned."""
         if not self.host_steps:
             return NO_HANDLES
-        return [run_steps(self.host_steps, self.steps[0].tensors, batch, static=True)]
+        tensors = self.steps[0].tensors
+        for name in self.host_inputs:  # what they read of the batch, nothing more
+            tensors[(BATCH, name)] = (
+                batch.req_to_token if name in BATCH_TABLES else batch.host_input(name)
+            )
+        handles = {}
+        for step in self.host_steps:
+            handle = step.run(tensors, static=True)
+            if handle is not None:
+                handles[step.output] = handle
+        return [handles]
 
     def check_unmoved(self, handles: list[Handles] | tuple[Handles, ...]) -> None:
         for step, step_handles in zip(self.steps, handles):

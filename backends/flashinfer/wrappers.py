@@ -255,6 +255,9 @@ class WrapperPool:
     def __init__(self) -> None:
         self._slots: dict[tuple, PlanSlot] = {}
         self._workspaces: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self._replayed: dict[int, tuple] = {}
+        """Graph slots by their summary tensor's id, checked by identity: a replay finds its
+        slot without hashing the configuration and the pointers (several us a replay)."""
 
     def plan(
         self,
@@ -267,6 +270,18 @@ class WrapperPool:
         out: torch.Tensor,
     ) -> WrapperHandle:
         """Plan the slot for these plan tensors (``qo_indptr, kv_indptr, kv_indices, kv_tail``)."""
+        if static:
+            known = self._replayed.get(id(out))
+            if (
+                known is not None
+                and known[0] is out
+                and known[1] is config
+                and known[2] is use_flashinfer
+                and all(a is b for a, b in zip(known[3], bound))
+            ):
+                slot = known[4]
+                slot.plan(seq_lens_cpu, slot.args.capacity, bound[2], out)
+                return slot.handle
         kv_indptr, kv_indices = bound[1], bound[2]
         reqs = kv_indptr.shape[0] - 1
         device = kv_indptr.device
@@ -286,6 +301,7 @@ class WrapperPool:
             return WrapperHandle(slot, slot.plans)
         if slot.handle is None:  # one handle per graph slot: replay hands back the captured one
             slot.handle = WrapperHandle(slot, None)
+        self._replayed[id(out)] = (out, config, use_flashinfer, bound, slot)
         return slot.handle
 
     def slots(self) -> list[PlanSlot]:
@@ -295,6 +311,7 @@ class WrapperPool:
         """Drop every wrapper, workspace and reference to planner buffers (e.g. between tests)."""
         self._slots.clear()
         self._workspaces.clear()
+        self._replayed.clear()
 
     def workspace(self, device: torch.device, mb: int) -> torch.Tensor:
         """One float workspace per (device, size), shared: wrappers run one after another on one stream."""
