@@ -46,7 +46,6 @@ class HostArgs:
 
     def __init__(self, capacity: int, pin: bool, *, compiled: bool = True) -> None:
         self.capacity = capacity
-        self.reqs = 0
         i32 = {"dtype": torch.int32, "pin_memory": pin}
         self._qo_indptr = torch.zeros(capacity + 1, **i32)
         self._kv_indptr = torch.zeros(capacity + 1, **i32)
@@ -58,6 +57,7 @@ class HostArgs:
         self._lens_np, self._summary_np = self._kv_lens.numpy(), self.summary.numpy()
         self._pages = np.zeros(capacity, dtype=np.int32)
         self._qo_for: tuple[int, int] | None = None
+        self._cut(0)
         self._fn = _c_fill() if compiled else None
         self._packed = ctypes.create_string_buffer(_ARGS.size)
         self._packed_at = ctypes.addressof(self._packed)
@@ -82,7 +82,8 @@ class HostArgs:
                 expected=f"<= {reqs}",
                 actual=real,
             )
-        self.reqs = reqs
+        if reqs != self.reqs:
+            self._cut(reqs)
         fn = self._fn
         if (
             fn is not None
@@ -120,21 +121,32 @@ class HostArgs:
             self._qo_for = (reqs, next_n)
         self._summary_np[:] = (reqs, int(indptr[reqs]), int(lens.sum(dtype=np.int64)), lens.max())
 
+    def _cut(self, reqs: int) -> None:
+        """Views of ``reqs`` requests, made when the size changes: a graph slot's never does,
+        and slicing four tensors per replay costs several us."""
+        self.reqs = reqs
+        self._views = (
+            self._qo_indptr[: reqs + 1],
+            self._kv_indptr[: reqs + 1],
+            self._last_page_len[:reqs],
+            self._kv_lens[:reqs],
+        )
+
     @property
     def qo_indptr(self) -> torch.Tensor:
-        return self._qo_indptr[: self.reqs + 1]
+        return self._views[0]
 
     @property
     def kv_indptr(self) -> torch.Tensor:
-        return self._kv_indptr[: self.reqs + 1]
+        return self._views[1]
 
     @property
     def last_page_len(self) -> torch.Tensor:
-        return self._last_page_len[: self.reqs]
+        return self._views[2]
 
     @property
     def kv_lens(self) -> torch.Tensor:
-        return self._kv_lens[: self.reqs]
+        return self._views[3]
 
     @property
     def total_pages(self) -> int:
