@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from planner.batch import BATCH, BATCH_TABLES, ForwardBatch, ForwardMode
+from planner.batch import BATCH, ForwardBatch, ForwardMode
 from planner.errors import ReplayError
-from planner.materialise import Handles, StaticStorage, Tensors, build_plans
+from planner.materialise import Handles, StaticStorage, Tensors, build_plans, run_steps
 from planner.planset import PlanSet
 from planner.program import Program, Step
 from planner.staging import Ranges
@@ -146,16 +146,7 @@ class CapturedBatch:
         if not self.host_steps:
             return NO_HANDLES
         tensors = self.steps[0].tensors
-        for name in self.host_inputs:  # what they read of the batch, nothing more
-            tensors[(BATCH, name)] = (
-                batch.req_to_token if name in BATCH_TABLES else batch.host_input(name)
-            )
-        handles = {}
-        for step in self.host_steps:
-            handle = step.run(tensors, static=True)
-            if handle is not None:
-                handles[step.output] = handle
-        return [handles]
+        return [run_steps(self.host_steps, tensors, batch, True, inputs=self.host_inputs)]
 
     def check_unmoved(self, handles: list[Handles] | tuple[Handles, ...]) -> None:
         for step, step_handles in zip(self.steps, handles):

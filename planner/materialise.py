@@ -239,10 +239,12 @@ def run_steps(
     batch: ForwardBatch,
     static: bool,
     done: frozenset = frozenset(),
+    inputs: Iterable[str] | None = None,
 ) -> Handles:
-    """Run ``steps`` over ``tensors`` (skipping outputs the host pass made); host ops' handles."""
+    """Run ``steps`` over ``tensors`` (skipping outputs the host pass made); host ops' handles.
+    ``inputs``: the batch tensors the steps read, where the caller knows (else all)."""
     if steps:  # a replay whose ops are all in the graph runs none here
-        bind_batch(tensors, batch)
+        bind_batch(tensors, batch, inputs)
     handles = {}
     for step in steps:
         if step.output in done:
@@ -253,11 +255,12 @@ def run_steps(
     return handles
 
 
-def bind_batch(tensors: Tensors, batch: ForwardBatch) -> None:
-    """The batch's own tensors that ops read in place (the token table, the host lengths)."""
-    for name in BATCH_TABLES:
+def bind_batch(tensors: Tensors, batch: ForwardBatch, names: Iterable[str] | None = None) -> None:
+    """The batch's own tensors that ops read in place (the token table, the host lengths):
+    ``names`` of them, or all (an implied ``extend_lens_cpu`` is a new tensor per batch)."""
+    for name in BATCH_TABLES if names is None else BATCH_TABLES.intersection(names):
         tensors[(BATCH, name)] = getattr(batch, name)
-    for name in HOST_INPUTS:
+    for name in HOST_INPUTS if names is None else HOST_INPUTS.intersection(names):
         tensors[(BATCH, name)] = batch.host_input(name)
 
 
