@@ -145,6 +145,8 @@ def prove(
 
 
 def as_list(info: Any) -> list:
+    """Plan info as a list to compare: FlashInfer returns a list, an FFI array or a tensor,
+    depending on the version and the kernel."""
     if info is None:
         return []
     return info.tolist() if hasattr(info, "tolist") else list(info)

@@ -255,7 +255,7 @@ class WrapperPool:
     def __init__(self) -> None:
         self._slots: dict[tuple, PlanSlot] = {}
         self._workspaces: dict[tuple[torch.device, int], torch.Tensor] = {}
-        self._replayed: dict[int, tuple] = {}
+        self._replayed: dict[int, tuple[torch.Tensor, PlanSlot]] = {}
         """Graph slots by their summary tensor's id, checked by identity: a replay finds its
         slot without hashing the configuration and the pointers (several us a replay)."""
 
@@ -272,16 +272,15 @@ class WrapperPool:
         """Plan the slot for these plan tensors (``qo_indptr, kv_indptr, kv_indices, kv_tail``)."""
         if static:
             known = self._replayed.get(id(out))
-            if (
-                known is not None
-                and known[0] is out
-                and known[1] is config
-                and known[2] is use_flashinfer
-                and all(a is b for a, b in zip(known[3], bound))
-            ):
-                slot = known[4]
-                slot.plan(seq_lens_cpu, slot.args.capacity, bound[2], out)
-                return slot.handle
+            if known is not None and known[0] is out:
+                slot = known[1]
+                if (
+                    slot.config is config
+                    and (slot.wrapper is not None) is use_flashinfer
+                    and all(a is b for a, b in zip(slot.bound, bound))
+                ):
+                    slot.plan(seq_lens_cpu, slot.args.capacity, bound[2], out)
+                    return slot.handle
         kv_indptr, kv_indices = bound[1], bound[2]
         reqs = kv_indptr.shape[0] - 1
         device = kv_indptr.device
@@ -301,7 +300,7 @@ class WrapperPool:
             return WrapperHandle(slot, slot.plans)
         if slot.handle is None:  # one handle per graph slot: replay hands back the captured one
             slot.handle = WrapperHandle(slot, None)
-        self._replayed[id(out)] = (out, config, use_flashinfer, bound, slot)
+        self._replayed[id(out)] = (out, slot)
         return slot.handle
 
     def slots(self) -> list[PlanSlot]:

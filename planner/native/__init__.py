@@ -32,6 +32,7 @@ from planner.notices import warn_once
 SOURCES = ("stage_screen.c",)
 _HERE = Path(__file__).resolve().parent
 _I64 = ctypes.c_int64
+_OWN_SOURCES = tuple(_HERE / source for source in SOURCES)
 
 
 def enabled() -> bool:
@@ -65,7 +66,7 @@ def build(
     GPU) never load a half-written library. Raises ``RuntimeError`` with the compiler's
     output when there is no compiler or the build fails.
     """
-    paths = sources if sources is not None else tuple(_HERE / source for source in SOURCES)
+    paths = sources if sources is not None else _OWN_SOURCES
     text = b"".join(path.read_bytes() for path in paths)
     digest = hashlib.sha256(text).hexdigest()[:16]
     target_dir = target_dir or cache_dir()
@@ -107,7 +108,7 @@ def load(name: str, sources: tuple[Path, ...], what: str) -> ctypes.CDLL | None:
 def library() -> ctypes.CDLL | None:
     """The staging screen's library, or None (disabled, or the build or load failed: said
     once)."""
-    lib = load("fp_native", tuple(_HERE / source for source in SOURCES), "compiled staging screen")
+    lib = load("fp_native", _OWN_SOURCES, "compiled staging screen")
     if lib is None:
         return None
     screen = lib.fp_stage_screen
