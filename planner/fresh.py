@@ -19,7 +19,7 @@ import torch
 
 from planner.batch import ForwardBatch
 from planner.dims import resolve_shape
-from planner.host_pass import HostPass, HostPassFailed, Placement
+from planner.host_pass import HostPass, HostPassFailed, NativePass, Placement
 from planner.program import Key, Program
 from planner.stager import Stager
 from planner.staging import Ranges, Segment
@@ -71,6 +71,8 @@ class FreshLayout:
     allocation per dtype for the device-computed fields."""
 
     host: tuple[Placement, ...]
+    native: NativePass | None
+    """The host pass compiled for these placements, or None (numpy twins only)."""
     staged_size: int
     staged: Cuts
     arenas: Mapping[torch.dtype, tuple[int, Cuts]]
@@ -108,10 +110,11 @@ class FreshStorage:
     def _lay_out(
         self, dims: Mapping[str, int], reqs: int, host_pass: HostPass | None
     ) -> FreshLayout:
-        host, staged_size = (), self.stager.layout.size
+        host, staged_size, compiled = (), self.stager.layout.size, None
+        tokens = dims["tokens"]
         if host_pass is not None:
             host, staged_size = host_pass.placements(staged_size, dims)
-        tokens = dims["tokens"]
+            compiled = host_pass.native_pass(host, reqs, tokens)
         staged = [
             (key, seg.offset, (tokens if seg.per_token else reqs,))
             for key, seg in self.segments.items()
@@ -130,7 +133,8 @@ class FreshStorage:
             pieces.setdefault(dtype, []).append((step.output, start, shape))
             totals[dtype] = start + -(-math.prod(shape) // align) * align
         arenas = {dt: (totals[dt], Cuts.of(pieces[dt], totals[dt])) for dt in totals}
-        return FreshLayout(tuple(host), staged_size, Cuts.of(staged, max(staged_size, 1)), arenas)
+        cuts = Cuts.of(staged, max(staged_size, 1))
+        return FreshLayout(tuple(host), compiled, staged_size, cuts, arenas)
 
     def prepare(
         self,
@@ -153,8 +157,9 @@ class FreshStorage:
         work = None
         if host_pass is not None:
 
-            def work(view: np.ndarray) -> None:
-                host_pass.run(view, layout.host, reqs, tokens)
+            def work(view: np.ndarray, address: int) -> None:
+                if layout.native is None or not layout.native.run(address):
+                    host_pass.run(view, layout.host, reqs, tokens)
 
         try:
             staged = self.stager.stage(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,6 +64,21 @@ class Provider:
             return False
 
 
+PackFn = Callable[..., "tuple[int, ...] | None"]
+"""``pack(**params)``: a step's parameters as at most four ints for its compiled twin, or
+None where the compiled twin cannot reproduce numpy for them (the numpy twin runs)."""
+
+
+@dataclass(frozen=True)
+class NativeTwin:
+    """A host twin's compiled form: ``symbol`` in the C file ``source``, written against
+    ``planner/native/twin.h``, so an eager plan's whole host pass is one C call."""
+
+    source: Path
+    symbol: str
+    pack: PackFn
+
+
 @dataclass
 class MetadataOp:
     """A named op and its providers; ``torch`` must be among them."""
@@ -73,6 +89,8 @@ class MetadataOp:
     identity: Callable[[Mapping[str, Any]], bool] | None = None
     """``identity(params)``: True when the op returns its first input unchanged for these
     params (rows repeated once): the planner then shares that input instead of running it."""
+    native: NativeTwin | None = None
+    """The host twin's compiled form, if it has one (``native_twin``)."""
 
     def provider(
         self,
@@ -105,6 +123,18 @@ class MetadataOp:
         """Decorator registering ``fn(out, *inputs, **params)`` over numpy arrays as the op's
         host twin: it must write exactly what the torch reference writes (tests hold it to that)."""
         return self.provider(HOST)
+
+    def native_twin(self, source: Path, symbol: str) -> Callable[[PackFn], PackFn]:
+        """Decorator registering the host twin's compiled form, ``symbol`` in ``source``;
+        the decorated function packs a step's parameters for it (see ``PackFn``)."""
+
+        def register(pack: PackFn) -> PackFn:
+            if self.native is not None:
+                raise SchemaError(f"op {self.name!r} already has a compiled host twin")
+            self.native = NativeTwin(source, symbol, pack)
+            return pack
+
+        return register
 
     @property
     def host(self) -> Provider | None:

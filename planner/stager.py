@@ -88,10 +88,10 @@ class Stager:
         read_device: bool,
         read_table: bool = False,
         extra: int = 0,
-        host_work: Callable[[np.ndarray], None] | None = None,
+        host_work: Callable[[np.ndarray, int], None] | None = None,
     ) -> torch.Tensor:
-        """Fill, check, ``host_work`` (a fresh plan's host pass, writing its outputs in the
-        ``extra`` elements after the inputs), one host-to-device copy, then device-resident
+        """Fill, check, ``host_work(view, address)`` (a fresh plan's host pass, writing its
+        outputs in the ``extra`` elements after the inputs), one host-to-device copy, then device-resident
         inputs; the device buffer."""
         return self.stage_all(
             [batch],
@@ -114,7 +114,7 @@ class Stager:
         read_device: bool,
         read_table: bool = False,
         extra: int = 0,
-        host_work: Callable[[np.ndarray], None] | None = None,
+        host_work: Callable[[np.ndarray, int], None] | None = None,
     ) -> list[torch.Tensor]:
         """:meth:`stage` for several batches, one region each, in one copy; a view per batch
         (``extra`` and ``host_work`` for a single batch only)."""
@@ -152,7 +152,7 @@ class Stager:
                 self.layout.check_table(region, batch, ranges)
             pending.append((counts, on_device))
         if host_work is not None:
-            host_work(view)
+            host_work(view, base)
         if not self.static:
             dev = (
                 host if done is None else torch.empty(total, dtype=torch.int32, device=self.device)

@@ -29,7 +29,9 @@ from pathlib import Path
 
 from planner.notices import warn_once
 
-SOURCES = ("stage_screen.c",)
+SOURCES = ("stage_screen.c", "host_pass.c")
+HEADERS = ("twin.h",)
+"""Headers every build may include (``-I`` this directory): in every library's hash."""
 _HERE = Path(__file__).resolve().parent
 _I64 = ctypes.c_int64
 _OWN_SOURCES = tuple(_HERE / source for source in SOURCES)
@@ -67,7 +69,8 @@ def build(
     output when there is no compiler or the build fails.
     """
     paths = sources if sources is not None else _OWN_SOURCES
-    text = b"".join(path.read_bytes() for path in paths)
+    headers = tuple(_HERE / header for header in HEADERS)
+    text = b"".join(path.read_bytes() for path in (*paths, *headers))
     digest = hashlib.sha256(text).hexdigest()[:16]
     target_dir = target_dir or cache_dir()
     target = target_dir / f"{name}_{digest}.so"
@@ -79,7 +82,7 @@ def build(
     target_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
     os.close(fd)
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-std=c99", "-o", tmp]
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-std=c99", f"-I{_HERE}", "-o", tmp]
     cmd += [str(path) for path in paths]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -114,6 +117,9 @@ def library() -> ctypes.CDLL | None:
     screen = lib.fp_stage_screen
     screen.restype = ctypes.c_int
     screen.argtypes = [_I64, _I64]
+    runner = lib.fp_host_pass
+    runner.restype = _I64
+    runner.argtypes = [_I64, _I64, _I64]
     return lib
 
 
@@ -122,3 +128,43 @@ def stage_screen():
     addresses of the int32 staging region and of its packed int64 arguments."""
     lib = library()
     return None if lib is None else lib.fp_stage_screen
+
+
+def host_pass_runner():
+    """``fp_host_pass(buffer, program, steps)`` as a ctypes function, or None: runs a
+    compiled host pass (``planner.host_pass``) in one call."""
+    lib = library()
+    return None if lib is None else lib.fp_host_pass
+
+
+@functools.cache
+def twin_library(source: Path) -> ctypes.CDLL | None:
+    """A backend's compiled host twins (one C file against ``twin.h``), or None."""
+    return load(f"fp_twins_{source.parent.name}", (source,), f"compiled host twins ({source})")
+
+
+def twin_address(source: Path, symbol: str) -> int | None:
+    """The address of the twin ``symbol`` in ``source``'s library, or None without one."""
+    lib = twin_library(source)
+    if lib is None:
+        return None
+    try:
+        return ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
+    except AttributeError:
+        warn_once(f"forward-planner: {source} has no host twin {symbol}; numpy used")
+        return None
+
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def int32_params(*values: object, low: int = _INT32_MIN) -> tuple[int, ...] | None:
+    """``values`` for a compiled twin's record when every one is an int in ``[low, int32
+    max]``, else None (numpy's ``np.int32(value)`` would raise, or a bound the C assumes
+    fails: the numpy twin runs instead)."""
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return None
+        if not low <= value <= _INT32_MAX:
+            return None
+    return tuple(values)  # type: ignore[arg-type]

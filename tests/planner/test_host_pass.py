@@ -10,8 +10,9 @@ import warnings
 import pytest
 import torch
 
-from planner import ForwardMode, Limits, Planner, ProviderError
+from planner import ForwardMode, Limits, Planner, ProviderError, native
 from planner.compare import diff_plans
+from planner.host_pass import NativePass
 from planner.ops import get_op
 from tests.planner.test_extend_modes import TABLE as EXTEND_TABLE
 from tests.planner.test_extend_modes import extend_batch
@@ -108,8 +109,46 @@ def test_the_host_twin_cannot_be_forced():
     assert err.value.field == "clamp" and "torch" in str(err.value)
 
 
+def _eager_batches(setup: str, mode: ForwardMode, rng: random.Random):
+    if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+        return [extend_batch(rng, mode=mode) for _ in range(6)]
+    return [
+        random_batch(rng, TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX, next_n=2, mode=mode)
+        for _ in range(6)
+    ]
+
+
+@pytest.mark.skipif(native.host_pass_runner() is None, reason="no C compiler")
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+@pytest.mark.parametrize(
+    "mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND]
+)
+def test_the_compiled_host_pass_takes_every_eager_plan(setup, mode, monkeypatch):
+    backends, options = SETUPS[setup]
+    table = EXTEND_TABLE if mode is ForwardMode.EXTEND else TABLE
+    planner = _planner(backends, options, table=table)
+    if mode not in planner.modes:
+        pytest.skip(f"{setup} does not plan {mode.value}")
+    took = []
+    run = NativePass.run
+    monkeypatch.setattr(NativePass, "run", lambda self, at: took.append(run(self, at)) or took[-1])
+    for batch in _eager_batches(setup, mode, random.Random(4)):
+        planner.plan(batch)
+    assert took and all(took), f"compiled pass declined {took.count(False)} of {len(took)}"
+
+
+def test_a_declined_compiled_pass_leaves_the_plan_to_numpy(monkeypatch):
+    backends, options = SETUPS["paged+nsa"]
+    monkeypatch.setattr(NativePass, "run", lambda self, at: False)
+    on = _planner(backends, options)
+    off = _planner(backends, options, eager_on_host=False)
+    for batch in _eager_batches("paged+nsa", ForwardMode.DECODE, random.Random(6)):
+        assert not diff_plans(on.plan(batch), off.plan(batch))
+
+
 def test_a_failing_twin_is_retired_once_and_the_plan_redone_on_the_device(monkeypatch):
     backends, options = SETUPS["paged+nsa"]
+    monkeypatch.setattr(native, "host_pass_runner", lambda: None)  # numpy twins alone
     op = get_op("cumsum_with_zero")
     calls = []
 
