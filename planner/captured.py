@@ -15,7 +15,8 @@ import torch
 
 from planner.batch import BATCH, ForwardBatch, ForwardMode
 from planner.errors import ReplayError
-from planner.materialise import Handles, StaticStorage, Tensors, build_plans, run_steps
+from planner.materialise import Handles, StaticStorage, Tensors, run_steps
+from planner.plan_build import build_plans
 from planner.planset import PlanSet
 from planner.program import Program, Step
 from planner.staging import Ranges

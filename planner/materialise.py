@@ -21,7 +21,6 @@ from planner.dims import resolve_shape
 from planner.errors import SchemaError
 from planner.fresh import FreshStorage
 from planner.program import Key, Program, Step
-from planner.schema import Plan
 from planner.stager import Stager
 from planner.staging import Ranges, Segment, StagingLayout
 
@@ -262,34 +261,3 @@ def bind_batch(tensors: Tensors, batch: ForwardBatch, names: Iterable[str] | Non
         tensors[(BATCH, name)] = getattr(batch, name)
     for name in HOST_INPUTS if names is None else HOST_INPUTS.intersection(names):
         tensors[(BATCH, name)] = batch.host_input(name)
-
-
-def build_plans(
-    program: Program,
-    tensors: Mapping[Key, torch.Tensor],
-    handles: Mapping[Key, Any],
-    dims: Mapping[str, int],
-) -> dict[str, Plan]:
-    """Frozen plans over ``tensors``; scalars from the dimensions or the backend's settings.
-
-    Built with ``model_construct``: the planner made every tensor itself, to
-    its spec, so validating them again per batch would only cost host time.
-    """
-    plans = {}
-    for backend, cls in program.schemas.items():
-        values: dict[str, Any] = {name: tensors[(backend, name)] for name in cls.tensor_specs}
-        for name, spec in cls.handle_specs.items():
-            values[name] = handles.get((backend, spec.of))
-        settings = program.backend_settings[backend]
-        for name, spec in cls.scalar_specs.items():
-            if spec.value in dims:
-                values[name] = dims[spec.value]
-            elif spec.value in settings:
-                # this backend's own value: two backends may define one setting differently
-                values[name] = settings[spec.value]
-            else:
-                raise SchemaError(
-                    f"scalar refers to unknown value {spec.value!r}", field=f"{backend}.{name}"
-                )
-        plans[backend] = cls.model_construct(**values)
-    return plans

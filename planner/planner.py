@@ -29,9 +29,10 @@ from planner.door import check_capture, check_pad_to, check_size, validate_batch
 from planner.errors import BatchError, ReplayError, SchemaError
 from planner.fallback import ProviderChain
 from planner.limits import Limits
-from planner.materialise import batch_dims, bind_batch, build_plans, materialise, materialise_all
+from planner.materialise import batch_dims, bind_batch, materialise, materialise_all
 from planner.ops import get_op
 from planner.options import check_forced, check_options
+from planner.plan_build import build_plans
 from planner.planset import PlannerStats, PlanSet
 from planner.program import Program, build_program, warm_up
 from planner.schema import Plan

@@ -15,7 +15,8 @@ import os
 
 import torch
 
-from backends.common.triton_kernels import triton_available, unspecialised
+from backends.common.lazy_kernel import unspecialised
+from backends.common.triton_kernels import triton_available
 
 try:
     import triton
