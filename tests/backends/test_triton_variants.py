@@ -39,7 +39,8 @@ def test_lazy_kernel_asks_for_no_size_or_alignment_variants(monkeypatch):
         return {(1,): lambda *a, **k: None}
 
     monkeypatch.setattr(tk.triton, "jit", fake_jit)
-    monkeypatch.setattr(lazy_kernel, "unspecialised", unspecialised)  # the real one, on the fake jit
+    # the real one, on the fake jit
+    monkeypatch.setattr(lazy_kernel, "unspecialised", unspecialised)
 
     def kernel(out_ptr, in_ptr, n, stride, BLOCK):  # noqa: N803 (Triton constexpr style)
         pass
