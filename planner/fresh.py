@@ -1,8 +1,9 @@
 """Where an eager plan's tensors live: fresh memory per batch, laid out once per shape.
 
 An eager plan owns its tensors (a later plan never writes them), so each
-batch gets a new staging buffer, which also holds the host pass's outputs,
-and one new allocation per dtype for the fields computed on the device.
+batch gets a new staging buffer, which also holds the host pass's outputs and,
+after the part copied from the host, the int32 fields computed on the device; other
+dtypes get one new allocation each.
 What is worked out per set of dimensions (offsets, shapes, alignment) is
 kept, and the views of each buffer are cut in one call: on a GPU host a
 slice and a view cost 2-3 us apiece, a dozen fields a few tens of us.
@@ -28,6 +29,7 @@ _LAYOUT_CACHE = 256
 """Layouts kept per storage; ragged batches vary in shape, so the cache is bounded."""
 _ALIGN_BYTES = 256
 """Fields start on 256-byte boundaries, the alignment a separate allocation gives kernels."""
+_INT32_ALIGN = _ALIGN_BYTES // 4
 
 
 @dataclass(frozen=True)
@@ -67,15 +69,18 @@ class Cuts:
 
 @dataclass(frozen=True)
 class FreshLayout:
-    """One set of dimensions: the staging buffer (inputs, then host-pass outputs) and one
-    allocation per dtype for the device-computed fields."""
+    """One set of dimensions: one buffer of the staged inputs, the host-pass outputs and the
+    int32 device-computed fields, and one allocation per other dtype."""
 
     host: tuple[Placement, ...]
     native: NativePass | None
     """The host pass compiled for these placements, or None (numpy twins only)."""
     staged_size: int
+    device_extra: int
+    """int32 elements of device-computed fields after the staged ones, in the same buffer."""
     staged: Cuts
     arenas: Mapping[torch.dtype, tuple[int, Cuts]]
+    """The other dtypes' device-computed fields: one allocation each."""
 
 
 class FreshStorage:
@@ -132,9 +137,17 @@ class FreshStorage:
             start = totals.get(dtype, 0)
             pieces.setdefault(dtype, []).append((step.output, start, shape))
             totals[dtype] = start + -(-math.prod(shape) // align) * align
+        # int32 fields share the staging buffer's allocation, after it: one allocation and
+        # one cut for the whole plan (a device allocation costs 5-10 us of host time on a GPU)
+        sent = max(self.stager.layout.size, 1) + staged_size - self.stager.layout.size
+        device_extra = 0
+        if torch.int32 in totals:
+            base = -(-sent // _INT32_ALIGN) * _INT32_ALIGN
+            staged += [(key, base + at, shape) for key, at, shape in pieces.pop(torch.int32)]
+            device_extra = base + totals.pop(torch.int32) - sent
         arenas = {dt: (totals[dt], Cuts.of(pieces[dt], totals[dt])) for dt in totals}
-        cuts = Cuts.of(staged, max(staged_size, 1))
-        return FreshLayout(tuple(host), compiled, staged_size, cuts, arenas)
+        cuts = Cuts.of(staged, sent + device_extra)
+        return FreshLayout(tuple(host), compiled, staged_size, device_extra, cuts, arenas)
 
     def prepare(
         self,
@@ -171,6 +184,7 @@ class FreshStorage:
                 read_table=read_table,
                 extra=layout.staged_size - self.stager.layout.size,
                 host_work=work,
+                device_extra=layout.device_extra,
             )
         except HostPassFailed:
             return self.prepare(

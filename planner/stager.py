@@ -89,6 +89,7 @@ class Stager:
         read_table: bool = False,
         extra: int = 0,
         host_work: Callable[[np.ndarray, int], None] | None = None,
+        device_extra: int = 0,
     ) -> torch.Tensor:
         """Fill, check, ``host_work(view, address)`` (a fresh plan's host pass, writing its
         outputs in the ``extra`` elements after the inputs), one host-to-device copy, then device-resident
@@ -102,6 +103,7 @@ class Stager:
             read_table=read_table,
             extra=extra,
             host_work=host_work,
+            device_extra=device_extra,
         )[0]
 
     def stage_all(
@@ -115,9 +117,12 @@ class Stager:
         read_table: bool = False,
         extra: int = 0,
         host_work: Callable[[np.ndarray, int], None] | None = None,
+        device_extra: int = 0,
     ) -> list[torch.Tensor]:
         """:meth:`stage` for several batches, one region each, in one copy; a view per batch
-        (``extra`` and ``host_work`` for a single batch only)."""
+        (``extra`` and ``host_work`` for a single batch only). A fresh stager's device buffer
+        has ``device_extra`` elements more, after the staged ones and never copied: a fresh
+        plan's device-computed fields, so that one allocation holds the whole plan."""
         n = len(batches)
         if n > self.regions and self.static:
             raise BatchError(
@@ -131,8 +136,8 @@ class Stager:
             host, view, done = self._next_host(total)
             host, view = host[:total], view[:total]
         else:  # fresh on the CPU: the buffer is the plan's own memory, so it is new per call
-            host = torch.empty(total, dtype=torch.int32)
-            view, done = host.numpy(), None
+            whole = torch.empty(total + device_extra, dtype=torch.int32)
+            host, view, done = whole, whole.numpy()[:total], None
         pending = []
         base = host.data_ptr()
         for r, batch in enumerate(batches):
@@ -153,13 +158,14 @@ class Stager:
             pending.append((counts, on_device))
         if host_work is not None:
             host_work(view, base)
-        if not self.static:
-            dev = (
-                host if done is None else torch.empty(total, dtype=torch.int32, device=self.device)
-            )
+        if self.static:
+            dev = sent = self.device_buf
+        elif done is None:
+            dev = sent = host
         else:
-            dev = self.device_buf
-        self._send(host, dev, done)
+            dev = torch.empty(total + device_extra, dtype=torch.int32, device=self.device)
+            sent = dev[:total] if device_extra else dev
+        self._send(host, sent, done)
         views = [dev[r * size : (r + 1) * size] for r in range(n)] if n > 1 else [dev]
         for region, (counts, on_device) in zip(views, pending):
             _copy_on_device(region, on_device, counts)

@@ -183,3 +183,17 @@ def test_eager_plans_never_share_memory_and_keep_their_values():
     assert not ptrs & {t.data_ptr() for t in first["nsa"].tensors().values()}
     for name, value in first["nsa"].tensors().items():
         assert torch.equal(value, kept[name]), name
+
+
+def test_an_eager_plan_is_one_allocation_beside_the_batchs_own_tensors():
+    backends, options = SETUPS["paged+nsa"]
+    planner = _planner(backends, options)
+    batch = random_batch(random.Random(8), TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX)
+    plans = planner.plan(batch)
+    batch_storages = {TABLE.untyped_storage().data_ptr()}
+    storages = {
+        t.untyped_storage().data_ptr()
+        for name in ("paged", "nsa")
+        for t in plans[name].tensors().values()
+    }
+    assert len(storages - batch_storages) == 1
