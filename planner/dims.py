@@ -13,6 +13,9 @@ import functools
 import re
 from collections.abc import Mapping, Sequence
 
+import torch
+
+from planner import native
 from planner.errors import SchemaError
 
 DimExpr = int | str
@@ -63,3 +66,18 @@ def resolve_shape(
             raise SchemaError("dimension resolves negative", field=field, actual=(expr, size))
         out.append(size)
     return tuple(out)
+
+
+def lengths_max_sum(lengths: torch.Tensor, empty_max: int) -> tuple[int, int]:
+    """The longest and the total of a batch's host KV lengths, which size an eager plan;
+    ``(empty_max, 1)`` for an empty batch. One C call where it can (``planner.native``),
+    else numpy's two reductions, which agree with it."""
+    fast = native.max_sum()
+    if fast is not None:
+        got = fast(lengths)
+        if got is not None:
+            return got
+    lens = lengths.numpy()
+    if not lens.size:
+        return empty_max, 1
+    return int(lens.max()), int(lens.sum())

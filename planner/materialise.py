@@ -47,9 +47,7 @@ def batch_dims(
 ) -> dict:
     """Values of the symbolic dimensions for ``reqs`` requests of at most ``max_len`` KV tokens,
     ``tokens`` query tokens and ``kv_tokens`` KV tokens in all."""
-    dims = {
-        k: v for k, v in program.settings.items() if isinstance(v, int) and not isinstance(v, bool)
-    }
+    dims = dict(program.setting_dims)
     pages = -(-max_len // page_size)
     dims.update(
         reqs=reqs,
@@ -65,8 +63,8 @@ def batch_dims(
     )
     for backend, cls in program.schemas.items():
         extra = cls.derived_dims(dims, program.backend_settings[backend])
-        clash = set(extra) & set(dims)
-        if clash:
+        if not extra.keys().isdisjoint(dims):
+            clash = set(extra) & set(dims)
             raise SchemaError(
                 "a derived dimension takes a name already in use",
                 field=f"{backend}.derived_dims",

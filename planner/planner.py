@@ -25,6 +25,7 @@ import torch
 from planner.batch import ForwardBatch, ForwardMode
 from planner.captured import CapturedBatch, capture_steps, dummy_batch
 from planner.debug import MismatchHook, check_replay, debug_from_env, guard
+from planner.dims import lengths_max_sum
 from planner.door import check_capture, check_pad_to, check_size, validate_batch
 from planner.errors import BatchError, ReplayError, SchemaError
 from planner.fallback import ProviderChain
@@ -243,13 +244,12 @@ class Planner:
         """One eager plan set (of one step, for a stepped batch) in fresh tensors."""
         program, planned = self.program(mode), mode.plans_as
         # Only sizes so far: staging range-checks the lengths before anything is allocated.
-        lens = batch.seq_lens_cpu.numpy()
         if pad_to is not None:
             dims = self.dims(mode, reqs, self.limits.max_context)
         else:
-            max_len = int(lens.max()) if lens.size else program.next_n
+            max_len, kv_tokens = lengths_max_sum(batch.seq_lens_cpu, program.next_n)
             tokens = batch.num_tokens if mode.ragged else reqs * program.next_n
-            dims = self.dims(mode, reqs, max_len, tokens, int(lens.sum()) if lens.size else 1)
+            dims = self.dims(mode, reqs, max_len, tokens, kv_tokens)
         ranges = self.storages.ranges(planned, batch.req_to_token)
         storage = self.storages.fresh(planned, reqs)
         # The token table is read on the host for free; on a GPU only in debug mode (a sync).

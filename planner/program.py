@@ -83,6 +83,15 @@ class Program:
     backend_settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     aliases: Mapping[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
     """Op fields that compute exactly what an earlier field computes: they share its tensor."""
+    setting_dims: Mapping[str, int] = field(init=False, repr=False, compare=False)
+    """The integer settings, which every batch's dimensions start from (filtered once, not
+    per batch: a dozen ``isinstance`` pairs cost microseconds on a GPU host)."""
+
+    def __post_init__(self) -> None:
+        ints = {
+            k: v for k, v in self.settings.items() if isinstance(v, int) and not isinstance(v, bool)
+        }
+        object.__setattr__(self, "setting_dims", ints)
 
     @property
     def next_n(self) -> int:

@@ -21,6 +21,8 @@ from planner.cuda_events import record_on_current_stream
 from planner.errors import BatchError
 from planner.staging import Ranges, Segment, StagingLayout, real_counts
 
+_CUTS_KEPT = 64
+"""Sizes whose cuts a fresh stager keeps per pinned buffer (ragged batches vary in size)."""
 RING = 4
 """Pinned host buffers a static stager cycles through: a step fills one while the copies
 of the last few may still be queued behind their graphs, so it never waits for them."""
@@ -51,6 +53,7 @@ class Stager:
         self._pinned = device.type == "cuda"
         self._cuda_index: int | None = None  # the device buffers' (resolved at the first copy)
         self._ring: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
+        self._cuts: dict[int, tuple[torch.Tensor, dict]] = {}
         if static or self._pinned:
             for _ in range(RING if self._pinned else 1):
                 self._ring.append(self._host_buffer(self._size * regions))
@@ -73,6 +76,22 @@ class Stager:
         if host.shape[0] < size:
             host, view, done = self._ring[slot] = self._host_buffer(max(size, 2 * host.shape[0]))
         return host, view, done
+
+    def _next_cut(self, size: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
+        """:meth:`_next_host` cut to ``size`` (a fresh plan's), the cuts kept per buffer: a
+        tensor slice costs a few microseconds on a GPU host, and sizes repeat."""
+        host, view, done = self._next_host(size)
+        cuts = self._cuts.get(id(host))
+        if cuts is None or cuts[0] is not host:
+            if len(self._cuts) >= 2 * RING:  # buffers regrown: forget the old ones
+                self._cuts.clear()
+            cuts = self._cuts[id(host)] = (host, {})
+        cut = cuts[1].get(size)
+        if cut is None:
+            if len(cuts[1]) >= _CUTS_KEPT:
+                cuts[1].clear()
+            cut = cuts[1][size] = (host[:size], view[:size])
+        return cut[0], cut[1], done
 
     def view(self, segment: Segment, n: int) -> torch.Tensor:
         """The first ``n`` staged values of ``segment`` (static stagers only)."""
@@ -133,8 +152,7 @@ class Stager:
         if self.static:  # fixed size: the ring's buffers as they are
             host, view, done = self._next_host(total)
         elif self._ring:
-            host, view, done = self._next_host(total)
-            host, view = host[:total], view[:total]
+            host, view, done = self._next_cut(total)
         else:  # fresh on the CPU: the buffer is the plan's own memory, so it is new per call
             whole = torch.empty(total + device_extra, dtype=torch.int32)
             host, view, done = whole, whole.numpy()[:total], None

@@ -15,9 +15,9 @@ key (through Triton, which compiles and returns the kernel), later ones call the
 kernel directly.
 
 It is never trusted blindly. It is used only where every argument's specialisation is
-known to be off (a kernel with any specialised argument keeps Triton's launcher); an
-argument of a kind it does not key on, or keyword arguments that do not fill the
-signature's tail, go through Triton; a compiled kernel that cannot be called that way
+known to be off (an int or a tensor in a place Triton would specialise it goes through
+Triton's launcher, every time); an argument of a kind it does not key on, or keyword
+arguments that do not fill the signature's tail, go through Triton too; a compiled kernel that cannot be called that way
 turns it off for that kernel, said once. ``FORWARD_PLANNER_PREBOUND=0`` turns it off.
 """
 
@@ -38,7 +38,9 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
     triton = None
 
 _I32_MIN, _I32_MAX, _U64_MIN = -(2**31), 2**31 - 1, 2**63
-_PLAIN = (type(None), bool, float, str)
+_PLAIN = (type(None), bool, str)
+_VARIANTS_KEPT = 64
+"""Compiled variants one kernel keeps prebound; launches of further ones go through Triton."""
 
 
 def enabled() -> bool:
@@ -69,28 +71,36 @@ class PreboundLaunches:
         params = getattr(kernel, "params", None)
         try:
             self._names = tuple(p.name for p in params)
-            self._constexpr = tuple(bool(p.is_constexpr) for p in params)
-            unspecialised = all(
-                p.is_constexpr or (p.do_not_specialize and p.do_not_specialize_on_alignment)
+            # Per parameter: a constexpr (keyed by value), or which values Triton leaves
+            # unspecialised there: an int only under do_not_specialize (else 1 and multiples
+            # of 16 are variants), a tensor under either flag (its only variant is alignment).
+            self._params = tuple(
+                (
+                    bool(p.is_constexpr),
+                    bool(p.do_not_specialize),
+                    bool(p.do_not_specialize or p.do_not_specialize_on_alignment),
+                )
                 for p in params
             )
         except (AttributeError, TypeError):  # a Triton that does not describe its params so
-            unspecialised = False
-        self.usable = unspecialised
+            self._params = ()
+        self.usable = bool(self._params) and all(any(flags) for flags in self._params)
 
     def _key(self, full: tuple) -> tuple | None:
         key: list[Any] = [_current_device()]
-        for value, constexpr in zip(full, self._constexpr):
+        for value, (constexpr, int_free, tensor_free) in zip(full, self._params):
             kind = type(value)
             if constexpr:
                 key.append(value)
-            elif kind is int:
+            elif kind is int and int_free:
                 key.append(_int_width(value))
-            elif isinstance(value, torch.Tensor):
+            elif isinstance(value, torch.Tensor) and tensor_free:
                 key.append(value.dtype)
+            elif kind is float:  # always passed as fp32, never specialised
+                key.append(float)
             elif kind in _PLAIN:
                 key.append((kind, value))
-            else:
+            else:  # a kind it does not key on, or a value Triton would specialise
                 return None
         return tuple(key)
 
@@ -106,7 +116,7 @@ class PreboundLaunches:
         compiled = None if key is None else self._compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](*args, **kwargs)
-            if key is not None:
+            if key is not None and len(self._compiled) < _VARIANTS_KEPT:
                 if callable(getattr(compiled, "__getitem__", None)):
                     self._compiled[key] = compiled
                 else:

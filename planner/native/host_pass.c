@@ -12,3 +12,20 @@ int64_t fp_host_pass(int64_t buf, int64_t program, int64_t steps) {
     }
     return 0;
 }
+
+/* The longest and the total of n lengths (int32, or int64 when wide), into out[0] and out[1]:
+ * what an eager plan's dimensions need before anything is staged, as numpy's max() and
+ * sum() give them (the int64 sum wrapping as numpy's does). */
+void fp_max_sum(int64_t values, int64_t n, int64_t wide, int64_t out) {
+    int64_t *result = (int64_t *)(intptr_t)out;
+    int64_t top = 0;
+    uint64_t total = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t v = wide ? ((const int64_t *)(intptr_t)values)[i]
+                         : ((const int32_t *)(intptr_t)values)[i];
+        if (i == 0 || v > top) top = v;
+        total += (uint64_t)v;
+    }
+    result[0] = top;
+    result[1] = (int64_t)total;
+}

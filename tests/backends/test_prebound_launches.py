@@ -116,10 +116,38 @@ def test_what_selects_a_variant_gets_its_own_triton_launch(change):
 
 
 def test_a_kernel_with_a_specialised_argument_keeps_tritons_launcher():
-    assert not PreboundLaunches(kernel_with(Param("stride", do_not_specialize=False))).usable
-    aligned = Param("in_ptr", do_not_specialize_on_alignment=False)
-    assert not PreboundLaunches(kernel_with(aligned)).usable
+    both = Param("stride", do_not_specialize=False, do_not_specialize_on_alignment=False)
+    assert not PreboundLaunches(kernel_with(both)).usable
     assert not PreboundLaunches(object()).usable  # a Triton that does not describe its params
+
+
+def test_a_value_where_triton_would_specialise_it_goes_through_triton_every_time():
+    # as LazyKernel asks: pointers free of alignment only, sizes free of value only
+    jit = FakeJit(
+        [
+            Param("out_ptr", do_not_specialize=False),
+            Param("n", do_not_specialize_on_alignment=False),
+            Param("BLOCK", is_constexpr=True),
+        ]
+    )
+    launches = PreboundLaunches(jit)
+    out = torch.zeros(2, dtype=torch.int32)
+    for _ in range(3):
+        launch(launches, (1,), out, 16, BLOCK=8)  # as declared: prebound after the first
+        launch(launches, (1,), 16, out, BLOCK=8)  # an int where only alignment is free
+    assert launches.usable and launches.prebound == 2 and len(jit.through_triton) == 4
+
+
+def test_floats_share_one_variant_and_variants_kept_are_bounded():
+    jit = kernel_with(Param("scale"))
+    launches = PreboundLaunches(jit)
+    out = torch.zeros(2, dtype=torch.int32)
+    for scale in (0.5, 0.25, 2.0):
+        launch(launches, (1,), out, 3, scale, BLOCK=8)
+    assert launches.prebound == 2
+    for block in range(100):  # more constexpr values than are kept: the rest through Triton
+        launch(launches, (1,), out, 3, 1.0, BLOCK=block)
+    assert len(launches._compiled) == lazy_kernel._VARIANTS_KEPT
 
 
 def test_keywords_that_do_not_fill_the_tail_and_unkeyed_kinds_go_through_triton():
