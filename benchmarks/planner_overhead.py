@@ -2,8 +2,8 @@
 """Host time the planner adds per step, beside metadata code written the way engines write it.
 
 For each batch size: host time (no device sync, median of ``--iters``) of
-  - ``plan()``: eager plans in fresh tensors (full validation), and the same with Triton's
-    own launcher for every launch, and with the host pass in numpy instead of C;
+  - ``plan()``: eager plans in fresh tensors (full validation), and the same with the
+    host pass in numpy instead of C;
   - ``replay()`` with the ops recorded in the graph (what a graph step pays on the host);
   - ``replay()`` with the ops outside the graph (``ops_in_graph=False``: the seed's way);
   - hand-written: the same NSA metadata as per-field tensor ops and copies into
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import random
 import warnings
 from typing import Any
@@ -136,12 +135,6 @@ def measure(args, batch_size: int, device: torch.device) -> dict[str, Any]:
         sync(device)
         if in_graph:
             out["plan"] = time_host(lambda i, p=planner: p.plan(batches[i % 8]), **kw)
-            sync(device)
-            # The same eager plans with Triton's own launcher for every launch.
-            with mock.patch.dict(os.environ, {"FORWARD_PLANNER_PREBOUND": "0"}):
-                out["plan_triton_launcher"] = time_host(
-                    lambda i, p=planner: p.plan(batches[i % 8]), **kw
-                )
             sync(device)
     # And with the host pass in numpy (its C form unavailable) on a planner of its own, whose
     # layouts are all made while it is.
@@ -274,7 +267,6 @@ def main(argv: list[str] | None = None) -> int:
     extend = [measure_extend(args, device) for _ in range(args.runs)]
     cols = [
         "plan",
-        "plan_triton_launcher",
         "plan_numpy_twins",
         "plan_torch_ops",
         "replay_ops_in_graph",

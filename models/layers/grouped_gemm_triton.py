@@ -15,8 +15,7 @@ import os
 
 import torch
 
-from backends.common.lazy_kernel import unspecialised
-from backends.common.triton_kernels import triton_available
+from backends.common.triton_kernels import triton_available, unspecialised
 
 try:
     import triton

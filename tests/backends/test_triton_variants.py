@@ -14,9 +14,9 @@ import inspect
 import pytest
 import torch
 
-from backends.common import lazy_kernel, ragged_triton
+from backends.common import ragged_triton
 from backends.common import triton_kernels as tk
-from backends.common.lazy_kernel import LazyKernel, unspecialised
+from backends.common.triton_kernels import LazyKernel, unspecialised
 
 triton = pytest.importorskip("triton")
 ALIGNMENT_KNOB = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
@@ -39,8 +39,7 @@ def test_lazy_kernel_asks_for_no_size_or_alignment_variants(monkeypatch):
         return {(1,): lambda *a, **k: None}
 
     monkeypatch.setattr(tk.triton, "jit", fake_jit)
-    # the real one, on the fake jit
-    monkeypatch.setattr(lazy_kernel, "unspecialised", unspecialised)
+    monkeypatch.setattr(tk, "unspecialised", unspecialised)  # the real one, on the fake jit
 
     def kernel(out_ptr, in_ptr, n, stride, BLOCK):  # noqa: N803 (Triton constexpr style)
         pass
