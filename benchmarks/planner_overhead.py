@@ -3,7 +3,8 @@
 
 For each batch size: host time (no device sync, median of ``--iters``) of
   - ``plan()``: eager plans in fresh tensors (full validation), and the same with the
-    host pass in numpy instead of C;
+    host pass in numpy instead of C, and with torch's ``copy_`` for the staging copy
+    instead of one ``cudaMemcpyAsync`` (the replay too);
   - ``replay()`` with the ops recorded in the graph (what a graph step pays on the host);
   - ``replay()`` with the ops outside the graph (``ops_in_graph=False``: the seed's way);
   - hand-written: the same NSA metadata as per-field tensor ops and copies into
@@ -42,7 +43,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.seed_stack import make_batch, make_table
-from planner import ForwardBatch, ForwardMode, Limits, Planner, native
+from planner import ForwardBatch, ForwardMode, Limits, Planner, cuda_copy, native
 
 GENERIC_OPS = (
     "causal_lengths",
@@ -136,6 +137,14 @@ def measure(args, batch_size: int, device: torch.device) -> dict[str, Any]:
         if in_graph:
             out["plan"] = time_host(lambda i, p=planner: p.plan(batches[i % 8]), **kw)
             sync(device)
+            # The same replays and eager plans with torch's copy_ for the staging copy.
+            with mock.patch.object(cuda_copy.state, "on", False):
+                out["replay_copy_"] = time_host(
+                    lambda i, p=planner: p.replay(batches[i % 8], batch_size), **kw
+                )
+                sync(device)
+                out["plan_copy_"] = time_host(lambda i, p=planner: p.plan(batches[i % 8]), **kw)
+                sync(device)
     # And with the host pass in numpy (its C form unavailable) on a planner of its own, whose
     # layouts are all made while it is.
     with mock.patch.object(native, "host_pass_runner", lambda: None):
@@ -268,8 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     cols = [
         "plan",
         "plan_numpy_twins",
+        "plan_copy_",
         "plan_torch_ops",
         "replay_ops_in_graph",
+        "replay_copy_",
         "replay_ops_outside",
         "verify_replay",
         "hand_replay",
