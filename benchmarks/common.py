@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,43 @@ def time_host(fn: Callable[[int], Any], *, warmup: int, iters: int) -> dict[str,
         "p99_us": samples[min(len(samples) - 1, (len(samples) * 99) // 100)],
         "iters": iters,
     }
+
+
+def time_paired(
+    variants: Mapping[str, Callable[[int], Any]], *, warmup: int, iters: int
+) -> dict[str, dict[str, float]]:
+    """:func:`time_host` of several variants of one step, interleaved call by call (each
+    round in a shuffled order), so the host's drift, which on the GPU hosts moves medians by 2x between
+    blocks of calls, falls on every variant alike. Each variant's statistics, plus
+    ``ratio_to_first``: the median over iterations of its time over the first variant's."""
+    names = list(variants)
+    for i in range(warmup):
+        for name in names:
+            variants[name](i)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    order, shuffle = list(names), random.Random(0).shuffle
+    for i in range(iters):
+        # a new order each call (seeded), so no variant always runs first, after whatever
+        # evicted the caches, or always right after the same other one
+        shuffle(order)
+        for name in order:
+            start = time.perf_counter()
+            variants[name](i)
+            samples[name].append((time.perf_counter() - start) * 1e6)
+    first = samples[names[0]]
+    out = {}
+    for name in names:
+        ratios = sorted(b / a for a, b in zip(first, samples[name]) if a > 0)
+        ordered = sorted(samples[name])
+        out[name] = {
+            "median_us": statistics.median(ordered),
+            "p10_us": ordered[len(ordered) // 10],
+            "p90_us": ordered[(len(ordered) * 9) // 10],
+            "p99_us": ordered[min(len(ordered) - 1, (len(ordered) * 99) // 100)],
+            "iters": iters,
+            "ratio_to_first": statistics.median(ratios) if ratios else float("nan"),
+        }
+    return out
 
 
 def machine() -> dict[str, Any]:

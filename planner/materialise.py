@@ -239,9 +239,10 @@ def run_steps(
     inputs: Iterable[str] | None = None,
 ) -> Handles:
     """Run ``steps`` over ``tensors`` (skipping outputs the host pass made); host ops' handles.
-    ``inputs``: the batch tensors the steps read, where the caller knows (else all)."""
+    ``inputs``: the batch tensors the steps read, where the caller knows (else worked out
+    once per steps and ``done``)."""
     if steps:  # a replay whose ops are all in the graph runs none here
-        bind_batch(tensors, batch, inputs)
+        bind_batch(tensors, batch, batch_reads(steps, done) if inputs is None else inputs)
     handles = {}
     for step in steps:
         if step.output in done:
@@ -250,6 +251,29 @@ def run_steps(
         if handle is not None:
             handles[step.output] = handle
     return handles
+
+
+_READS: dict[tuple[int, frozenset], tuple[Sequence[Step], frozenset[str]]] = {}
+_READS_KEPT = 256
+
+
+def batch_reads(steps: Sequence[Step], done: frozenset = frozenset()) -> frozenset[str]:
+    """The batch's own tensors that the steps not in ``done`` read: only those are bound
+    (an eager plan whose host pass took the ragged ops then builds no implied lengths)."""
+    key = (id(steps), done)
+    kept = _READS.get(key)
+    if kept is None or kept[0] is not steps:
+        if len(_READS) >= _READS_KEPT:
+            _READS.clear()
+        names = frozenset(
+            source[1]
+            for step in steps
+            if step.output not in done
+            for source in step.input_keys
+            if source[0] == BATCH
+        )
+        kept = _READS[key] = (steps, names)  # the steps kept: their id stays theirs
+    return kept[1]
 
 
 def bind_batch(tensors: Tensors, batch: ForwardBatch, names: Iterable[str] | None = None) -> None:

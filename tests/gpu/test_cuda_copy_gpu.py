@@ -43,7 +43,9 @@ def test_a_mismatched_copy_falls_back_to_copy_and_its_error():
 
 def test_replays_and_eager_plans_copy_directly_and_stay_exact():
     table = make_pool(9, 512, 64, seed=2).to(DEV)
-    limits = Limits(max_batch=4, max_context=512, num_sms=8, kv_slots=int(table.max()) + 1)
+    limits = Limits(
+        max_batch=4, max_context=512, num_sms=8, kv_slots=int(table.max()) + 1, device="cuda"
+    )
     planner = Planner(
         ["paged", "nsa"], limits, options={"nsa": {"topk": 64}}, debug=True, ops_in_graph=False
     )
