@@ -1,4 +1,8 @@
-"""Compiled screens for the replay hot path, built from C with the system's compiler.
+"""Compiled screens for the planner's hot paths, built from C with the system's compiler.
+
+Three live here: the staging screen, the eager host pass's runner (``host_pass.c``, over
+the twins backends compile against ``twin.h``) and the lengths' max and sum; backends
+build their own C (FlashInfer's host arrays, the host twins) through :func:`load`.
 
 Why: a replay's staging (write five inputs and their padding into the pinned buffer,
 range-check them, look for a repeated KV slot or request, compare positions with the
