@@ -3,8 +3,7 @@
 
 For each batch size: host time (no device sync, median of ``--iters``) of
   - ``plan()``: eager plans in fresh tensors (full validation), and the same with the
-    host pass in numpy instead of C, and with torch's ``copy_`` for the staging copy
-    instead of one ``cudaMemcpyAsync`` (the replay too);
+    host pass in numpy instead of C (the two interleaved call by call);
   - ``replay()`` with the ops recorded in the graph (what a graph step pays on the host);
   - ``replay()`` with the ops outside the graph (``ops_in_graph=False``: the seed's way);
   - hand-written: the same NSA metadata as per-field tensor ops and copies into
@@ -44,7 +43,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.seed_stack import make_batch, make_table
-from planner import ForwardBatch, ForwardMode, Limits, Planner, cuda_copy, native
+from planner import ForwardBatch, ForwardMode, Limits, Planner, native
 
 GENERIC_OPS = (
     "causal_lengths",
@@ -140,44 +139,21 @@ def measure(args, batch_size: int, device: torch.device) -> dict[str, Any]:
         for b in batches:
             numpy_twins.plan(b)
 
-    def with_copy_(fn):  # torch's copy_ for the staging copy instead of one cudaMemcpyAsync
-        def run(i):
-            cuda_copy.state.on = False
-            try:
-                fn(i)
-            finally:
-                cuda_copy.state.on = True
-
-        return run
-
-    def replay(i, p=planner):
-        p.replay(batches[i % 8], batch_size)
-
-    def plan(i, p=planner):
-        p.plan(batches[i % 8])
-
-    # Variants of one step interleaved call by call: their ratios are what this host's
-    # drift between blocks of calls cannot move.
-    out.update(
-        time_paired(
-            {
-                "replay_ops_in_graph": replay,
-                "replay_copy_": with_copy_(replay),
-            },
-            **kw,
-        )
+    out["replay_ops_in_graph"] = time_host(
+        lambda i: planner.replay(batches[i % 8], batch_size), **kw
     )
     sync(device)
     out["replay_ops_outside"] = time_host(
         lambda i: outside.replay(batches[i % 8], batch_size), **kw
     )
     sync(device)
+    # The two eager variants interleaved call by call: their ratio is what this host's
+    # drift between blocks of calls cannot move.
     out.update(
         time_paired(
             {
-                "plan": plan,
+                "plan": lambda i: planner.plan(batches[i % 8]),
                 "plan_numpy_twins": lambda i: numpy_twins.plan(batches[i % 8]),
-                "plan_copy_": with_copy_(plan),
             },
             **kw,
         )
@@ -309,10 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     cols = [
         "plan",
         "plan_numpy_twins",
-        "plan_copy_",
         "plan_torch_ops",
         "replay_ops_in_graph",
-        "replay_copy_",
         "replay_ops_outside",
         "verify_replay",
         "hand_replay",
@@ -337,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
             for r in results
         ],
     )
-    paired = ("replay_copy_", "plan_numpy_twins", "plan_copy_")
+    paired = ("plan_numpy_twins",)
     table += "\n" + print_table(
-        "interleaved variants: median of per-call ratios to replay() / plan() as shipped",
+        "interleaved: median of per-call ratios to plan() as shipped",
         ("run", "batch", *paired),
         [(r["run"], r["batch"], *(r[c]["ratio_to_first"] for c in paired)) for r in results],
     )

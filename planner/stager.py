@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from planner.batch import ForwardBatch
-from planner.cuda_copy import to_device
 from planner.cuda_events import record_on_current_stream
 from planner.errors import BatchError
 from planner.staging import Ranges, Segment, StagingLayout, real_counts
@@ -215,10 +214,10 @@ class Stager:
             if dev is not host:
                 dev.copy_(host)
         else:
+            dev.copy_(host, non_blocking=True)
             index = self._cuda_index
             if index is None:
                 index = self._cuda_index = dev.device.index
-            to_device(dev, host, index)
             record_on_current_stream(done, index)
         self.copies += 1
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from planner.cuda_copy import to_device
 from planner.cuda_events import record_on_current_stream
 
 
@@ -22,16 +21,6 @@ class PinnedCopies:
     def __init__(self, pinned: bool) -> None:
         self._done = torch.cuda.Event() if pinned else None
         self._pending = False
-        self._index: int | None = None
-
-    def send(self, dev: torch.Tensor, host: torch.Tensor) -> None:
-        """``dev.copy_(host)``, asynchronous from pinned arrays (``planner.cuda_copy``)."""
-        if self._done is None:
-            dev.copy_(host)
-            return
-        if self._index is None:
-            self._index = dev.device.index
-        to_device(dev, host, self._index)
 
     def before_refill(self) -> None:
         if self._pending:

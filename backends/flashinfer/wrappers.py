@@ -165,7 +165,7 @@ class PlanSlot:
             self._plan_wrapper(kv_indices)
             if self.static and self.plans == 0:
                 self.direct = self._prove_direct(kv_indices)
-        self._copies.send(out, self.args.summary)
+        out.copy_(self.args.summary, non_blocking=self._pin)
         self._copies.after_enqueue()
         self.plans += 1
 

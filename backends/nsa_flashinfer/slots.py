@@ -138,7 +138,7 @@ class SparseSlot:
         key = (rows, clamped.tobytes())
         if key == self._planned:
             self.skipped += 1
-            self._copies.send(out, self.summary)
+            out.copy_(self.summary, non_blocking=self._pin)
             return
         self._copies.before_refill()  # the previous plan's async copies may still read them
         lens = row_lengths(seq, rows // c.next_n, c.next_n, c.topk)
@@ -163,7 +163,7 @@ class SparseSlot:
                 c.q_dtype,
                 c.kv_dtype,
             )
-        self._copies.send(out, self.summary)
+        out.copy_(self.summary, non_blocking=self._pin)
         self._copies.after_enqueue()
         self._planned = key
         self.plans += 1
