@@ -51,6 +51,7 @@ for _op, _symbol, _pack in (
     (ragged_ops.slot_pages, "slot_pages", _page_size),
 ):
     _op.native_twin(_C, f"fp_twin_{_symbol}")(_pack)
+del _op, _symbol, _pack
 
 
 @ops.clamp.native_twin(_C, "fp_twin_clamp")

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from backends.deepgemm import BLOCK_KV, LAYOUTS, paged_mqa_schedule_into, schedule_numpy
+from backends.deepgemm import BLOCK_KV, paged_mqa_schedule_into, schedule_numpy
 from backends.deepgemm import _native as native
 from planner.errors import SchemaError
 from planner.limits import Limits
@@ -25,6 +25,10 @@ from planner.ops import metadata_op
 I32 = torch.int32
 HOST_TWINS_C = Path(__file__).resolve().with_name("host_twins.c")
 """The compiled forms of this package's host twins (the schedule, the split table)."""
+_LAYOUT_CODES = {"0.1.0": 0, "new": 1}
+_OTHER_LAYOUT = 2
+"""How ``host_twins.c`` names the schedule layouts: any other name is placed as "new"
+without its clamp or end row, as ``schedule_numpy`` does."""
 
 paged_mqa_schedule = metadata_op(
     "paged_mqa_schedule",
@@ -54,9 +58,10 @@ def _schedule_params(
     next_n: int, block_kv: int, num_sms: int, layout: str
 ) -> tuple[int, ...] | None:
     # block_kv does not change the schedule (its units are 256 tokens whatever the block)
-    code = LAYOUTS.index(layout) if layout in LAYOUTS else len(LAYOUTS)
     counts = int32_params(next_n, num_sms, low=1)
-    return None if counts is None or not isinstance(layout, str) else (*counts, code)
+    if counts is None or not isinstance(layout, str):
+        return None
+    return (*counts, _LAYOUT_CODES.get(layout, _OTHER_LAYOUT))
 
 
 def _deep_gemm_usable(device: torch.device) -> bool:
