@@ -21,7 +21,7 @@ import torch
 from planner.batch import ForwardBatch
 from planner.dims import resolve_shape
 from planner.host_pass import HostPass, HostPassFailed, NativePass, Placement
-from planner.program import Key, Program
+from planner.program import Key, Program, batch_reads
 from planner.stager import Stager
 from planner.staging import Ranges, Segment
 
@@ -100,6 +100,15 @@ class FreshStorage:
         self.stager = stager
         self.host_pass = host_pass
         self._layouts: dict[tuple, FreshLayout] = {}
+        # Only the batch tensors the device steps read are bound: with the host pass on,
+        # the ragged ops' implied extend lengths are never built (a torch.full per plan).
+        self._inputs = {frozenset(): batch_reads(program.steps)}
+        if host_pass is not None:
+            self._inputs[host_pass.outputs] = batch_reads(program.steps, host_pass.outputs)
+
+    def batch_inputs(self, done: frozenset) -> frozenset[str]:
+        """The batch tensors the steps left after the host pass (``done``) read."""
+        return self._inputs[done]
 
     def _layout(
         self, dims: Mapping[str, int], reqs: int, host_pass: HostPass | None
@@ -139,7 +148,7 @@ class FreshStorage:
             totals[dtype] = start + -(-math.prod(shape) // align) * align
         # int32 fields share the staging buffer's allocation, after it: one allocation and
         # one cut for the whole plan (a device allocation costs 5-10 us of host time on a GPU)
-        sent = max(self.stager.layout.size, 1) + staged_size - self.stager.layout.size
+        sent = self.stager.region_size(staged_size - self.stager.layout.size)
         device_extra = 0
         if torch.int32 in totals:
             base = -(-sent // _INT32_ALIGN) * _INT32_ALIGN

@@ -35,10 +35,6 @@ ALIGN = 64
 """Outputs start on 256-byte boundaries (64 int32), as a separate allocation would."""
 
 
-_RECORD = 15
-"""int64s per step of a compiled pass (``R_SIZE`` in ``planner/native/twin.h``)."""
-
-
 class HostPassFailed(Exception):
     """A host twin raised: the plan is redone with every op on the device."""
 
@@ -133,7 +129,7 @@ class HostPass:
         runner = native.host_pass_runner()
         if runner is None:
             return None
-        records = np.zeros((len(self.steps), _RECORD), dtype=np.int64)
+        records = np.zeros((len(self.steps), native.TWIN_RECORD), dtype=np.int64)
         for row, (step, _), place, reads in zip(records, self.steps, placements, self._reads):
             twin = step.chain.op.native
             if twin is None or len(place.shape) > 2 or len(reads) > 3:

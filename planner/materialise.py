@@ -148,6 +148,10 @@ class StaticStorage:
         )
         return self.tensors(staged, reqs, dims), frozenset()
 
+    def batch_inputs(self, done: frozenset) -> None:
+        """All the batch's tensors are bound for a capture (it runs every step, once)."""
+        return None
+
     def tensors(self, staged: torch.Tensor, reqs: int, dims: Mapping[str, int]) -> Tensors:
         views = self._views.get(reqs)
         if views is None:
@@ -189,7 +193,8 @@ def materialise(
     tensors, done = storage.prepare(
         batch, reqs, dims, ranges, read_device=read_device, read_table=read_table
     )
-    return tensors, run_steps(steps, tensors, batch, storage.static, done)
+    inputs = storage.batch_inputs(done)
+    return tensors, run_steps(steps, tensors, batch, storage.static, done, inputs)
 
 
 def materialise_all(
@@ -239,10 +244,9 @@ def run_steps(
     inputs: Iterable[str] | None = None,
 ) -> Handles:
     """Run ``steps`` over ``tensors`` (skipping outputs the host pass made); host ops' handles.
-    ``inputs``: the batch tensors the steps read, where the caller knows (else worked out
-    once per steps and ``done``)."""
+    ``inputs``: the batch tensors the steps read, where the caller knows (else all)."""
     if steps:  # a replay whose ops are all in the graph runs none here
-        bind_batch(tensors, batch, batch_reads(steps, done) if inputs is None else inputs)
+        bind_batch(tensors, batch, inputs)
     handles = {}
     for step in steps:
         if step.output in done:
@@ -251,29 +255,6 @@ def run_steps(
         if handle is not None:
             handles[step.output] = handle
     return handles
-
-
-_READS: dict[tuple[int, frozenset], tuple[Sequence[Step], frozenset[str]]] = {}
-_READS_KEPT = 256
-
-
-def batch_reads(steps: Sequence[Step], done: frozenset = frozenset()) -> frozenset[str]:
-    """The batch's own tensors that the steps not in ``done`` read: only those are bound
-    (an eager plan whose host pass took the ragged ops then builds no implied lengths)."""
-    key = (id(steps), done)
-    kept = _READS.get(key)
-    if kept is None or kept[0] is not steps:
-        if len(_READS) >= _READS_KEPT:
-            _READS.clear()
-        names = frozenset(
-            source[1]
-            for step in steps
-            if step.output not in done
-            for source in step.input_keys
-            if source[0] == BATCH
-        )
-        kept = _READS[key] = (steps, names)  # the steps kept: their id stays theirs
-    return kept[1]
 
 
 def bind_batch(tensors: Tensors, batch: ForwardBatch, names: Iterable[str] | None = None) -> None:

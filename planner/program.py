@@ -70,6 +70,17 @@ class Step:
         return self.chain.call(self.key, tensors[self.output], args, params)
 
 
+def batch_reads(steps: Iterable[Step], done: frozenset = frozenset()) -> frozenset[str]:
+    """The batch's own tensors (``(BATCH, name)`` inputs) that the steps not in ``done`` read."""
+    return frozenset(
+        source[1]
+        for step in steps
+        if step.output not in done
+        for source in step.input_keys
+        if source[0] == BATCH
+    )
+
+
 @dataclass(frozen=True)
 class Program:
     """Everything a mode needs per batch: settings, source fields, ordered steps."""

@@ -61,6 +61,11 @@ class Stager:
             self.host, self.host_view = self._ring[0][0], self._ring[0][1]
             self.device_buf = torch.zeros(self._size * regions, dtype=torch.int32, device=device)
 
+    def region_size(self, extra: int = 0) -> int:
+        """Elements one batch's region holds, and one copy sends: the layout's (at least
+        one) and ``extra`` after them (a fresh plan's host-pass outputs)."""
+        return self._size + extra
+
     def _host_buffer(self, size: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
         host = torch.zeros(size, dtype=torch.int32, pin_memory=self._pinned)
         # numpy views made once: .numpy() costs a microsecond and more a call
@@ -147,7 +152,7 @@ class Stager:
             raise BatchError(
                 "more batches than staging regions", field="steps", expected=self.regions, actual=n
             )
-        size = self._size + extra if n == 1 else self._size
+        size = self.region_size(extra) if n == 1 else self._size
         total = size * n
         if self.static:  # fixed size: the ring's buffers as they are
             host, view, done = self._next_host(total)

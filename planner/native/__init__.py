@@ -41,6 +41,8 @@ HEADERS = ("twin.h",)
 _HERE = Path(__file__).resolve().parent
 _I64 = ctypes.c_int64
 _LENGTH_DTYPES = {torch.int32: 0, torch.int64: 1}
+TWIN_RECORD = 15
+"""int64s per step of a compiled host pass (``R_SIZE`` in ``twin.h``; checked at load)."""
 _OWN_SOURCES = tuple(_HERE / source for source in SOURCES)
 
 
@@ -127,6 +129,8 @@ def library() -> ctypes.CDLL | None:
     runner = lib.fp_host_pass
     runner.restype = _I64
     runner.argtypes = [_I64, _I64, _I64]
+    lib.fp_twin_record_size.restype = _I64
+    lib.fp_twin_record_size.argtypes = []
     lib.fp_max_sum.restype = None
     lib.fp_max_sum.argtypes = [_I64, _I64, _I64, _I64]
     return lib
@@ -139,11 +143,21 @@ def stage_screen():
     return None if lib is None else lib.fp_stage_screen
 
 
+@functools.cache
 def host_pass_runner():
     """``fp_host_pass(buffer, program, steps)`` as a ctypes function, or None: runs a
-    compiled host pass (``planner.host_pass``) in one call."""
+    compiled host pass (``planner.host_pass``) in one call. None also where the built
+    header's records are not the ones Python writes (said once)."""
     lib = library()
-    return None if lib is None else lib.fp_host_pass
+    if lib is None:
+        return None
+    size = lib.fp_twin_record_size()
+    if size != TWIN_RECORD:
+        warn_once(
+            f"forward-planner: twin.h records are {size} int64s, not {TWIN_RECORD}; numpy used"
+        )
+        return None
+    return lib.fp_host_pass
 
 
 class MaxSum:

@@ -29,3 +29,6 @@ void fp_max_sum(int64_t values, int64_t n, int64_t wide, int64_t out) {
     result[0] = top;
     result[1] = (int64_t)total;
 }
+
+/* int64s per record, so the Python side can check it writes records of this layout. */
+int64_t fp_twin_record_size(void) { return R_SIZE; }

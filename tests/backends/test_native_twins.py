@@ -9,15 +9,12 @@ write something else, and never write outside its output.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner import native
-from planner.host_pass import _RECORD
 from planner.ops import all_ops, get_op
 from tests.backends.test_host_twins import CASES, INT32, garbage
 
@@ -42,7 +39,7 @@ def run_compiled(name: str, shape, inputs, params, start: np.ndarray) -> tuple[b
     out_at = at
     guard = np.arange(GUARD, dtype=np.int32) - 7
     buf = np.concatenate([*parts, start.reshape(-1), guard]).astype(np.int32)
-    record = np.zeros(_RECORD, dtype=np.int64)
+    record = np.zeros(native.TWIN_RECORD, dtype=np.int64)
     dims = (*shape, 1, 1)
     record[:5] = (
         native.twin_address(op.native.source, op.native.symbol),
@@ -142,4 +139,4 @@ def test_the_runner_reports_the_first_declining_step():
     bad = [fn, 4, 1, 3, 1, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0]  # input one too long: declined
     records = np.array([good, bad, good], dtype=np.int64)
     assert native.host_pass_runner()(buf.ctypes.data, records.ctypes.data, 3) == 2
-    assert ctypes.sizeof(ctypes.c_int64) * _RECORD == records[0].nbytes
+    assert native.library().fp_twin_record_size() == native.TWIN_RECORD  # twin.h's R_SIZE
