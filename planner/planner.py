@@ -36,6 +36,7 @@ from planner.options import check_forced, check_options
 from planner.plan_build import build_plans
 from planner.planset import PlannerStats, PlanSet
 from planner.program import Program, build_program, warm_up
+from planner.replay_lane import ReplayLane, lane_for
 from planner.schema import Plan
 from planner.schema_sets import check_serves, schemas_by_mode
 from planner.stepped import batches_of
@@ -102,6 +103,7 @@ class Planner:
         self.storages = Storages(self._programs, limits, self.device, eager_on_host=eager_on_host)
         self.storages.check_budget()  # before any static buffer is allocated
         self._captured: dict[tuple[ForwardMode, int], CapturedBatch] = {}
+        self._lanes: dict[tuple[ForwardMode, int], ReplayLane] = {}
         self._warmed = False
         check_forced(self._programs.values(), self.forced)
 
@@ -254,16 +256,8 @@ class Planner:
         storage = self.storages.fresh(planned, reqs)
         # The token table is read on the host for free; on a GPU only in debug mode (a sync).
         table_read = self.debug or not batch.req_to_token.is_cuda
-        tensors, handles = materialise(
-            storage,
-            batch,
-            reqs,
-            dims,
-            ranges,
-            program.steps,
-            read_device=True,
-            read_table=table_read,
-        )
+        args = (storage, batch, reqs, dims, ranges, program.steps)
+        tensors, handles = materialise(*args, read_device=True, read_table=table_read)
         return PlanSet(build_plans(program, tensors, handles, dims), "eager", mode, reqs, batch.bs)
 
     # ---- capture --------------------------------------------------------------------------
@@ -295,6 +289,9 @@ class Planner:
         captured = capture_steps(program, mode, bs, batches, results, dims, req_to_token)
         captured.keep(storages, dims, ranges, program.steps)
         self._captured[(mode, bs)] = captured
+        n = self.tokens_per_request(mode)
+        if lane := ReplayLane.for_capture(captured, mode, n, self.device, self.stats):
+            self._lanes[(mode, bs)] = lane
         self.stats.batches["capture"] += 1
         return captured.plans
 
@@ -334,6 +331,10 @@ class Planner:
         (and, with ``ops_in_graph=False``, all ops) run here.
         """
         start = time.perf_counter()
+        lane = lane_for(self._lanes, batch, bs)
+        if lane is not None and not self.debug and lane.run(batch):
+            self.stats.host_seconds["replay"] += time.perf_counter() - start
+            return lane.plans
         mode = self._validate(batch, device_reads=self.debug)
         real = batch.bs
         bs = max(real, 1) if bs is None else bs
@@ -384,13 +385,8 @@ class Planner:
         check_replay(batch, plans, eager, program.pads, real, self.on_mismatch)
 
     def real_rows(self, mode: ForwardMode, batch: ForwardBatch) -> dict[str, int]:
-        """How many leading entries of each batch dimension are real in a (step's) plan of
-        ``batch``: the rest is padding, which must hold the schemas' pad values."""
-        program = self.program(mode)
-        rows = batch.bs * program.next_n
-        tokens = batch.num_tokens if ForwardMode(mode).padded_rows else rows
-        kernel = rows // int(program.settings.get("kernel_next_n", 1))
-        return {"reqs": batch.bs, "rows": rows, "tokens": tokens, "kernel_reqs": kernel}
+        """:meth:`Program.real_rows` of ``mode``'s program."""
+        return self.program(mode).real_rows(batch)
 
     @contextmanager
     def guard(self, plans: Mapping[str, Plan]) -> Iterator[None]:

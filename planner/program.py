@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from planner.batch import BATCH, BATCH_TABLES, HOST_INPUTS, SOURCES, VERIFY_ROWS_MODES, ForwardMode
+from planner.batch import (
+    BATCH,
+    BATCH_TABLES,
+    HOST_INPUTS,
+    SOURCES,
+    VERIFY_ROWS_MODES,
+    ForwardBatch,
+    ForwardMode,
+)
 from planner.dims import dim_names, parse_dim
 from planner.errors import SchemaError
 from planner.fallback import ProviderChain
@@ -107,6 +115,14 @@ class Program:
     @property
     def next_n(self) -> int:
         return int(self.settings["next_n"])
+
+    def real_rows(self, batch: ForwardBatch) -> dict[str, int]:
+        """How many leading entries of each batch dimension are real in a (step's) plan of
+        ``batch``: the rest is padding, which must hold the schemas' pad values."""
+        rows = batch.bs * self.next_n
+        tokens = batch.num_tokens if self.mode.padded_rows else rows
+        kernel = rows // int(self.settings.get("kernel_next_n", 1))
+        return {"reqs": batch.bs, "rows": rows, "tokens": tokens, "kernel_reqs": kernel}
 
 
 def settings_for(

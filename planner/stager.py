@@ -71,9 +71,14 @@ class Stager:
         # numpy views made once: .numpy() costs a microsecond and more a call
         return host, host.numpy(), torch.cuda.Event() if self._pinned else None
 
-    def _next_host(self, size: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
-        """The next pinned buffer of the ring, once the copy out of it (``RING`` calls ago)
-        is done; grown when a fresh plan's host pass needs more room."""
+    def next_host(
+        self, size: int | None = None
+    ) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
+        """The next pinned buffer of the ring (``size``: the layout's by default), once the
+        copy out of it (``RING`` calls ago) is done; grown when a fresh plan's host pass
+        needs more room. Fill it, then :meth:`send` it."""
+        if size is None:
+            size = self._size
         slot = self.copies % len(self._ring)
         host, view, done = self._ring[slot]
         if done is not None and self.copies >= len(self._ring):
@@ -83,9 +88,9 @@ class Stager:
         return host, view, done
 
     def _next_cut(self, size: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
-        """:meth:`_next_host` cut to ``size`` (a fresh plan's), the cuts kept per buffer: a
+        """:meth:`next_host` cut to ``size`` (a fresh plan's), the cuts kept per buffer: a
         tensor slice costs a few microseconds on a GPU host, and sizes repeat."""
-        host, view, done = self._next_host(size)
+        host, view, done = self.next_host(size)
         cuts = self._cuts.get(id(host))
         if cuts is None or cuts[0] is not host:
             if len(self._cuts) >= 2 * RING:  # buffers regrown: forget the old ones
@@ -155,7 +160,7 @@ class Stager:
         size = self.region_size(extra) if n == 1 else self._size
         total = size * n
         if self.static:  # fixed size: the ring's buffers as they are
-            host, view, done = self._next_host(total)
+            host, view, done = self.next_host(total)
         elif self._ring:
             host, view, done = self._next_cut(total)
         else:  # fresh on the CPU: the buffer is the plan's own memory, so it is new per call
@@ -188,7 +193,7 @@ class Stager:
         else:
             dev = torch.empty(total + device_extra, dtype=torch.int32, device=self.device)
             sent = dev[:total] if device_extra else dev
-        self._send(host, sent, done)
+        self.send(host, sent, done)
         views = [dev[r * size : (r + 1) * size] for r in range(n)] if n > 1 else [dev]
         for region, (counts, on_device) in zip(views, pending):
             _copy_on_device(region, on_device, counts)
@@ -203,16 +208,16 @@ class Stager:
         screen = self.layout.screen
         if screen is None or not self.static:
             return None
-        host, _view, done = self._next_host(self._size)
+        host, _view, done = self.next_host(self._size)
         on_device = screen.run(host.data_ptr(), batch, reqs, tokens, ranges, read_device=False)
         if on_device is None:
             return None
-        self._send(host, self.device_buf, done)
+        self.send(host, self.device_buf, done)
         if on_device:
             _copy_on_device(self.device_buf, on_device, real_counts(batch))
         return self.device_buf
 
-    def _send(self, host: torch.Tensor, dev: torch.Tensor, done: torch.cuda.Event | None) -> None:
+    def send(self, host: torch.Tensor, dev: torch.Tensor, done: torch.cuda.Event | None) -> None:
         """The one host-to-device copy (asynchronous from a pinned buffer, whose event says
         when it may be refilled); on the CPU a copy only where the buffers differ."""
         if done is None:

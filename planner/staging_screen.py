@@ -27,6 +27,10 @@ _TABLES_KEPT = 16
 _ARGS = struct.Struct("=19q")
 """The screen's packed arguments (``A_*`` in the C source): the segment table and its rows,
 five kinds, five addresses, the region's and the batch's counts, next_n, the scratch."""
+_PER_CALL = struct.Struct("=12q")
+_PER_CALL_AT = 4 * 8
+"""What a :class:`BoundScreen` packs per call: ``A_KIND + 2`` (the pool's kind) to
+``A_REAL_TOKENS``, the rest of the arguments packed once when it is bound."""
 
 
 class StageScreen:
@@ -73,6 +77,10 @@ class StageScreen:
             # ranges kept alive with its table: its id is the key
             table = self._tables[id(ranges)] = (array, array.ctypes.data, len(rows), ranges)
         return table
+
+    def bind(self, ranges, reqs: int, tokens: int, next_n: int) -> BoundScreen:
+        """The screen for one captured size: ranges, region counts and ``next_n`` fixed."""
+        return BoundScreen(self, ranges, reqs, tokens, next_n)
 
     def run(
         self,
@@ -154,3 +162,57 @@ def _source(tensor: torch.Tensor, length: int, read_device: bool) -> tuple[int, 
     if dtype is _INT64:
         return _K_I64, tensor.data_ptr()
     return None
+
+
+class BoundScreen:
+    """A :class:`StageScreen` with one captured size's constant arguments packed once (the
+    segment table, the region's counts, ``next_n``, the scratch): a replay packs only the
+    batch's kinds, addresses and real counts. Its caller has read the sources' kinds and
+    addresses (``planner.replay_lane``: the door's checks and these reads in one pass)."""
+
+    __slots__ = ("fn", "_args", "_address", "_n", "_reqs", "_tokens", "_alive")
+
+    def __init__(self, screen: StageScreen, ranges, reqs: int, tokens: int, next_n: int) -> None:
+        array, address, count, _ = screen._table(ranges)
+        self.fn = screen.fn
+        self._args = ctypes.create_string_buffer(_ARGS.size)
+        self._address = ctypes.addressof(self._args)
+        self._n, self._reqs, self._tokens = next_n, reqs, tokens
+        self._alive = (screen, array, ranges)  # the table and scratch it points at
+        _ARGS.pack_into(
+            self._args, 0, address, count, _K_I32, _K_CONST, *([0] * 12), next_n, *screen._scratch
+        )
+
+    def run(
+        self,
+        host_address: int,
+        seq: int,
+        pool_kind: int,
+        pool: int,
+        slot_kind: int,
+        slot: int,
+        pos_kind: int,
+        pos: int,
+        real: int,
+    ) -> bool:
+        """Fill and check one region at ``host_address`` from host sources (int32 lengths at
+        ``seq``; kinds ``K_I32`` / ``K_I64`` / ``K_DERIVED``): whether it passed. When it did
+        not, the region may hold part of a fill, which the general path rewrites."""
+        n = self._n
+        _PER_CALL.pack_into(
+            self._args,
+            _PER_CALL_AT,
+            pool_kind,
+            slot_kind,
+            pos_kind,
+            seq,
+            n,
+            pool,
+            slot,
+            pos,
+            self._reqs,
+            self._tokens,
+            real,
+            real * n,
+        )
+        return self.fn(host_address, self._address) == 0

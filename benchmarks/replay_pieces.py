@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""A screened replay taken apart: each piece of ``Planner.replay()`` timed on its own, beside
+the floors of the CUDA calls it makes.
+
+Why: cProfile and torch.profiler inflate Python calls and aten dispatch by 2-3x on the GPU
+host, so their breakdowns mislead about a 30 us path. Here every piece is called alone,
+interleaved call by call with the whole replay and the floors (``time_paired``: the host's
+drift falls on all alike), and the table shows how far the sum of the pieces and each
+piece's floor are from the whole.
+
+The pieces (paged + nsa, decode, one captured size per batch size): the door
+(``_validate``), the token-table identity check, the next ring buffer (its event wait), the
+compiled screen's fill and check, the staging copy with its event record, the pointer
+identity check, and the bookkeeping. The floors: an empty pinned ``copy_`` of the same
+size, an event record on the current stream, a synchronize on a finished event, a
+``data_ptr()`` loop over the plan tensors, and a ctypes call of a C function that returns.
+
+    python3 -m benchmarks.replay_pieces --out $OUT/replay_pieces.json --plot $OUT/pieces.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import random
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.common import machine, num_sms_of, plot_bars, print_table, time_paired, write_json
+from planner import ForwardMode, Limits, Planner
+from planner.cuda_events import record_on_current_stream
+from tests.support.batches import make_pool, random_batch
+
+_DECODE = ForwardMode.DECODE
+
+
+def _pieces(planner: Planner, batch, bs: int) -> dict[str, Callable[[int], Any]]:
+    """The whole replay, then each of its pieces as the hot path calls it."""
+    captured = planner._captured[(_DECODE, bs)]
+    stager = captured.storages[0].stager
+    screen = stager.layout.screen
+    tokens, ranges = captured.dims["tokens"], captured.ranges
+    # the screen fills a scratch buffer of its own: the ring's may still be being sent
+    scratch = torch.zeros_like(stager.host, pin_memory=stager.host.is_pinned())
+    address = scratch.data_ptr()
+    handles = captured.run_host_ops(batch)
+    stats = planner.stats
+    ring = stager._ring
+    return {
+        "replay() whole": lambda i: planner.replay(batch, bs),
+        "door (_validate)": lambda i: planner._validate(batch, device_reads=False),
+        "token-table check": lambda i: captured.check_table(batch.req_to_token),
+        "ring buffer (event wait)": lambda i: stager.next_host(),
+        # the default argument keeps the scratch buffer alive as long as the lambda
+        "screen fill + check": lambda i, _alive=scratch: screen.run(
+            address, batch, bs, tokens, ranges, read_device=False
+        ),
+        "copy + event record": lambda i: stager.send(ring[0][0], stager.device_buf, ring[0][2]),
+        "pointer check": lambda i: captured.check_unmoved(handles),
+        "bookkeeping": lambda i: (
+            captured.plans.mark("replay", _DECODE, batch.bs),
+            stats.record_steps(_DECODE, captured.program_steps, 1),
+        ),
+    }
+
+
+def _floors(planner: Planner, bs: int, device: torch.device) -> dict[str, Callable[[int], Any]]:
+    captured = planner._captured[(_DECODE, bs)]
+    stager = captured.storages[0].stager
+    host = torch.zeros_like(stager.host, pin_memory=device.type == "cuda")
+    dev = torch.zeros_like(stager.device_buf)
+    tensors = [t for plan in captured.plans.values() for t in plan.tensors().values()]
+    libc = ctypes.CDLL(None)
+    noop = libc.abs  # a C function that returns at once: the cost of a ctypes call
+    noop.argtypes, noop.restype = [ctypes.c_int], ctypes.c_int
+    floors: dict[str, Callable[[int], Any]] = {
+        "floor: empty pinned copy_": lambda i: dev.copy_(host, non_blocking=True),
+        "floor: data_ptr() loop": lambda i: [t.data_ptr() for t in tensors],
+        "floor: ctypes call": lambda i: noop(1),
+    }
+    if device.type == "cuda":
+        event, done = torch.cuda.Event(), torch.cuda.Event()
+        done.record()
+        torch.cuda.synchronize(device)
+        floors["floor: event record"] = lambda i: record_on_current_stream(event, device.index)
+        floors["floor: finished event synchronize"] = lambda i: done.synchronize()
+    return floors
+
+
+def measure(args: argparse.Namespace, bs: int, device: torch.device) -> list[dict[str, Any]]:
+    table = make_pool(bs + 1, args.context, 64).to(device)
+    limits = Limits(
+        max_batch=bs,
+        max_context=args.context,
+        num_sms=num_sms_of(device),
+        kv_slots=int(table.max()) + 1,
+        device=str(device),
+    )
+    planner = Planner(args.backends, limits, options={"nsa": {"topk": 2048}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner.capture(bs, req_to_token=table)
+    rng = random.Random(bs)
+    batch = random_batch(rng, table.cpu(), max_batch=bs, max_context=args.context, bs=bs)
+    batch = dataclasses.replace(batch, req_to_token=table)
+    captured = planner._captured[(_DECODE, bs)]
+    if not captured.screened or not captured.stage_screened(batch, bs):
+        raise SystemExit(f"bs {bs}: the replay does not take the screened path; nothing to split")
+    variants = {**_pieces(planner, batch, bs), **_floors(planner, bs, device)}
+    timed = time_paired(variants, warmup=args.warmup, iters=args.iters)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return [{"bs": bs, "piece": name, **stats} for name, stats in timed.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    p.add_argument("--backends", nargs="+", default=["paged", "nsa"])
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--plot", help="write a PNG of the medians here (needs matplotlib)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    rows = [row for bs in args.batches for row in measure(args, bs, device)]
+    names = list(dict.fromkeys(r["piece"] for r in rows))
+    by = {(r["bs"], r["piece"]): r for r in rows}
+    table_rows = []
+    for name in names:
+        cells = [
+            f"{by[(bs, name)]['median_us']:.2f} ({by[(bs, name)]['p99_us']:.1f})"
+            for bs in args.batches
+        ]
+        table_rows.append([name, *cells])
+    sums = []
+    for bs in args.batches:
+        parts = [
+            by[(bs, n)]["median_us"]
+            for n in names
+            if n not in ("replay() whole",) and not n.startswith("floor")
+        ]
+        sums.append(f"{sum(parts):.2f}")
+    table_rows.append(["sum of the pieces", *sums])
+    print_table(
+        f"replay() pieces, median (p99) us, {'+'.join(args.backends)} decode, {device}",
+        ["piece", *[f"bs {bs}" for bs in args.batches]],
+        table_rows,
+    )
+    write_json(args.out, {"machine": machine(), "config": vars(args), "rows": rows})
+    plot_bars(
+        args.plot,
+        "replay() pieces (median us)",
+        names,
+        {f"bs {bs}": [by[(bs, n)]["median_us"] for n in names] for bs in args.batches},
+        "us",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""The replay lane: a uniform host batch's replay in one pass over its tensors.
+
+Why: a screened replay read every batch tensor twice, once at the door (type, dtype, rank,
+device, contiguity, length) and once more to hand the compiled screen its kinds and
+addresses, and it looked its captured size, ranges and segment table up again on every
+call. The lane does the door's checks and the screen's reads in one pass, over what a
+capture fixed: the token table's address and shape, the size, the screen's constant
+arguments. On anything it does not recognise as exactly right it says "not mine" (False,
+before anything is sent), and the general replay runs; its door names what is wrong.
+
+So the lane never accepts what the door refuses: every check of ``validate_batch`` that
+applies to a decode or verify batch is here, as the same comparison or a stricter one (an
+exact ``torch.Tensor``, where the door takes subclasses). Tests hold it to that on random
+and hostile batches, and hold its plans to a fresh eager plan's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from planner.batch import ForwardBatch, ForwardMode
+from planner.captured import CapturedBatch
+from planner.planset import PlannerStats
+
+_TENSOR, _INT32, _INT64 = torch.Tensor, torch.int32, torch.int64
+_K_I32, _K_I64, _K_DERIVED = 1, 2, 5
+"""The screen's source kinds (``planner/native/stage_screen.c``'s ``K_*``)."""
+LANE_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY})
+"""Modes whose batches may take the lane: uniform, one step, lengths implied."""
+
+
+class ReplayLane:
+    """One captured (mode, size)'s replay hot path; see the module docstring."""
+
+    __slots__ = (
+        "captured",
+        "plans",
+        "mode",
+        "bs",
+        "next_n",
+        "device",
+        "on_host",
+        "table_ptr",
+        "table_shape",
+        "stager",
+        "screen",
+        "stats",
+        "steps",
+    )
+
+    def __init__(
+        self,
+        captured: CapturedBatch,
+        mode: ForwardMode,
+        next_n: int,
+        device: torch.device,
+        stats: PlannerStats,
+    ) -> None:
+        stager = captured.storages[0].stager
+        bs = captured.plans.reqs
+        self.captured, self.plans, self.mode, self.bs = captured, captured.plans, mode, bs
+        self.next_n, self.device = next_n, device
+        self.on_host = device.type == "cpu"  # cpu:0 included, as at the door
+        self.table_ptr, self.table_shape = captured.table_ptr, captured.table_shape
+        self.stager = stager
+        self.stats, self.steps = stats, captured.program_steps
+        self.screen = stager.layout.screen.bind(
+            captured.ranges, bs, captured.dims["tokens"], next_n
+        )
+
+    @classmethod
+    def for_capture(
+        cls,
+        captured: CapturedBatch,
+        mode: ForwardMode,
+        next_n: int,
+        device: torch.device,
+        stats: PlannerStats,
+    ) -> ReplayLane | None:
+        """The lane of a capture, or None where its replays cannot take one (stepped or
+        ragged modes, host ops, no compiled screen)."""
+        if mode not in LANE_MODES or not captured.screened or captured.host_steps:
+            return None
+        return cls(captured, mode, next_n, device, stats)
+
+    def run(self, batch: ForwardBatch) -> bool:
+        """Stage ``batch`` into the capture's buffers, check the plans did not move, and count
+        the replay as the general path does: True when done; False, with nothing sent or
+        counted, where the general replay must run."""
+        if (
+            batch.__class__ is not ForwardBatch
+            or batch.next_n != self.next_n
+            or batch.extend_lens_cpu is not None
+            or batch.seq_lens is not None
+            or batch.extend_lens is not None
+        ):
+            return False
+        seq, table = batch.seq_lens_cpu, batch.req_to_token
+        if not (
+            seq.__class__ is _TENSOR
+            and seq.dtype is _INT32
+            and seq.ndim == 1
+            and seq.is_cpu
+            and seq.is_contiguous()
+        ):
+            return False
+        real = seq.numel()
+        if not 0 < real <= self.bs:  # idle, empty or too large: the door's messages
+            return False
+        if not (
+            table.__class__ is _TENSOR
+            and table.data_ptr() == self.table_ptr
+            and table.shape == self.table_shape
+            and table.dtype is _INT32
+            and table.is_contiguous()
+            and (table.is_cpu if self.on_host else table.device == self.device)
+        ):
+            return False
+        tokens = real * self.next_n
+        pool_kind, pool = _host_index(batch.req_pool_indices, real)
+        slot_kind, slot = _host_index(batch.out_cache_loc, tokens)
+        positions = batch.positions
+        if positions is None:
+            pos_kind, pos = _K_DERIVED, 0
+        else:
+            pos_kind, pos = _host_index(positions, tokens)
+        if not (pool_kind and slot_kind and pos_kind):
+            return False
+        stager = self.stager
+        host, _view, done = stager.next_host()
+        seq_ptr = seq.data_ptr()
+        if not self.screen.run(
+            host.data_ptr(), seq_ptr, pool_kind, pool, slot_kind, slot, pos_kind, pos, real
+        ):
+            return False
+        stager.send(host, stager.device_buf, done)
+        self.captured.steps[0].check_unmoved({})
+        self.plans.mark("replay", self.mode, real)
+        stats = self.stats
+        stats.record_steps(self.mode, self.steps)
+        stats.batches["replay"] += 1
+        return True
+
+
+def lane_for(
+    lanes: Mapping[tuple[ForwardMode, int], ReplayLane], batch: object, bs: object
+) -> ReplayLane | None:
+    """The lane a replay of ``batch`` at size ``bs`` may take. Exact types only: a bool or a
+    float size (equal to an int as a key), a string or unhashable mode go the general way,
+    whose door names them."""
+    if (
+        bs.__class__ is int
+        and batch.__class__ is ForwardBatch
+        and batch.mode.__class__ is ForwardMode
+    ):
+        return lanes.get((batch.mode, bs))
+    return None
+
+
+def _host_index(tensor: object, length: int) -> tuple[int, int]:
+    """A host index input's screen kind and address; kind 0 where the lane cannot take it
+    (the door's checks for it: a 1-D contiguous int32 / int64 tensor of ``length``)."""
+    if (
+        tensor.__class__ is _TENSOR
+        and tensor.ndim == 1
+        and tensor.is_cpu
+        and tensor.is_contiguous()
+        and tensor.numel() == length
+    ):
+        dtype = tensor.dtype
+        if dtype is _INT64:
+            return _K_I64, tensor.data_ptr()
+        if dtype is _INT32:
+            return _K_I32, tensor.data_ptr()
+    return 0, 0
