@@ -5,13 +5,15 @@ the floors of the CUDA calls it makes.
 Why: cProfile and torch.profiler inflate Python calls and aten dispatch by 2-3x on the GPU
 host, so their breakdowns mislead about a 30 us path. Here every piece is called alone,
 interleaved call by call with the whole replay and the floors (``time_paired``: the host's
-drift falls on all alike), and the table shows how far the sum of the pieces and each
-piece's floor are from the whole.
+drift falls on all alike), and the table shows what the lane spends outside the calls it
+makes, and how far each call is from its floor.
 
-The pieces (paged + nsa, decode, one captured size per batch size): the door
-(``_validate``), the token-table identity check, the next ring buffer (its event wait), the
-compiled screen's fill and check, the staging copy with its event record, the pointer
-identity check, and the bookkeeping. The floors: an empty pinned ``copy_`` of the same
+The pieces (paged + nsa, decode, one captured size per batch size): the replay lane's
+whole run, and each call it makes: the next ring buffer (its event wait), the compiled
+screen's fill and check, the staging copy with its event record, the pointer identity
+check, the bookkeeping; what is left of the lane's run is its own checks and reads of the
+batch. The general path's door is timed beside it, for scale (a lane replay does not run
+it). The floors: an empty pinned ``copy_`` of the same
 size, an event record on the current stream, a synchronize on a finished event, a
 ``data_ptr()`` loop over the plan tensors, and a ctypes call of a C function that returns.
 
@@ -39,32 +41,31 @@ _DECODE = ForwardMode.DECODE
 
 
 def _pieces(planner: Planner, batch, bs: int) -> dict[str, Callable[[int], Any]]:
-    """The whole replay, then each of its pieces as the hot path calls it."""
-    captured = planner._captured[(_DECODE, bs)]
-    stager = captured.storages[0].stager
-    screen = stager.layout.screen
-    tokens, ranges = captured.dims["tokens"], captured.ranges
+    """The whole replay, the lane's run, and each call the lane makes, as it makes them."""
+    lane = planner._lanes[(_DECODE, bs)]
+    captured, stager = lane.captured, lane.stager
     # the screen fills a scratch buffer of its own: the ring's may still be being sent
     scratch = torch.zeros_like(stager.host, pin_memory=stager.host.is_pinned())
     address = scratch.data_ptr()
-    handles = captured.run_host_ops(batch)
+    seq, pool, slot = batch.seq_lens_cpu, batch.req_pool_indices, batch.out_cache_loc
+    kinds = {torch.int32: 1, torch.int64: 2}
+    args = (seq.data_ptr(), kinds[pool.dtype], pool.data_ptr(), kinds[slot.dtype])
+    args += (slot.data_ptr(), 5, 0, batch.bs)  # positions left out: derived
+    ring, step = stager._ring, captured.steps[0]
     stats = planner.stats
-    ring = stager._ring
     return {
         "replay() whole": lambda i: planner.replay(batch, bs),
-        "door (_validate)": lambda i: planner._validate(batch, device_reads=False),
-        "token-table check": lambda i: captured.check_table(batch.req_to_token),
+        "lane run": lambda i: lane.run(batch),
         "ring buffer (event wait)": lambda i: stager.next_host(),
         # the default argument keeps the scratch buffer alive as long as the lambda
-        "screen fill + check": lambda i, _alive=scratch: screen.run(
-            address, batch, bs, tokens, ranges, read_device=False
-        ),
+        "screen C call": lambda i, _alive=scratch: lane.screen.run(address, *args),
         "copy + event record": lambda i: stager.send(ring[0][0], stager.device_buf, ring[0][2]),
-        "pointer check": lambda i: captured.check_unmoved(handles),
+        "pointer check": lambda i: step.check_unmoved({}),
         "bookkeeping": lambda i: (
-            captured.plans.mark("replay", _DECODE, batch.bs),
-            stats.record_steps(_DECODE, captured.program_steps, 1),
+            lane.plans.mark("replay", _DECODE, batch.bs),
+            stats.record_steps(_DECODE, lane.steps),
         ),
+        "general path's door (not run)": lambda i: planner._validate(batch, device_reads=False),
     }
 
 
@@ -107,9 +108,9 @@ def measure(args: argparse.Namespace, bs: int, device: torch.device) -> list[dic
     rng = random.Random(bs)
     batch = random_batch(rng, table.cpu(), max_batch=bs, max_context=args.context, bs=bs)
     batch = dataclasses.replace(batch, req_to_token=table)
-    captured = planner._captured[(_DECODE, bs)]
-    if not captured.screened or not captured.stage_screened(batch, bs):
-        raise SystemExit(f"bs {bs}: the replay does not take the screened path; nothing to split")
+    lane = planner._lanes.get((_DECODE, bs))
+    if lane is None or not lane.run(batch):
+        raise SystemExit(f"bs {bs}: the replay does not take the lane; nothing to split")
     variants = {**_pieces(planner, batch, bs), **_floors(planner, bs, device)}
     timed = time_paired(variants, warmup=args.warmup, iters=args.iters)
     if device.type == "cuda":
@@ -141,15 +142,14 @@ def main(argv: list[str] | None = None) -> int:
             for bs in args.batches
         ]
         table_rows.append([name, *cells])
-    sums = []
+    # what the lane spends outside the calls it makes: the batch's checks and reads
+    calls = ("ring buffer (event wait)", "screen C call", "copy + event record")
+    calls += ("pointer check", "bookkeeping")
+    derived = []
     for bs in args.batches:
-        parts = [
-            by[(bs, n)]["median_us"]
-            for n in names
-            if n not in ("replay() whole",) and not n.startswith("floor")
-        ]
-        sums.append(f"{sum(parts):.2f}")
-    table_rows.append(["sum of the pieces", *sums])
+        rest = by[(bs, "lane run")]["median_us"] - sum(by[(bs, n)]["median_us"] for n in calls)
+        derived.append(f"{rest:.2f}")
+    table_rows.append(["lane's own checks and reads (derived)", *derived])
     print_table(
         f"replay() pieces, median (p99) us, {'+'.join(args.backends)} decode, {device}",
         ["piece", *[f"bs {bs}" for bs in args.batches]],

@@ -1,4 +1,5 @@
-"""The replay lane: a uniform host batch's replay in one pass over its tensors.
+"""The replay lane: a uniform host batch's replay in one pass over its tensors, then its
+host ops.
 
 Why: a screened replay read every batch tensor twice, once at the door (type, dtype, rank,
 device, contiguity, length) and once more to hand the compiled screen its kinds and
@@ -80,8 +81,8 @@ class ReplayLane:
         stats: PlannerStats,
     ) -> ReplayLane | None:
         """The lane of a capture, or None where its replays cannot take one (stepped or
-        ragged modes, host ops, no compiled screen)."""
-        if mode not in LANE_MODES or not captured.screened or captured.host_steps:
+        ragged modes, no compiled screen)."""
+        if mode not in LANE_MODES or not captured.screened:
             return None
         return cls(captured, mode, next_n, device, stats)
 
@@ -136,7 +137,8 @@ class ReplayLane:
         ):
             return False
         stager.send(host, stager.device_buf, done)
-        self.captured.steps[0].check_unmoved({})
+        captured = self.captured  # host ops (FlashInfer's plan) after the copy, as in general
+        captured.steps[0].check_unmoved(captured.run_host_ops(batch)[0])
         self.plans.mark("replay", self.mode, real)
         stats = self.stats
         stats.record_steps(self.mode, self.steps)

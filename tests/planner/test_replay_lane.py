@@ -1,11 +1,13 @@
 """The replay lane changes no behaviour: a planner with lanes and one without them accept,
 refuse (same error, same field) and stage (same bytes) exactly alike, on random and hostile
 batches; the lane takes every valid host decode and verify batch, and its plans equal a
-fresh eager plan's."""
+fresh eager plan's. Setups with host ops (FlashInfer's plan, through its torch provider on
+the CPU) run them in the lane too."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from types import SimpleNamespace
 
@@ -23,7 +25,32 @@ DECODE = PlannerSetup(("nsa", "paged"), max_batch=4, max_context=256, page_size=
 VERIFY = PlannerSetup(
     ("nsa", "paged"), max_batch=4, max_context=256, page_size=64, limits={"next_n": 2}
 )
-SETUPS = {ForwardMode.DECODE: DECODE, ForwardMode.TARGET_VERIFY: VERIFY}
+FLASHINFER = PlannerSetup(
+    ("flashinfer_decode", "flashinfer_mla"),
+    max_batch=4,
+    max_context=256,
+    page_size=64,
+    options={
+        "flashinfer_decode": {"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 64},
+        "flashinfer_mla": {"num_heads": 2},
+    },
+)
+NSA_FLASHINFER = PlannerSetup(
+    ("nsa", "nsa_flashinfer"),
+    max_batch=4,
+    max_context=256,
+    page_size=64,
+    options={
+        "nsa": {"topk": 16, "mla_heads": 2, "mla_kernel": "torch"},
+        "nsa_flashinfer": {"sparse_topk": 16, "sparse_heads": 2, "sparse_sm_scale": 0.25},
+    },
+)
+CASES = {
+    "nsa+paged decode": (DECODE, ForwardMode.DECODE),
+    "nsa+paged verify": (VERIFY, ForwardMode.TARGET_VERIFY),
+    "flashinfer decode (host ops)": (FLASHINFER, ForwardMode.DECODE),
+    "nsa_flashinfer decode (host op)": (NSA_FLASHINFER, ForwardMode.DECODE),
+}
 BS = 4
 
 
@@ -41,17 +68,16 @@ class _Duck:
         return getattr(self._t, name)
 
 
-def _pair(mode: ForwardMode):
-    """A planner with lanes and one without, both captured at ``BS``."""
-    setup = SETUPS[mode]
+@functools.cache
+def _pair(case: str):
+    """A planner with lanes and one without, both captured at ``BS``; the mode."""
+    setup, mode = CASES[case]
     fast, plain = setup.planner(), setup.planner()
     for planner in (fast, plain):
         planner.capture(BS, mode, req_to_token=setup.table)
+    assert (mode, BS) in fast._lanes
     plain._lanes.clear()
-    return setup, fast, plain
-
-
-PAIRS = {mode: _pair(mode) for mode in SETUPS}
+    return setup, fast, plain, mode
 
 
 def _outcome(planner, batch, bs):
@@ -141,12 +167,9 @@ HOSTILE = {
 }
 
 
-MODES = sorted(SETUPS, key=lambda m: m.value)
-
-
-def _same(mode, batch, size) -> None:
+def _same(case, batch, size) -> None:
     """Both planners do the same with ``batch`` at ``size``; the lane's plans are eager's."""
-    _, fast, plain = PAIRS[mode]
+    _, fast, plain, _ = _pair(case)
     want, _ = _outcome(plain, batch, size)
     got, plans = _outcome(fast, batch, size)
     if isinstance(want, torch.Tensor):
@@ -159,37 +182,37 @@ def _same(mode, batch, size) -> None:
 
 
 @pytest.mark.parametrize("hostile", sorted(HOSTILE))
-@pytest.mark.parametrize("mode", MODES)
-def test_a_planner_with_lanes_behaves_as_one_without(mode, hostile):
+@pytest.mark.parametrize("case", CASES)
+def test_a_planner_with_lanes_behaves_as_one_without(case, hostile):
     """Every hostile change, at every batch size, with positions given and left out."""
-    setup, fast, _ = PAIRS[mode]
+    setup, fast, _, mode = _pair(case)
     n = fast.tokens_per_request(mode)
     for bs in range(1, BS + 1):
         for seed, positions in enumerate((True, False)):
             rng = random.Random(1000 * bs + seed)
             batch = setup.batch(rng, bs=bs, next_n=n, mode=mode, positions=positions)
-            _same(mode, HOSTILE[hostile](batch, setup.table), BS)
+            _same(case, HOSTILE[hostile](batch, setup.table), BS)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    mode=st.sampled_from(MODES),
+    case=st.sampled_from(sorted(CASES)),
     seed=st.integers(0, 10**6),
     bs=st.integers(1, BS),
     positions=st.booleans(),
     size=st.sampled_from([BS, True, float(BS), np.int64(BS), BS - 1, 0, -1]),
 )
-def test_the_size_argument_is_checked_alike(mode, seed, bs, positions, size):
+def test_the_size_argument_is_checked_alike(case, seed, bs, positions, size):
     """A bool, a float, a numpy int, a size too small for the batch, out of range."""
-    setup, fast, _ = PAIRS[mode]
+    setup, fast, _, mode = _pair(case)
     n = fast.tokens_per_request(mode)
     batch = setup.batch(random.Random(seed), bs=bs, next_n=n, mode=mode, positions=positions)
-    _same(mode, batch, size)
+    _same(case, batch, size)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_the_lane_takes_every_valid_host_batch_and_sends_nothing_when_it_declines(mode):
-    setup, fast, _ = PAIRS[mode]
+@pytest.mark.parametrize("case", CASES)
+def test_the_lane_takes_every_valid_host_batch_and_sends_nothing_when_it_declines(case):
+    setup, fast, _, mode = _pair(case)
     lane = fast._lanes[(mode, BS)]
     stager = lane.stager
     n = fast.tokens_per_request(mode)
@@ -221,7 +244,7 @@ def test_lanes_are_made_for_screened_uniform_captures_only():
 
 def test_debug_mode_replays_through_the_general_path(monkeypatch):
     """Debug replays read device-resident inputs and the table: never the lane."""
-    setup, fast, _ = PAIRS[ForwardMode.DECODE]
+    setup, fast, _, _ = _pair("nsa+paged decode")
     lane = fast._lanes[(ForwardMode.DECODE, BS)]
     calls = []
     monkeypatch.setattr(type(lane), "run", lambda self, b: calls.append(b) or False)
