@@ -8,6 +8,10 @@ interleaved call by call with the whole replay and the floors (``time_paired``: 
 drift falls on all alike), and the table shows what the lane spends outside the calls it
 makes, and how far each call is from its floor.
 
+The FlashInfer replays (``--flashinfer``) are split the same way: the host op through the
+planner, the slot's plan, the host arrays' fill, the summary copy and the scheduler call,
+beside the bare FlashInfer ``plan()`` of the same arrays.
+
 The pieces (paged + nsa, decode, one captured size per batch size): the replay lane's
 whole run, and each call it makes: the next ring buffer (its event wait), the compiled
 screen's fill and check, the staging copy with its event record, the pointer identity
@@ -92,7 +96,38 @@ def _floors(planner: Planner, bs: int, device: torch.device) -> dict[str, Callab
     return floors
 
 
-def measure(args: argparse.Namespace, bs: int, device: torch.device) -> list[dict[str, Any]]:
+def _flashinfer_pieces(planner: Planner, batch, bs: int, backend: str) -> dict[str, Callable]:
+    """A FlashInfer replay: the whole, its host op, and the host op's own calls; the bare
+    ``plan()`` of the same arrays (what engines call) as the floor."""
+    lane = planner._lanes[(_DECODE, bs)]
+    captured = lane.captured
+    plan = planner.replay(batch, bs)[backend]
+    # the host op's output (its summary) and the slot its handle names
+    (step,) = [step for step in captured.host_steps if step.backend == backend]
+    slot, out = plan.wrapper.slot, captured.steps[0].tensors[step.output]
+    seq, c = batch.seq_lens_cpu, slot.config
+    pieces: dict[str, Callable[[int], Any]] = {
+        "replay() whole": lambda i: planner.replay(batch, bs),
+        "lane run": lambda i: lane.run(batch),
+        "host op through the planner (run_host_ops)": lambda i: captured.run_host_ops(batch),
+        "the slot's plan (fill, scheduler, summary copy, events)": lambda i: slot.plan(
+            seq, slot.args.capacity, plan.kv_indices, out
+        ),
+        "host arrays fill (C)": lambda i: slot.args.fill(seq, bs, c.page_size, c.next_n),
+        "summary copy_": lambda i: out.copy_(slot.args.summary, non_blocking=True),
+    }
+    if slot.direct is not None:
+        pieces["scheduler call alone"] = lambda i: slot.direct(slot.args)
+    if slot.wrapper is not None:
+        pieces["floor: bare FlashInfer plan()"] = lambda i: slot._plan_wrapper(plan.kv_indices)
+    return pieces
+
+
+def measure(
+    args: argparse.Namespace, bs: int, device: torch.device, backend: str | None = None
+) -> list[dict[str, Any]]:
+    """The rows of one batch size: the paged + nsa lane (``backend`` None) or a FlashInfer
+    backend's replay."""
     table = make_pool(bs + 1, args.context, 64).to(device)
     limits = Limits(
         max_batch=bs,
@@ -101,7 +136,8 @@ def measure(args: argparse.Namespace, bs: int, device: torch.device) -> list[dic
         kv_slots=int(table.max()) + 1,
         device=str(device),
     )
-    planner = Planner(args.backends, limits, options={"nsa": {"topk": 2048}})
+    backends = args.backends if backend is None else [backend]
+    planner = Planner(backends, limits, options={"nsa": {"topk": 2048}} if backend is None else {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         planner.capture(bs, req_to_token=table)
@@ -111,17 +147,57 @@ def measure(args: argparse.Namespace, bs: int, device: torch.device) -> list[dic
     lane = planner._lanes.get((_DECODE, bs))
     if lane is None or not lane.run(batch):
         raise SystemExit(f"bs {bs}: the replay does not take the lane; nothing to split")
-    variants = {**_pieces(planner, batch, bs), **_floors(planner, bs, device)}
-    timed = time_paired(variants, warmup=args.warmup, iters=args.iters)
+    if backend is None:
+        variants = {**_pieces(planner, batch, bs), **_floors(planner, bs, device)}
+    else:
+        variants = _flashinfer_pieces(planner, batch, bs, backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        timed = time_paired(variants, warmup=args.warmup, iters=args.iters)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return [{"bs": bs, "piece": name, **stats} for name, stats in timed.items()]
+    group = backend or "+".join(args.backends)
+    return [{"group": group, "bs": bs, "piece": name, **stats} for name, stats in timed.items()]
+
+
+def _print_group(rows: list[dict[str, Any]], group: str, batches: list[int], device) -> None:
+    by = {(r["bs"], r["piece"]): r for r in rows if r["group"] == group}
+    names = list(dict.fromkeys(r["piece"] for r in rows if r["group"] == group))
+    table_rows = []
+    for name in names:
+        cells = [
+            f"{by[(bs, name)]['median_us']:.2f} ({by[(bs, name)]['p99_us']:.1f})"
+            if (bs, name) in by
+            else "-"
+            for bs in batches
+        ]
+        table_rows.append([name, *cells])
+    calls = ("ring buffer (event wait)", "screen C call", "copy + event record")
+    calls += ("pointer check", "bookkeeping")
+    if all((bs, n) in by for bs in batches for n in calls):
+        # what the lane spends outside the calls it makes: the batch's checks and reads
+        derived = []
+        for bs in batches:
+            lane = by[(bs, "lane run")]["median_us"]
+            derived.append(f"{lane - sum(by[(bs, n)]['median_us'] for n in calls):.2f}")
+        table_rows.append(["lane's own checks and reads (derived)", *derived])
+    print_table(
+        f"replay() pieces, median (p99) us, {group} decode, {device}",
+        ["piece", *[f"bs {bs}" for bs in batches]],
+        table_rows,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--backends", nargs="+", default=["paged", "nsa"])
+    p.add_argument(
+        "--flashinfer",
+        nargs="*",
+        default=["flashinfer_decode", "flashinfer_mla"],
+        help="FlashInfer backends whose replays are split too (none: leave them out)",
+    )
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--warmup", type=int, default=200)
@@ -133,34 +209,19 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     rows = [row for bs in args.batches for row in measure(args, bs, device)]
-    names = list(dict.fromkeys(r["piece"] for r in rows))
-    by = {(r["bs"], r["piece"]): r for r in rows}
-    table_rows = []
-    for name in names:
-        cells = [
-            f"{by[(bs, name)]['median_us']:.2f} ({by[(bs, name)]['p99_us']:.1f})"
-            for bs in args.batches
-        ]
-        table_rows.append([name, *cells])
-    # what the lane spends outside the calls it makes: the batch's checks and reads
-    calls = ("ring buffer (event wait)", "screen C call", "copy + event record")
-    calls += ("pointer check", "bookkeeping")
-    derived = []
-    for bs in args.batches:
-        rest = by[(bs, "lane run")]["median_us"] - sum(by[(bs, n)]["median_us"] for n in calls)
-        derived.append(f"{rest:.2f}")
-    table_rows.append(["lane's own checks and reads (derived)", *derived])
-    print_table(
-        f"replay() pieces, median (p99) us, {'+'.join(args.backends)} decode, {device}",
-        ["piece", *[f"bs {bs}" for bs in args.batches]],
-        table_rows,
-    )
+    for backend in args.flashinfer:
+        rows += [row for bs in args.batches for row in measure(args, bs, device, backend)]
+    for group in dict.fromkeys(r["group"] for r in rows):
+        _print_group(rows, group, args.batches, device)
     write_json(args.out, {"machine": machine(), "config": vars(args), "rows": rows})
+    first = [r for r in rows if r["group"] == rows[0]["group"]]
+    names = list(dict.fromkeys(r["piece"] for r in first))
+    by = {(r["bs"], r["piece"]): r["median_us"] for r in first}
     plot_bars(
         args.plot,
-        "replay() pieces (median us)",
+        f"replay() pieces, {rows[0]['group']} (median us)",
         names,
-        {f"bs {bs}": [by[(bs, n)]["median_us"] for n in names] for bs in args.batches},
+        {f"bs {bs}": [by[(bs, n)] for n in names] for bs in args.batches},
         "us",
     )
     return 0

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from planner.batch import BATCH, ForwardBatch, ForwardMode
+from planner.batch import BATCH, BATCH_TABLES, ForwardBatch, ForwardMode
 from planner.errors import ReplayError
+from planner.fallback import ProviderChain
 from planner.materialise import Handles, StaticStorage, Tensors, run_steps
 from planner.plan_build import build_plans
 from planner.planset import PlanSet
@@ -73,6 +74,46 @@ class CapturedPlans:
                 )
 
 
+@dataclass(frozen=True)
+class HostCall:
+    """A host step of a capture, prepared once: what ``Step.run`` works out on every call
+    (its key, its parameters with ``static``, its static tensors) resolved at capture, so a
+    replay only puts the batch's own tensors in their places and calls the provider chain
+    (which still falls back as it does for any call). Static tensors are the capture's and
+    cannot move unseen: the replay's pointer check covers every plan tensor."""
+
+    output: tuple[str, str]
+    chain: ProviderChain
+    key: str
+    out: torch.Tensor
+    template: tuple
+    from_batch: tuple[tuple[int, str], ...]
+    params: Mapping
+
+    @classmethod
+    def of(cls, step: Step, tensors: Tensors) -> HostCall:
+        template, from_batch = [], []
+        for i, (who, name) in enumerate(step.input_keys):
+            if who == BATCH:
+                from_batch.append((i, name))
+                template.append(None)
+            else:
+                template.append(tensors[(who, name)])
+        graph_safe = step.chain.current.graph_safe  # a fallback keeps it: so does this
+        params = step.params if graph_safe else {**step.params, "static": True}
+        out = tensors[step.output]
+        return cls(
+            step.output, step.chain, step.key, out, tuple(template), tuple(from_batch), params
+        )
+
+    def run(self, batch: ForwardBatch):
+        """The step over ``batch``: what ``Step.run`` returns (a host op's handle, or None)."""
+        args = list(self.template)
+        for i, name in self.from_batch:
+            args[i] = getattr(batch, name) if name in BATCH_TABLES else batch.host_input(name)
+        return self.chain.call(self.key, self.out, args, self.params)
+
+
 NO_HANDLES = ({},)
 """What a replay with no host ops hands :meth:`CapturedBatch.check_unmoved`: one step,
 no handles."""
@@ -96,6 +137,8 @@ class CapturedBatch:
     screened: bool = False
     """One step and a compiled screen: the replay's staging hot path applies (host ops, if
     any, then run over the captured tensors)."""
+    host_calls: tuple[HostCall, ...] = ()
+    """The host steps of a one-step capture as prepared calls (see :class:`HostCall`)."""
 
     @property
     def table_ptr(self) -> int:
@@ -133,6 +176,9 @@ class CapturedBatch:
             )
         )
         self.screened = len(storages) == 1 and storages[0].stager.layout.screen is not None
+        if len(self.steps) == 1:
+            tensors = self.steps[0].tensors
+            self.host_calls = tuple(HostCall.of(step, tensors) for step in self.host_steps)
 
     def stage_screened(self, batch: ForwardBatch, bs: int) -> bool:
         """The replay hot path of a :attr:`screened` capture: the compiled screen stages the
@@ -146,6 +192,13 @@ class CapturedBatch:
         general path runs after staging), and the handles they returned."""
         if not self.host_steps:
             return NO_HANDLES
+        if self.host_calls:
+            handles = {}
+            for call in self.host_calls:
+                handle = call.run(batch)
+                if handle is not None:
+                    handles[call.output] = handle
+            return [handles]
         tensors = self.steps[0].tensors
         return [run_steps(self.host_steps, tensors, batch, True, inputs=self.host_inputs)]
 

@@ -22,6 +22,7 @@ from planner import native
 from planner.errors import ProviderError
 
 _SOURCE = Path(__file__).resolve().with_suffix(".c")
+_INT32 = torch.int32
 _ARGS = struct.Struct("=10q")
 """The C fill's packed arguments (``A_*`` in the source)."""
 
@@ -87,9 +88,9 @@ class HostArgs:
         fn = self._fn
         if (
             fn is not None
-            and seq_lens_cpu.dtype == torch.int32
+            and seq_lens_cpu.dtype is _INT32
             and seq_lens_cpu.is_contiguous()
-            and seq_lens_cpu.device.type == "cpu"
+            and seq_lens_cpu.is_cpu
         ):
             src = seq_lens_cpu.data_ptr()
             _ARGS.pack_into(self._packed, 0, src, real, reqs, page_size, next_n, *self._outs)

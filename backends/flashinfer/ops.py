@@ -100,25 +100,19 @@ def _new_config(kind: str, params: dict[str, Any]) -> wrappers.WrapperConfig:
 
 
 def _plan(
-    use_flashinfer: bool,
-    out: torch.Tensor,
-    seq_lens_cpu: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_tail: torch.Tensor,
-    *,
-    kind: str,
-    static: bool,
-    **params: Any,
+    use_flashinfer: bool, out: torch.Tensor, inputs: tuple, params: dict[str, Any]
 ) -> wrappers.WrapperHandle:
-    config = wrapper_config(kind, params)
+    """``inputs``: ``seq_lens_cpu, qo_indptr, kv_indptr, kv_indices, kv_tail``; ``params``
+    the op's (a fresh dict per call, which this consumes: the providers hand theirs on
+    instead of unpacking it into keywords again, a replay's cost)."""
+    kind, static = params.pop("kind"), params.pop("static")
+    seq_lens_cpu, *bound = inputs
     return wrappers.POOL.plan(
-        config,
+        wrapper_config(kind, params),
         static=static,
         use_flashinfer=use_flashinfer,
         seq_lens_cpu=seq_lens_cpu,
-        bound=(qo_indptr, kv_indptr, kv_indices, kv_tail),
+        bound=tuple(bound),
         out=out,
     )
 
@@ -128,7 +122,7 @@ def _plan_bookkeeping(
     out: torch.Tensor, *inputs: torch.Tensor, **params: Any
 ) -> wrappers.WrapperHandle:
     """No FlashInfer: record the host plan arguments and the summary; the reference reads the plan."""
-    return _plan(False, out, *inputs, **params)
+    return _plan(False, out, inputs, params)
 
 
 def flashinfer_usable(device: torch.device) -> bool:
@@ -142,4 +136,4 @@ def _plan_flashinfer(
     out: torch.Tensor, *inputs: torch.Tensor, **params: Any
 ) -> wrappers.WrapperHandle:
     """Plan the slot's FlashInfer wrapper (graph wrapper for static views, else the eager one)."""
-    return _plan(True, out, *inputs, **params)
+    return _plan(True, out, inputs, params)

@@ -57,14 +57,12 @@ def _new_config(params: dict[str, Any]) -> SparseConfig:
 
 
 def _plan(
-    use_flashinfer: bool,
-    out: torch.Tensor,
-    seq_lens_cpu: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    *,
-    static: bool,
-    **params: Any,
+    use_flashinfer: bool, out: torch.Tensor, inputs: tuple, params: dict[str, Any]
 ) -> SparseHandle:
+    """``inputs``: ``seq_lens_cpu, kv_indptr``; ``params`` the op's (a fresh dict per call,
+    which this consumes: handed on, not unpacked into keywords again)."""
+    static = params.pop("static")
+    seq_lens_cpu, kv_indptr = inputs
     return SPARSE_POOL.plan(
         sparse_config(params),
         static=static,
@@ -78,7 +76,7 @@ def _plan(
 @nsa_flashinfer_plan.provider("torch", graph_safe=False)
 def _plan_bookkeeping(out: torch.Tensor, *inputs: torch.Tensor, **params: Any) -> SparseHandle:
     """No FlashInfer: the slot, its index buffer and the summary; layers run the reference."""
-    return _plan(False, out, *inputs, **params)
+    return _plan(False, out, inputs, params)
 
 
 # Looked up at call time (through FlashInfer's backend), so tests can stand a fake in on the CPU.
@@ -87,4 +85,4 @@ def _plan_bookkeeping(out: torch.Tensor, *inputs: torch.Tensor, **params: Any) -
 )
 def _plan_flashinfer(out: torch.Tensor, *inputs: torch.Tensor, **params: Any) -> SparseHandle:
     """Plan the slot's FlashInfer wrapper (graph wrapper for static views, else the eager one)."""
-    return _plan(True, out, *inputs, **params)
+    return _plan(True, out, inputs, params)

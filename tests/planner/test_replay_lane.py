@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner import ForwardMode, PlanError
+from planner.materialise import run_steps
 from planner.replay_lane import ReplayLane
 from tests.support.planners import PlannerSetup
 
@@ -254,3 +255,42 @@ def test_debug_mode_replays_through_the_general_path(monkeypatch):
     fast.record(BS)
     fast.verify(batch, plans)
     assert calls == []
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "host op" in c])
+def test_prepared_host_calls_do_what_run_steps_does(case):
+    """A capture's host steps as prepared calls (``HostCall``) against ``run_steps`` over the
+    same tensors: the same handles, the same outputs, batch after batch."""
+    setup, fast, _, mode = _pair(case)
+    captured = fast._captured[(mode, BS)]
+    assert len(captured.host_calls) == len(captured.host_steps) > 0
+    step = captured.steps[0]
+    for seed in range(10):
+        batch = setup.batch(random.Random(seed), positions=seed % 2 == 0)
+        (prepared,) = captured.run_host_ops(batch)
+        outs = [step.tensors[call.output].clone() for call in captured.host_calls]
+        general = run_steps(captured.host_steps, step.tensors, batch, True)
+        assert prepared.keys() == general.keys()
+        assert all(prepared[k] is general[k] for k in general)
+        for call, out in zip(captured.host_calls, outs):
+            assert torch.equal(step.tensors[call.output], out)
+
+
+def test_a_prepared_host_call_falls_back_as_a_step_does(monkeypatch):
+    """A host op's provider that fails at replay is retired, once, and the next one runs:
+    the prepared call goes through the same provider chain."""
+    setup, _, _, mode = _pair("nsa_flashinfer decode (host op)")
+    planner = setup.planner()
+    planner.capture(BS, mode, req_to_token=setup.table)
+    (call,) = planner._captured[(mode, BS)].host_calls
+    chain = call.chain
+    failing = dataclasses.replace(chain.current, name="flaky", fn=_raise)
+    monkeypatch.setattr(chain, "current", failing)
+    monkeypatch.setattr(chain.op, "providers", {**chain.op.providers, "flaky": failing})
+    with pytest.warns(RuntimeWarning, match="flaky"):
+        call.run(setup.batch(random.Random(0)))
+    assert chain.current.name != "flaky" and "flaky" in chain.retired
+
+
+def _raise(*args, **kwargs):
+    raise RuntimeError("a provider that fails on its first call")
