@@ -8,13 +8,13 @@ they returned at capture (always on: a pointer loop, microseconds).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from planner.batch import BATCH, BATCH_TABLES, ForwardBatch, ForwardMode
-from planner.errors import ReplayError
+from planner.errors import PlanError, ReplayError
 from planner.fallback import ProviderChain
 from planner.materialise import Handles, StaticStorage, Tensors, run_steps
 from planner.plan_build import build_plans
@@ -80,7 +80,14 @@ class HostCall:
     (its key, its parameters with ``static``, its static tensors) resolved at capture, so a
     replay only puts the batch's own tensors in their places and calls the provider chain
     (which still falls back as it does for any call). Static tensors are the capture's and
-    cannot move unseen: the replay's pointer check covers every plan tensor."""
+    cannot move unseen: the replay's pointer check covers every plan tensor.
+
+    A handle may also offer its own replay: ``handle.replay_call(out, template,
+    from_batch)`` returns a function of the call's arguments that does what its provider
+    does for a replay over these same static tensors, without the provider's look-ups
+    (FlashInfer's slots: the wrapper's configuration, its pool), or None. It is used only
+    while the step's provider is still the one that made the handle; a failure in it goes
+    to the chain, which retries and falls back as for any call."""
 
     output: tuple[str, str]
     chain: ProviderChain
@@ -89,9 +96,11 @@ class HostCall:
     template: tuple
     from_batch: tuple[tuple[int, str], ...]
     params: Mapping
+    provider: object = None
+    fast: Callable[[list], object] | None = None
 
     @classmethod
-    def of(cls, step: Step, tensors: Tensors) -> HostCall:
+    def of(cls, step: Step, tensors: Tensors, handle: object = None) -> HostCall:
         template, from_batch = [], []
         for i, (who, name) in enumerate(step.input_keys):
             if who == BATCH:
@@ -101,9 +110,19 @@ class HostCall:
                 template.append(tensors[(who, name)])
         graph_safe = step.chain.current.graph_safe  # a fallback keeps it: so does this
         params = step.params if graph_safe else {**step.params, "static": True}
-        out = tensors[step.output]
+        out, template, from_batch = tensors[step.output], tuple(template), tuple(from_batch)
+        make = getattr(handle, "replay_call", None)
+        fast = make(out, template, from_batch) if make is not None else None
         return cls(
-            step.output, step.chain, step.key, out, tuple(template), tuple(from_batch), params
+            step.output,
+            step.chain,
+            step.key,
+            out,
+            template,
+            from_batch,
+            params,
+            step.chain.current,
+            fast,
         )
 
     def run(self, batch: ForwardBatch):
@@ -111,6 +130,14 @@ class HostCall:
         args = list(self.template)
         for i, name in self.from_batch:
             args[i] = getattr(batch, name) if name in BATCH_TABLES else batch.host_input(name)
+        fast = self.fast
+        if fast is not None and self.chain.current is self.provider:
+            try:
+                return fast(args)
+            except PlanError:
+                raise
+            except Exception:  # noqa: BLE001  (the chain retries, retires, says so)
+                pass
         return self.chain.call(self.key, self.out, args, self.params)
 
 
@@ -178,7 +205,10 @@ class CapturedBatch:
         self.screened = len(storages) == 1 and storages[0].stager.layout.screen is not None
         if len(self.steps) == 1:
             tensors = self.steps[0].tensors
-            self.host_calls = tuple(HostCall.of(step, tensors) for step in self.host_steps)
+            handles = self.steps[0].handles
+            self.host_calls = tuple(
+                HostCall.of(step, tensors, handles.get(step.output)) for step in self.host_steps
+            )
 
     def stage_screened(self, batch: ForwardBatch, bs: int) -> bool:
         """The replay hot path of a :attr:`screened` capture: the compiled screen stages the

@@ -247,6 +247,27 @@ class WrapperHandle:
     def current(self) -> bool:
         return self.generation is None or self.generation == self.slot.plans
 
+    def replay_call(self, out: torch.Tensor, template: tuple, from_batch: tuple) -> Any:
+        """A replay's ``flashinfer_plan`` over this graph slot's own tensors (see
+        ``planner.captured.HostCall``), the slot found once here; None for an eager handle
+        or tensors, inputs or an output that are not the slot's."""
+        slot, bound = self.slot, self.slot.bound
+        if (
+            self.generation is not None
+            or bound is None
+            or from_batch != ((0, "seq_lens_cpu"),)
+            or len(template) != 1 + len(bound)
+            or any(a is not b for a, b in zip(template[1:], bound))
+            or POOL.replayed_slot(out) is not slot
+        ):
+            return None
+
+        def replan(args: list) -> WrapperHandle:
+            slot.plan(args[0], slot.args.capacity, bound[2], out)
+            return self
+
+        return replan
+
 
 class WrapperPool:
     """Every slot of the process: graph slots keyed by the static tensors they are bound to
@@ -310,6 +331,11 @@ class WrapperPool:
 
     def slots(self) -> list[PlanSlot]:
         return list(self._slots.values())
+
+    def replayed_slot(self, out: torch.Tensor) -> PlanSlot | None:
+        """The graph slot whose summary is ``out`` (the very tensor), if any."""
+        known = self._replayed.get(id(out))
+        return known[1] if known is not None and known[0] is out else None
 
     def release(self) -> None:
         """Drop every wrapper, workspace and reference to planner buffers (e.g. between tests)."""

@@ -25,6 +25,7 @@ CPU reference (and ``inspect``) read exactly what FlashInfer was planned with.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,6 +181,30 @@ class SparseHandle:
     def current(self) -> bool:
         return self.generation is None or self.generation == self.slot.plans
 
+    def replay_call(
+        self, out: torch.Tensor, template: tuple, from_batch: tuple
+    ) -> Callable[[list], SparseHandle] | None:
+        """A replay's ``nsa_flashinfer_plan`` over this graph slot's own output (see
+        ``planner.captured.HostCall``): what the pool's path does, the slot found once here
+        instead of hashing its configuration on every call. None for an eager handle, or an
+        output or inputs that are not the slot's."""
+        slot = self.slot
+        if (
+            self.generation is not None
+            or not slot.static
+            or from_batch != ((0, "seq_lens_cpu"),)
+            or len(template) != 2
+            or SPARSE_POOL.graph_slot(out) is not slot
+        ):
+            return None
+        rows = template[1].shape[0] - 1  # kv_indptr: one offset per row, and the end
+
+        def replan(args: list) -> SparseHandle:
+            slot.plan(args[0], rows, out)
+            return self
+
+        return replan
+
 
 class SparsePool:
     """Graph slots keyed by the static plan buffer they serve (one per captured size and
@@ -187,6 +212,8 @@ class SparsePool:
 
     def __init__(self) -> None:
         self._slots: dict[tuple, SparseSlot] = {}
+        self._graph: dict[int, tuple[torch.Tensor, SparseSlot]] = {}
+        """Graph slots by their output tensor's id, checked by identity."""
 
     def plan(
         self,
@@ -210,12 +237,19 @@ class SparsePool:
         slot.plan(seq_lens_cpu, rows, out)
         if not static:
             return SparseHandle(slot, slot.plans)
+        self._graph[id(out)] = (out, slot)
         if slot.handle is None:
             slot.handle = SparseHandle(slot, None)
         return slot.handle
 
+    def graph_slot(self, out: torch.Tensor) -> SparseSlot | None:
+        """The graph slot that last planned into ``out`` (the very tensor), if any."""
+        known = self._graph.get(id(out))
+        return known[1] if known is not None and known[0] is out else None
+
     def release(self) -> None:
         self._slots.clear()
+        self._graph.clear()
 
 
 SPARSE_POOL = SparsePool()
