@@ -63,7 +63,7 @@ def _pieces(planner: Planner, batch, bs: int) -> dict[str, Callable[[int], Any]]
         "ring buffer (event wait)": lambda i: stager.next_host(),
         # the default argument keeps the scratch buffer alive as long as the lambda
         "screen C call": lambda i, _alive=scratch: lane.screen.run(address, *args),
-        "copy + event record": lambda i: stager.send(ring[0][0], stager.device_buf, ring[0][2]),
+        "copy + ring events": lambda i: stager.send(ring[0][0], stager.device_buf, ring[0][2]),
         "pointer check": lambda i: step.check_unmoved({}),
         "bookkeeping": lambda i: (
             lane.plans.mark("replay", _DECODE, batch.bs),
@@ -172,7 +172,7 @@ def _print_group(rows: list[dict[str, Any]], group: str, batches: list[int], dev
             for bs in batches
         ]
         table_rows.append([name, *cells])
-    calls = ("ring buffer (event wait)", "screen C call", "copy + event record")
+    calls = ("ring buffer (event wait)", "screen C call", "copy + ring events")
     calls += ("pointer check", "bookkeeping")
     if all((bs, n) in by for bs in batches for n in calls):
         # what the lane spends outside the calls it makes: the batch's checks and reads

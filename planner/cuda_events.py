@@ -18,13 +18,18 @@ _KEPT = 64
 _GET = getattr(torch._C, "_cuda_getCurrentStream", None)
 
 
-def record_on_current_stream(event: torch.cuda.Event, device_index: int) -> None:
-    """``event.record()`` on device ``device_index``'s current stream."""
-    if _GET is None:  # a torch without the raw query: the public path
-        with torch.cuda.device(device_index):
-            event.record()
+def current_stream_ids(device_index: int) -> tuple[int, int, int] | None:
+    """The current stream of device ``device_index`` as its raw ids (None on a torch
+    without the raw query): cheap to compare, a key for :func:`record_on_stream`."""
+    return None if _GET is None else _GET(device_index)
+
+
+def record_on_stream(event: torch.cuda.Event, ids: tuple[int, int, int] | None) -> None:
+    """``event.record(stream)`` on the stream :func:`current_stream_ids` named (None: the
+    current stream, through the public path)."""
+    if ids is None:
+        event.record()
         return
-    ids = _GET(device_index)
     stream = _STREAMS.get(ids)
     if stream is None:
         if len(_STREAMS) >= _KEPT:
@@ -33,3 +38,12 @@ def record_on_current_stream(event: torch.cuda.Event, device_index: int) -> None
             stream_id=ids[0], device_index=ids[1], device_type=ids[2]
         )
     event.record(stream)
+
+
+def record_on_current_stream(event: torch.cuda.Event, device_index: int) -> None:
+    """``event.record()`` on device ``device_index``'s current stream."""
+    if _GET is None:  # a torch without the raw query: the public path
+        with torch.cuda.device(device_index):
+            event.record()
+        return
+    record_on_stream(event, _GET(device_index))

@@ -17,15 +17,17 @@ import numpy as np
 import torch
 
 from planner.batch import ForwardBatch
-from planner.cuda_events import record_on_current_stream
 from planner.errors import BatchError
+from planner.ring_events import GROUP, RingEvents
 from planner.staging import Ranges, Segment, StagingLayout, real_counts
 
 _CUTS_KEPT = 64
 """Sizes whose cuts a fresh stager keeps per pinned buffer (ragged batches vary in size)."""
-RING = 4
-"""Pinned host buffers a static stager cycles through: a step fills one while the copies
-of the last few may still be queued behind their graphs, so it never waits for them."""
+RING = 5 + GROUP - 1
+"""Pinned host buffers a stager cycles through: a step fills one while the copies of the
+last few may still be queued behind their graphs, so it never waits for them. With one
+event per ``GROUP`` copies (``planner.ring_events``), a fill waits at most on the copy
+five steps back."""
 
 
 class Stager:
@@ -51,8 +53,11 @@ class Stager:
         self.device_buf: torch.Tensor | None = None
         self._size = max(layout.size, 1)
         self._pinned = device.type == "cuda"
-        self._cuda_index: int | None = None  # the device buffers' (resolved at the first copy)
-        self._ring: list[tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]] = []
+        self._events: RingEvents | None = None
+        if self._pinned:  # one event per few copies, on the device the buffers are sent to
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self._events = RingEvents(RING, index)
+        self._ring: list[tuple[torch.Tensor, np.ndarray, RingEvents | None]] = []
         self._cuts: dict[int, tuple[torch.Tensor, dict]] = {}
         if static or self._pinned:
             for _ in range(RING if self._pinned else 1):
@@ -66,14 +71,14 @@ class Stager:
         one) and ``extra`` after them (a fresh plan's host-pass outputs)."""
         return self._size + extra
 
-    def _host_buffer(self, size: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
+    def _host_buffer(self, size: int) -> tuple[torch.Tensor, np.ndarray, RingEvents | None]:
         host = torch.zeros(size, dtype=torch.int32, pin_memory=self._pinned)
         # numpy views made once: .numpy() costs a microsecond and more a call
-        return host, host.numpy(), torch.cuda.Event() if self._pinned else None
+        return host, host.numpy(), self._events
 
     def next_host(
         self, size: int | None = None
-    ) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
+    ) -> tuple[torch.Tensor, np.ndarray, RingEvents | None]:
         """The next pinned buffer of the ring (``size``: the layout's by default), once the
         copy out of it (``RING`` calls ago) is done; grown when a fresh plan's host pass
         needs more room. Fill it, then :meth:`send` it."""
@@ -81,13 +86,13 @@ class Stager:
             size = self._size
         slot = self.copies % len(self._ring)
         host, view, done = self._ring[slot]
-        if done is not None and self.copies >= len(self._ring):
-            done.synchronize()  # queued behind a few steps' GPU work at most: long finished
+        if done is not None:  # queued behind a few steps' GPU work at most: long finished
+            done.before_fill(self.copies)
         if host.shape[0] < size:
             host, view, done = self._ring[slot] = self._host_buffer(max(size, 2 * host.shape[0]))
         return host, view, done
 
-    def _next_cut(self, size: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
+    def _next_cut(self, size: int) -> tuple[torch.Tensor, np.ndarray, RingEvents | None]:
         """:meth:`next_host` cut to ``size`` (a fresh plan's), the cuts kept per buffer: a
         tensor slice costs a few microseconds on a GPU host, and sizes repeat."""
         host, view, done = self.next_host(size)
@@ -217,7 +222,7 @@ class Stager:
             _copy_on_device(self.device_buf, on_device, real_counts(batch))
         return self.device_buf
 
-    def send(self, host: torch.Tensor, dev: torch.Tensor, done: torch.cuda.Event | None) -> None:
+    def send(self, host: torch.Tensor, dev: torch.Tensor, done: RingEvents | None) -> None:
         """The one host-to-device copy (asynchronous from a pinned buffer, whose event says
         when it may be refilled); on the CPU a copy only where the buffers differ."""
         if done is None:
@@ -225,10 +230,7 @@ class Stager:
                 dev.copy_(host)
         else:
             dev.copy_(host, non_blocking=True)
-            index = self._cuda_index
-            if index is None:
-                index = self._cuda_index = dev.device.index
-            record_on_current_stream(done, index)
+            done.after_copy(self.copies)
         self.copies += 1
 
 

@@ -42,3 +42,31 @@ def test_a_stream_object_is_made_once_per_stream():
         record_on_current_stream(event, index)
     assert len(cuda_events._STREAMS) == before
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("switch_streams", [False, True])
+def test_the_staging_ring_never_refills_a_buffer_its_copy_has_not_read(switch_streams):
+    """The GPU held up behind a sleep while the host sends three rounds of the ring: every
+    copy must deliver the value its buffer held when it was sent (one event per few copies,
+    closed early when the stream changes)."""
+    from planner.stager import RING, Stager
+    from planner.staging import StagingLayout
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    layout = StagingLayout([], 4, 4)
+    stager = Stager(layout, device, static=False)
+    side = torch.cuda.Stream()
+    sent = []
+    torch.cuda._sleep(200_000_000)  # the copies queue up behind ~0.1 s of GPU time
+    for i in range(3 * RING):
+        host, view, done = stager.next_host(16)
+        view[:16] = i
+        dev = torch.empty(16, dtype=torch.int32, device=device)
+        stream = side if switch_streams and i % 3 == 0 else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            stager.send(host[:16], dev, done)
+        sent.append(dev)
+    torch.cuda.synchronize()
+    assert [int(d[0]) for d in sent] == list(range(3 * RING))
+    assert all(bool((d == d[0]).all()) for d in sent)
+    assert stager._events.recorded < 3 * RING  # fewer events than copies
