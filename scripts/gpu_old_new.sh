@@ -65,9 +65,9 @@ po() {
     run_in "$NEW" po_new python3 -m benchmarks.planner_overhead --runs 1 --iters 300 \
         --out "$R/po_new.json" --plot "$R/planner_overhead.png"
 }
-decode() {
+decode() {  # DECODE_ROUNDS rounds (default 1) of old, new, new, old
     local tree
-    for tree in old new new old; do
+    for tree in $(for _ in $(seq "${DECODE_ROUNDS:-1}"); do echo old new new old; done); do
         local dir=$([[ $tree == old ]] && echo "$OLD" || echo "$NEW")
         local n=1
         while [[ -e "$R/small_${tree}_$n.json" ]]; do n=$((n + 1)); done
