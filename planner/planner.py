@@ -290,7 +290,7 @@ class Planner:
         captured.keep(storages, dims, ranges, program.steps)
         self._captured[(mode, bs)] = captured
         n = self.tokens_per_request(mode)
-        if lane := ReplayLane.for_capture(captured, mode, n, self.device, self.stats):
+        if lane := ReplayLane.for_capture(captured, mode, n, self.device):
             self._lanes[(mode, bs)] = lane
         self.stats.batches["capture"] += 1
         return captured.plans
@@ -333,7 +333,7 @@ class Planner:
         start = time.perf_counter()
         lane = lane_for(self._lanes, batch, bs)
         if lane is not None and not self.debug and lane.run(batch):
-            self.stats.host_seconds["replay"] += time.perf_counter() - start
+            self.stats.count_replay(lane.mode, lane.steps, time.perf_counter() - start)
             return lane.plans
         mode = self._validate(batch, device_reads=self.debug)
         real = batch.bs

@@ -113,6 +113,14 @@ class PlannerStats:
         self.program_runs[mode] += 1
         self.programs[mode] = tuple(steps) * times
 
+    def count_replay(self, mode: ForwardMode, steps: tuple[Step, ...], seconds: float) -> None:
+        """One replay of ``mode`` (one step, ``steps`` its program) that took ``seconds``:
+        :meth:`record_steps` and the replay's counters in one call (the replay hot path)."""
+        self.program_runs[mode] += 1
+        self.programs[mode] = steps
+        self.batches["replay"] += 1
+        self.host_seconds["replay"] += seconds
+
     @property
     def op_calls(self) -> Counter:
         """Executions per op name (a field's op counts once per batch, whatever the layers)."""

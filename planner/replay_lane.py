@@ -23,7 +23,6 @@ import torch
 
 from planner.batch import ForwardBatch, ForwardMode
 from planner.captured import CapturedBatch
-from planner.planset import PlannerStats
 
 _TENSOR, _INT32, _INT64 = torch.Tensor, torch.int32, torch.int64
 _K_I32, _K_I64, _K_DERIVED = 1, 2, 5
@@ -47,7 +46,6 @@ class ReplayLane:
         "table_shape",
         "stager",
         "screen",
-        "stats",
         "steps",
     )
 
@@ -57,7 +55,6 @@ class ReplayLane:
         mode: ForwardMode,
         next_n: int,
         device: torch.device,
-        stats: PlannerStats,
     ) -> None:
         stager = captured.storages[0].stager
         bs = captured.plans.reqs
@@ -66,7 +63,7 @@ class ReplayLane:
         self.on_host = device.type == "cpu"  # cpu:0 included, as at the door
         self.table_ptr, self.table_shape = captured.table_ptr, captured.table_shape
         self.stager = stager
-        self.stats, self.steps = stats, captured.program_steps
+        self.steps = captured.program_steps
         self.screen = stager.layout.screen.bind(
             captured.ranges, bs, captured.dims["tokens"], next_n
         )
@@ -78,18 +75,17 @@ class ReplayLane:
         mode: ForwardMode,
         next_n: int,
         device: torch.device,
-        stats: PlannerStats,
     ) -> ReplayLane | None:
         """The lane of a capture, or None where its replays cannot take one (stepped or
         ragged modes, no compiled screen)."""
         if mode not in LANE_MODES or not captured.screened:
             return None
-        return cls(captured, mode, next_n, device, stats)
+        return cls(captured, mode, next_n, device)
 
     def run(self, batch: ForwardBatch) -> bool:
-        """Stage ``batch`` into the capture's buffers, check the plans did not move, and count
-        the replay as the general path does: True when done; False, with nothing sent or
-        counted, where the general replay must run."""
+        """Stage ``batch`` into the capture's buffers, check the plans did not move, and mark
+        them: True when done (the caller counts the replay, with its time); False, with
+        nothing sent, where the general replay must run."""
         if (
             batch.__class__ is not ForwardBatch
             or batch.next_n != self.next_n
@@ -139,10 +135,8 @@ class ReplayLane:
         stager.send(host, stager.device_buf, done)
         captured = self.captured  # host ops (FlashInfer's plan) after the copy, as in general
         captured.steps[0].check_unmoved(captured.run_host_ops(batch)[0])
-        self.plans.mark("replay", self.mode, real)
-        stats = self.stats
-        stats.record_steps(self.mode, self.steps)
-        stats.batches["replay"] += 1
+        plans = self.plans  # one step: what PlanSet.mark sets, without its loop over steps
+        plans.phase, plans.mode, plans.real_reqs = "replay", self.mode, real
         return True
 
 
