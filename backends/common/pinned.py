@@ -16,11 +16,17 @@ from planner.cuda_events import record_on_current_stream
 
 class PinnedCopies:
     """``before_refill()`` before writing the arrays, ``after_enqueue()`` after the copies
-    that read them; a no-op pair off CUDA (host arrays are not pinned there)."""
+    that read them; a no-op pair off CUDA (host arrays are not pinned there). ``device``:
+    the one the copies go to (resolved once; asking the current device costs a call a
+    replay)."""
 
-    def __init__(self, pinned: bool) -> None:
+    def __init__(self, pinned: bool, device: torch.device | None = None) -> None:
         self._done = torch.cuda.Event() if pinned else None
         self._pending = False
+        self._index: int | None = None
+        if pinned:
+            index = None if device is None else device.index
+            self._index = torch.cuda.current_device() if index is None else index
 
     def before_refill(self) -> None:
         if self._pending:
@@ -29,5 +35,5 @@ class PinnedCopies:
 
     def after_enqueue(self) -> None:
         if self._done is not None:
-            record_on_current_stream(self._done, torch.cuda.current_device())
+            record_on_current_stream(self._done, self._index)
             self._pending = True

@@ -139,7 +139,7 @@ class PlanSlot:
         self.bound = bound  # graph slots: the static plan tensors the wrapper reads
         self._pin = device.type == "cuda"
         self.args = HostArgs(reqs, self._pin)
-        self._copies = PinnedCopies(self._pin)
+        self._copies = PinnedCopies(self._pin, device)
         self.plans = 0
         self.handle: WrapperHandle | None = None
         self.direct: DirectPlan | None = None

@@ -96,7 +96,7 @@ class SparseSlot:
         self.kv_indices = torch.zeros(capacity * config.topk, dtype=torch.int32, device=device)
         """The layers' slots, row ``r`` at ``[r * topk, (r + 1) * topk)``; FlashInfer reads it."""
         self.wrapper = self._new_wrapper() if use_fi else None
-        self._copies = PinnedCopies(self._pin)
+        self._copies = PinnedCopies(self._pin, device)
         self._clamp = config.topk + config.next_n - 1
         """Row lengths depend on a request's length only up to this (``topk`` past the
         first row's causal offset): the memo compares lengths clamped to it."""
