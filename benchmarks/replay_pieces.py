@@ -147,6 +147,12 @@ def measure(
         raise SystemExit(f"bs {bs}: the replay does not take the lane; nothing to split")
     if backend is None:
         variants = {**_pieces(planner, batch, bs), **_floors(planner, bs, device)}
+        if device.type == "cuda":  # what a serving loop sees: each step starts after a sync
+            variants["device sync, then replay()"] = lambda i: (
+                torch.cuda.synchronize(device),
+                planner.replay(batch, bs),
+            )
+            variants["floor: device sync alone"] = lambda i: torch.cuda.synchronize(device)
     else:
         variants = _flashinfer_pieces(planner, batch, bs, backend)
     with warnings.catch_warnings():
@@ -179,6 +185,14 @@ def _print_group(rows: list[dict[str, Any]], group: str, batches: list[int], dev
             lane = by[(bs, "lane run")]["median_us"]
             derived.append(f"{lane - sum(by[(bs, n)]['median_us'] for n in calls):.2f}")
         table_rows.append(["lane's own checks, reads and marks (derived)", *derived])
+    synced = ("device sync, then replay()", "floor: device sync alone")
+    if all((bs, n) in by for bs in batches for n in synced):
+        after = [
+            by[(bs, synced[0])]["median_us"] - by[(bs, synced[1])]["median_us"] for bs in batches
+        ]
+        table_rows.append(
+            ["replay() right after a device sync (derived)", *[f"{a:.2f}" for a in after]]
+        )
     print_table(
         f"replay() pieces, median (p99) us, {group} decode, {device}",
         ["piece", *[f"bs {bs}" for bs in batches]],
