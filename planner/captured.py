@@ -87,7 +87,10 @@ class HostCall:
     does for a replay over these same static tensors, without the provider's look-ups
     (FlashInfer's slots: the wrapper's configuration, its pool), or None. It is used only
     while the step's provider is still the one that made the handle; a failure in it goes
-    to the chain, which retries and falls back as for any call."""
+    to the chain, which retries and falls back as for any call. Its second argument, when
+    given, is a host array to write the output into instead of ``out``: the output lives
+    in the staging buffer's appendix (``planner.staged_outputs``) and the replay lane
+    sends it with the inputs."""
 
     output: tuple[str, str]
     chain: ProviderChain
@@ -125,11 +128,16 @@ class HostCall:
             fast,
         )
 
-    def run(self, batch: ForwardBatch):
-        """The step over ``batch``: what ``Step.run`` returns (a host op's handle, or None)."""
+    def args_for(self, batch: ForwardBatch) -> list:
+        """The call's arguments for ``batch``: the static tensors, the batch's in their places."""
         args = list(self.template)
         for i, name in self.from_batch:
             args[i] = getattr(batch, name) if name in BATCH_TABLES else batch.host_input(name)
+        return args
+
+    def run(self, batch: ForwardBatch):
+        """The step over ``batch``: what ``Step.run`` returns (a host op's handle, or None)."""
+        args = self.args_for(batch)
         fast = self.fast
         if fast is not None and self.chain.current is self.provider:
             try:

@@ -21,6 +21,7 @@ from planner.dims import resolve_shape
 from planner.errors import SchemaError
 from planner.fresh import FreshStorage
 from planner.program import Key, Program, Step
+from planner.staged_outputs import StagedOutput
 from planner.stager import Stager
 from planner.staging import Ranges, Segment, StagingLayout
 
@@ -118,12 +119,17 @@ class StaticStorage:
         segments: Mapping[Key, Segment],
         stager: Stager,
         max_dims: Mapping[str, int],
+        staged: Mapping[Key, StagedOutput] | None = None,
     ) -> None:
         self.program = program
         self.segments = segments
         self.stager = stager
+        self.staged = dict(staged or {})
+        """Host ops' outputs in the stager's appendix (``planner.staged_outputs``)."""
         self.buffers = {
-            step.output: torch.zeros(
+            step.output: self.staged[step.output].device_view(stager.device_buf, stager.appendix_at)
+            if step.output in self.staged
+            else torch.zeros(
                 resolve_shape(step.spec.shape, max_dims, field=step.key),
                 dtype=step.spec.dtype,
                 device=stager.device,

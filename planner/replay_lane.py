@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from planner.batch import ForwardBatch, ForwardMode
@@ -47,6 +48,9 @@ class ReplayLane:
         "stager",
         "screen",
         "steps",
+        "staged",
+        "later",
+        "_mirrors",
     )
 
     def __init__(
@@ -67,6 +71,17 @@ class ReplayLane:
         self.screen = stager.layout.screen.bind(
             captured.ranges, bs, captured.dims["tokens"], next_n
         )
+        # host calls whose output lives in the staging appendix, written there before the
+        # copy (their handles' own replay can); the others run after it, as in general
+        appendix = captured.storages[0].staged
+        self.staged = tuple(
+            (call, appendix[call.output])
+            for call in captured.host_calls
+            if call.output in appendix and call.fast is not None
+        )
+        staged = {call.output for call, _ in self.staged}
+        self.later = tuple(call for call in captured.host_calls if call.output not in staged)
+        self._mirrors: dict[int, tuple[torch.Tensor, tuple[np.ndarray, ...]]] = {}
 
     @classmethod
     def for_capture(
@@ -81,6 +96,11 @@ class ReplayLane:
         if mode not in LANE_MODES or not captured.screened:
             return None
         return cls(captured, mode, next_n, device)
+
+    def _mirror(self, view: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The staged outputs' places in one pinned buffer of the ring (made once per buffer)."""
+        at = self.stager.appendix_at
+        return tuple(output.host_view(view, at) for _, output in self.staged)
 
     def run(self, batch: ForwardBatch) -> bool:
         """Stage ``batch`` into the capture's buffers, check the plans did not move, and mark
@@ -125,16 +145,35 @@ class ReplayLane:
             pos_kind, pos = _host_index(positions, tokens)
         if not (pool_kind and slot_kind and pos_kind):
             return False
+        staged = self.staged
+        for call, _ in staged:
+            if call.chain.current is not call.provider:  # a fallback since capture
+                return False
         stager = self.stager
-        host, _view, done = stager.next_host()
+        host, view, done = stager.next_host()
         seq_ptr = seq.data_ptr()
         if not self.screen.run(
             host.data_ptr(), seq_ptr, pool_kind, pool, slot_kind, slot, pos_kind, pos, real
         ):
             return False
+        handles = {}
+        if staged:
+            mirrors = self._mirrors.get(id(host))
+            if mirrors is None or mirrors[0] is not host:
+                mirrors = self._mirrors[id(host)] = (host, self._mirror(view))
+            for (call, _), mirror in zip(staged, mirrors[1]):
+                try:
+                    handle = call.fast(call.args_for(batch), mirror)
+                except Exception:  # noqa: BLE001  (nothing sent: the general path runs it
+                    return False  # again, through its chain, which names or retires it)
+                if handle is not None:
+                    handles[call.output] = handle
         stager.send(host, stager.device_buf, done)
-        captured = self.captured  # host ops (FlashInfer's plan) after the copy, as in general
-        captured.steps[0].check_unmoved(captured.run_host_ops(batch)[0])
+        for call in self.later:  # host ops that write the device: after the copy
+            handle = call.run(batch)
+            if handle is not None:
+                handles[call.output] = handle
+        self.captured.steps[0].check_unmoved(handles)
         plans = self.plans  # one step: what PlanSet.mark sets, without its loop over steps
         plans.phase, plans.mode, plans.real_reqs = "replay", self.mode, real
         return True

@@ -43,7 +43,13 @@ class Stager:
     """
 
     def __init__(
-        self, layout: StagingLayout, device: torch.device, *, static: bool, regions: int = 1
+        self,
+        layout: StagingLayout,
+        device: torch.device,
+        *,
+        static: bool,
+        regions: int = 1,
+        appendix: int = 0,
     ) -> None:
         self.layout = layout
         self.device = device
@@ -51,7 +57,10 @@ class Stager:
         self.regions = regions
         self.copies = 0
         self.device_buf: torch.Tensor | None = None
-        self._size = max(layout.size, 1)
+        self.appendix_at = _even(max(layout.size, 1))
+        """Where a static stager's appendix starts: int32 elements after the layout's
+        inputs (8-byte aligned) that host ops' small outputs live in, sent with them."""
+        self._size = self.appendix_at + appendix if appendix else max(layout.size, 1)
         self._pinned = device.type == "cuda"
         self._events: RingEvents | None = None
         if self._pinned:  # one event per few copies, on the device the buffers are sent to
@@ -232,6 +241,10 @@ class Stager:
             dev.copy_(host, non_blocking=True)
             done.after_copy(self.copies)
         self.copies += 1
+
+
+def _even(n: int) -> int:
+    return n + (n & 1)
 
 
 def _copy_on_device(

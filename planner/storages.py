@@ -21,6 +21,7 @@ from planner.host_pass import Switch, host_pass_for
 from planner.limits import Limits
 from planner.materialise import StaticStorage, batch_dims, source_segments
 from planner.program import Program
+from planner.staged_outputs import appendix_words, staged_outputs
 from planner.stager import RING, Stager
 from planner.staging import Ranges, StagingLayout, input_ranges
 
@@ -105,10 +106,14 @@ class Storages:
             limits, program = self.limits, self.programs[mode]
             layout = self.layout(mode, limits.max_batch)
             segments = source_segments(program, layout)
-            stager = Stager(layout, self.device, static=True, regions=steps)
+            # host ops' small outputs ride the staging copy (one step: one region)
+            staged = staged_outputs(program) if steps == 1 else {}
+            stager = Stager(
+                layout, self.device, static=True, regions=steps, appendix=appendix_words(staged)
+            )
             max_dims = self.max_dims(mode)
             storages = self._static[mode] = [
-                StaticStorage(program, segments, stager, max_dims) for _ in range(steps)
+                StaticStorage(program, segments, stager, max_dims, staged) for _ in range(steps)
             ]
         return storages
 

@@ -55,7 +55,7 @@ class HostArgs:
         self.summary = torch.zeros(4, dtype=torch.int64, pin_memory=pin)
         # numpy views of the same memory, made once: every replay fills them
         self._np = [t.numpy() for t in (self._qo_indptr, self._kv_indptr, self._last_page_len)]
-        self._lens_np, self._summary_np = self._kv_lens.numpy(), self.summary.numpy()
+        self._lens_np, self.summary_np = self._kv_lens.numpy(), self.summary.numpy()
         self._pages = np.zeros(capacity, dtype=np.int32)
         self._qo_for: tuple[int, int] | None = None
         self._cut(0)
@@ -120,7 +120,7 @@ class HostArgs:
         if self._qo_for != (reqs, next_n):  # the same for every batch of this size and mode
             np.multiply(np.arange(reqs + 1, dtype=np.int32), next_n, out=qo)
             self._qo_for = (reqs, next_n)
-        self._summary_np[:] = (reqs, int(indptr[reqs]), int(lens.sum(dtype=np.int64)), lens.max())
+        self.summary_np[:] = (reqs, int(indptr[reqs]), int(lens.sum(dtype=np.int64)), lens.max())
 
     def _cut(self, reqs: int) -> None:
         """Views of ``reqs`` requests, made when the size changes: a graph slot's never does,

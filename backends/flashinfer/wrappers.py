@@ -31,6 +31,7 @@ import torch
 
 from backends.common.pinned import PinnedCopies
 from backends.flashinfer import direct_plan
+from backends.flashinfer.config import WrapperConfig
 from backends.flashinfer.direct_plan import DirectPlan
 from backends.flashinfer.host_args import HostArgs
 from planner.errors import ProviderError
@@ -98,30 +99,6 @@ def load_flashinfer() -> ModuleType:
     return _module
 
 
-@dataclass(frozen=True)
-class WrapperConfig:
-    """What one wrapper is planned for, besides the lengths (hashable: it keys the pool)."""
-
-    kind: str  # "decode" (BatchDecodeWithPagedKVCacheWrapper) or "mla"
-    page_size: int
-    next_n: int
-    heads: int
-    kv_heads: int
-    head_dim: int  # decode: head_dim; MLA: head_dim_ckv
-    rope_dim: int  # MLA: head_dim_kpe; decode: 0
-    q_dtype: torch.dtype
-    kv_dtype: torch.dtype
-    sm_scale: float | None
-    use_tensor_cores: bool = False
-    workspace_mb: int = 128
-    backend: str = "auto"
-
-    @property
-    def causal(self) -> bool:
-        """Verify rows attend causally to the draft tokens before them; decode rows see all."""
-        return self.next_n > 1
-
-
 class PlanSlot:
     """One wrapper (``None`` without flashinfer), its host arrays, and the event guarding them."""
 
@@ -151,9 +128,15 @@ class PlanSlot:
         return self.bound is not None
 
     def plan(
-        self, seq_lens_cpu: torch.Tensor, reqs: int, kv_indices: torch.Tensor, out: torch.Tensor
+        self,
+        seq_lens_cpu: torch.Tensor,
+        reqs: int,
+        kv_indices: torch.Tensor,
+        out: torch.Tensor,
+        host_out: Any = None,
     ) -> None:
-        """Fill the host arrays, plan the wrapper, record the summary in ``out``; no device sync."""
+        """Fill the host arrays, plan the wrapper, record the summary in ``out`` (or in the
+        host array ``host_out``, which the staging copy sends there); no device sync."""
         self._copies.before_refill()  # our previous plan's async copies may still read them
         if reqs > self.args.capacity:  # eager slots grow to the largest batch seen
             self.args = HostArgs(reqs, self._pin)
@@ -165,7 +148,10 @@ class PlanSlot:
             self._plan_wrapper(kv_indices)
             if self.static and self.plans == 0:
                 self.direct = self._prove_direct(kv_indices)
-        out.copy_(self.args.summary, non_blocking=self._pin)
+        if host_out is None:
+            out.copy_(self.args.summary, non_blocking=self._pin)
+        else:
+            host_out[:] = self.args.summary_np
         self._copies.after_enqueue()
         self.plans += 1
 
@@ -262,8 +248,8 @@ class WrapperHandle:
         ):
             return None
 
-        def replan(args: list) -> WrapperHandle:
-            slot.plan(args[0], slot.args.capacity, bound[2], out)
+        def replan(args: list, host_out: Any = None) -> WrapperHandle:
+            slot.plan(args[0], slot.args.capacity, bound[2], out, host_out)
             return self
 
         return replan

@@ -93,6 +93,7 @@ class SparseSlot:
         )
         self._kv_len = torch.zeros(capacity, dtype=torch.int32, pin_memory=self._pin)
         self.summary = torch.zeros(4, dtype=torch.int64, pin_memory=self._pin)
+        self._summary_np = self.summary.numpy()
         self.kv_indices = torch.zeros(capacity * config.topk, dtype=torch.int32, device=device)
         """The layers' slots, row ``r`` at ``[r * topk, (r + 1) * topk)``; FlashInfer reads it."""
         self.wrapper = self._new_wrapper() if use_fi else None
@@ -128,10 +129,17 @@ class SparseSlot:
             backend=c.backend,
         )
 
-    def plan(self, seq_lens_cpu: torch.Tensor, rows: int, out: torch.Tensor) -> None:
+    def plan(
+        self,
+        seq_lens_cpu: torch.Tensor,
+        rows: int,
+        out: torch.Tensor,
+        host_out: np.ndarray | None = None,
+    ) -> None:
         """Plan the first ``rows`` rows for this batch's lengths unless they are the ones
         last planned; the summary goes to ``out`` either way (captured sizes' static
-        buffers share storage, so another size may have written there since). No sync."""
+        buffers share storage, so another size may have written there since), or to the
+        host array ``host_out``, which the staging copy sends there. No sync."""
         c = self.config
         seq = seq_lens_cpu.numpy()
         clamped = self._scratch[: seq.shape[0]]
@@ -139,7 +147,7 @@ class SparseSlot:
         key = (rows, clamped.tobytes())
         if key == self._planned:
             self.skipped += 1
-            out.copy_(self.summary, non_blocking=self._pin)
+            self._summary_to(out, host_out)
             return
         self._copies.before_refill()  # the previous plan's async copies may still read them
         lens = row_lengths(seq, rows // c.next_n, c.next_n, c.topk)
@@ -164,10 +172,16 @@ class SparseSlot:
                 c.q_dtype,
                 c.kv_dtype,
             )
-        out.copy_(self.summary, non_blocking=self._pin)
+        self._summary_to(out, host_out)
         self._copies.after_enqueue()
         self._planned = key
         self.plans += 1
+
+    def _summary_to(self, out: torch.Tensor, host_out: np.ndarray | None) -> None:
+        if host_out is None:
+            out.copy_(self.summary, non_blocking=self._pin)
+        else:
+            host_out[:] = self._summary_np
 
 
 @dataclass(frozen=True)
@@ -199,8 +213,8 @@ class SparseHandle:
             return None
         rows = template[1].shape[0] - 1  # kv_indptr: one offset per row, and the end
 
-        def replan(args: list) -> SparseHandle:
-            slot.plan(args[0], rows, out)
+        def replan(args: list, host_out: np.ndarray | None = None) -> SparseHandle:
+            slot.plan(args[0], rows, out, host_out)
             return self
 
         return replan

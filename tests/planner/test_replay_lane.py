@@ -294,3 +294,45 @@ def test_a_prepared_host_call_falls_back_as_a_step_does(monkeypatch):
 
 def _raise(*args, **kwargs):
     raise RuntimeError("a provider that fails on its first call")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "host op" in c])
+def test_host_op_summaries_ride_the_staging_copy(case):
+    """A host op's small output lives in the staging buffer's appendix: the lane writes it
+    into the pinned buffer before the one copy, and the plan's tensor (a view of the
+    staged device buffer) then holds what a fresh eager plan holds."""
+    setup, fast, _, mode = _pair(case)
+    lane = fast._lanes[(mode, BS)]
+    assert lane.staged, "the FlashInfer summaries should be staged"
+    stager = lane.stager
+    base, end = stager.device_buf.data_ptr(), stager.device_buf.data_ptr() + 4 * stager._size
+    for call, _ in lane.staged:
+        assert base <= call.out.data_ptr() < end  # inside the staged device buffer
+    for seed in range(8):
+        batch = setup.batch(random.Random(seed), positions=seed % 2 == 0)
+        assert lane.run(batch)
+        fast.record(BS, mode)
+        fast.verify(batch, lane.plans)
+
+
+def test_a_staged_host_call_that_fails_leaves_the_replay_to_the_general_path(monkeypatch):
+    """Nothing is sent when a staged host call raises: the general replay runs it again
+    through its chain (which falls back), and the plans are still eager's."""
+    setup, _, _, mode = _pair("flashinfer decode (host ops)")
+    planner = setup.planner()
+    planner.capture(BS, mode, req_to_token=setup.table)
+    lane = planner._lanes[(mode, BS)]
+    call, _ = lane.staged[0]
+    calls = []
+
+    def failing(args, host_out=None):
+        calls.append(host_out)
+        raise RuntimeError("a replay call that fails")
+
+    object.__setattr__(call, "fast", failing)
+    stager, batch = lane.stager, setup.batch(random.Random(5), positions=True)
+    before = stager.copies
+    assert not lane.run(batch) and stager.copies == before and calls
+    plans = planner.replay(batch, BS)  # the general path: the chain's provider, not `fast`
+    planner.record(BS, mode)
+    planner.verify(batch, plans)
