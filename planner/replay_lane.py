@@ -1,5 +1,6 @@
-"""The replay lane: a uniform host batch's replay in one pass over its tensors, then its
-host ops.
+"""The replay lane: a uniform host batch's replay in one pass over its tensors, and its
+host ops around the one copy (those whose small output lives in the staging buffer's
+appendix before it, writing there, the others after it, as in the general replay).
 
 Why: a screened replay read every batch tensor twice, once at the door (type, dtype, rank,
 device, contiguity, length) and once more to hand the compiled screen its kinds and
