@@ -100,7 +100,7 @@ class HostCall:
     from_batch: tuple[tuple[int, str], ...]
     params: Mapping
     provider: object = None
-    fast: Callable[[list], object] | None = None
+    fast: Callable[..., object] | None = None
 
     @classmethod
     def of(cls, step: Step, tensors: Tensors, handle: object = None) -> HostCall:

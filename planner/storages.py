@@ -154,7 +154,10 @@ class Storages:
                 out[(mode, step.key)] = math.prod(shape) * step.spec.dtype.itemsize * steps
             staging = max(self.layout(mode, self.limits.max_batch).size, 1) * 4 * steps
             out[(mode, "staging")] = staging
-            out[(mode, "staging (host)")] = staging * ring
+            # each pinned buffer also holds the host ops' staged outputs (their device side
+            # is counted as their fields, above)
+            appendix = 4 * (appendix_words(staged_outputs(program)) + 1) if steps == 1 else 0
+            out[(mode, "staging (host)")] = (staging + appendix) * ring
         return out
 
     def check_budget(self) -> None:
