@@ -123,31 +123,14 @@ class HostArgs:
         self.summary_np[:] = (reqs, int(indptr[reqs]), int(lens.sum(dtype=np.int64)), lens.max())
 
     def _cut(self, reqs: int) -> None:
-        """Views of ``reqs`` requests, made when the size changes: a graph slot's never does,
-        and slicing four tensors per replay costs several us."""
+        """Views of ``reqs`` requests (what FlashInfer's scheduler reads), made when the size
+        changes: a graph slot's never does, and slicing four tensors per replay costs
+        several us."""
         self.reqs = reqs
-        self._views = (
-            self._qo_indptr[: reqs + 1],
-            self._kv_indptr[: reqs + 1],
-            self._last_page_len[:reqs],
-            self._kv_lens[:reqs],
-        )
-
-    @property
-    def qo_indptr(self) -> torch.Tensor:
-        return self._views[0]
-
-    @property
-    def kv_indptr(self) -> torch.Tensor:
-        return self._views[1]
-
-    @property
-    def last_page_len(self) -> torch.Tensor:
-        return self._views[2]
-
-    @property
-    def kv_lens(self) -> torch.Tensor:
-        return self._views[3]
+        self.qo_indptr = self._qo_indptr[: reqs + 1]
+        self.kv_indptr = self._kv_indptr[: reqs + 1]
+        self.last_page_len = self._last_page_len[:reqs]
+        self.kv_lens = self._kv_lens[:reqs]
 
     @property
     def total_pages(self) -> int:
