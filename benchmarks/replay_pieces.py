@@ -39,6 +39,7 @@ import torch
 from benchmarks.common import machine, num_sms_of, plot_bars, print_table, time_paired, write_json
 from planner import ForwardMode, Limits, Planner
 from planner.cuda_events import record_on_current_stream
+from planner.staging_screen import K_DERIVED, K_I32, K_I64
 from tests.support.batches import make_pool, random_batch
 
 _DECODE = ForwardMode.DECODE
@@ -52,9 +53,9 @@ def _pieces(planner: Planner, batch, bs: int) -> dict[str, Callable[[int], Any]]
     scratch = torch.zeros_like(stager.host, pin_memory=stager.host.is_pinned())
     address = scratch.data_ptr()
     seq, pool, slot = batch.seq_lens_cpu, batch.req_pool_indices, batch.out_cache_loc
-    kinds = {torch.int32: 1, torch.int64: 2}
+    kinds = {torch.int32: K_I32, torch.int64: K_I64}
     args = (seq.data_ptr(), kinds[pool.dtype], pool.data_ptr(), kinds[slot.dtype])
-    args += (slot.data_ptr(), 5, 0, batch.bs)  # positions left out: derived
+    args += (slot.data_ptr(), K_DERIVED, 0, batch.bs)  # positions left out
     ring, step = stager._ring, captured.steps[0]
     stats = planner.stats
     return {

@@ -25,10 +25,9 @@ import torch
 
 from planner.batch import ForwardBatch, ForwardMode
 from planner.captured import CapturedBatch
+from planner.staging_screen import K_DERIVED, K_I32, K_I64
 
 _TENSOR, _INT32, _INT64 = torch.Tensor, torch.int32, torch.int64
-_K_I32, _K_I64, _K_DERIVED = 1, 2, 5
-"""The screen's source kinds (``planner/native/stage_screen.c``'s ``K_*``)."""
 LANE_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY})
 """Modes whose batches may take the lane: uniform, one step, lengths implied."""
 
@@ -141,7 +140,7 @@ class ReplayLane:
         slot_kind, slot = _host_index(batch.out_cache_loc, tokens)
         positions = batch.positions
         if positions is None:
-            pos_kind, pos = _K_DERIVED, 0
+            pos_kind, pos = K_DERIVED, 0
         else:
             pos_kind, pos = _host_index(positions, tokens)
         if not (pool_kind and slot_kind and pos_kind):
@@ -207,7 +206,7 @@ def _host_index(tensor: object, length: int) -> tuple[int, int]:
     ):
         dtype = tensor.dtype
         if dtype is _INT64:
-            return _K_I64, tensor.data_ptr()
+            return K_I64, tensor.data_ptr()
         if dtype is _INT32:
-            return _K_I32, tensor.data_ptr()
+            return K_I32, tensor.data_ptr()
     return 0, 0

@@ -21,7 +21,8 @@ from planner import native
 from planner.batch import ForwardBatch
 
 _SOURCE_ORDER = ("seq_lens", "extend_lens", "req_pool_indices", "out_cache_loc", "positions")
-_K_I32, _K_I64, _K_DEVICE, _K_CONST, _K_DERIVED = 1, 2, 3, 4, 5
+K_I32, K_I64, K_DEVICE, K_CONST, K_DERIVED = 1, 2, 3, 4, 5
+"""The screen's source kinds (``planner/native/stage_screen.c``'s ``K_*``)."""
 _INT32, _INT64 = torch.int32, torch.int64
 _TABLES_KEPT = 16
 _ARGS = struct.Struct("=19q")
@@ -104,10 +105,10 @@ class StageScreen:
         seq = _source(batch.seq_lens_cpu, real, read_device)
         pool = _source(batch.req_pool_indices, real, read_device)
         slot = _source(batch.out_cache_loc, real_tokens, read_device)
-        if seq is None or pool is None or slot is None or seq[0] == _K_DEVICE:
+        if seq is None or pool is None or slot is None or seq[0] == K_DEVICE:
             return None
         if batch.positions is None:
-            pos = (_K_DERIVED, 0)
+            pos = (K_DERIVED, 0)
         else:
             pos = _source(batch.positions, real_tokens, read_device)
             if pos is None:
@@ -119,7 +120,7 @@ class StageScreen:
             address,
             count,
             seq[0],
-            _K_CONST,
+            K_CONST,
             pool[0],
             slot[0],
             pos[0],
@@ -138,12 +139,12 @@ class StageScreen:
         status = self.fn(host_address, self._args_address)
         if status != 0:
             return None
-        if _K_DEVICE not in (pool[0], slot[0], pos[0]):
+        if K_DEVICE not in (pool[0], slot[0], pos[0]):
             return []
         device = {
-            "req_pool_indices": batch.req_pool_indices if pool[0] == _K_DEVICE else None,
-            "out_cache_loc": batch.out_cache_loc if slot[0] == _K_DEVICE else None,
-            "positions": batch.positions if pos[0] == _K_DEVICE else None,
+            "req_pool_indices": batch.req_pool_indices if pool[0] == K_DEVICE else None,
+            "out_cache_loc": batch.out_cache_loc if slot[0] == K_DEVICE else None,
+            "positions": batch.positions if pos[0] == K_DEVICE else None,
         }
         return [
             (seg, device[seg.source]) for seg in self.segments if device.get(seg.source) is not None
@@ -155,12 +156,12 @@ def _source(tensor: torch.Tensor, length: int, read_device: bool) -> tuple[int, 
     if tensor.shape[0] != length or not tensor.is_contiguous():
         return None
     if not tensor.is_cpu:
-        return (_K_DEVICE, 0) if tensor.is_cuda and not read_device else None
+        return (K_DEVICE, 0) if tensor.is_cuda and not read_device else None
     dtype = tensor.dtype
     if dtype is _INT32:
-        return _K_I32, tensor.data_ptr()
+        return K_I32, tensor.data_ptr()
     if dtype is _INT64:
-        return _K_I64, tensor.data_ptr()
+        return K_I64, tensor.data_ptr()
     return None
 
 
@@ -180,7 +181,7 @@ class BoundScreen:
         self._n, self._reqs, self._tokens = next_n, reqs, tokens
         self._alive = (screen, array, ranges)  # the table and scratch it points at
         _ARGS.pack_into(
-            self._args, 0, address, count, _K_I32, _K_CONST, *([0] * 12), next_n, *screen._scratch
+            self._args, 0, address, count, K_I32, K_CONST, *([0] * 12), next_n, *screen._scratch
         )
 
     def run(
