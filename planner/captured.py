@@ -149,6 +149,15 @@ class HostCall:
         return self.chain.call(self.key, self.out, args, self.params)
 
 
+def run_calls(calls: Sequence[HostCall], batch: ForwardBatch, handles: Handles) -> Handles:
+    """Run prepared host calls in order over ``batch``; ``handles`` with theirs added."""
+    for call in calls:
+        handle = call.run(batch)
+        if handle is not None:
+            handles[call.output] = handle
+    return handles
+
+
 NO_HANDLES = ({},)
 """What a replay with no host ops hands :meth:`CapturedBatch.check_unmoved`: one step,
 no handles."""
@@ -231,12 +240,7 @@ class CapturedBatch:
         if not self.host_steps:
             return NO_HANDLES
         if self.host_calls:
-            handles = {}
-            for call in self.host_calls:
-                handle = call.run(batch)
-                if handle is not None:
-                    handles[call.output] = handle
-            return [handles]
+            return [run_calls(self.host_calls, batch, {})]
         tensors = self.steps[0].tensors
         return [run_steps(self.host_steps, tensors, batch, True, inputs=self.host_inputs)]
 

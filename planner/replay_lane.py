@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from planner.batch import ForwardBatch, ForwardMode
-from planner.captured import CapturedBatch
+from planner.captured import CapturedBatch, run_calls
 from planner.staging_screen import K_DERIVED, K_I32, K_I64
 
 _TENSOR, _INT32, _INT64 = torch.Tensor, torch.int32, torch.int64
@@ -169,10 +169,7 @@ class ReplayLane:
                 if handle is not None:
                     handles[call.output] = handle
         stager.send(host, stager.device_buf, done)
-        for call in self.later:  # host ops that write the device: after the copy
-            handle = call.run(batch)
-            if handle is not None:
-                handles[call.output] = handle
+        run_calls(self.later, batch, handles)  # host ops that write the device: after it
         self.captured.steps[0].check_unmoved(handles)
         plans = self.plans  # one step: what PlanSet.mark sets, without its loop over steps
         plans.phase, plans.mode, plans.real_reqs = "replay", self.mode, real
