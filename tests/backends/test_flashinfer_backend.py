@@ -32,7 +32,6 @@ from backends.flashinfer import (  # noqa: E402
     reference_decode_attention,
     reference_mla_attention,
     release_wrappers,
-    wrappers,
 )
 from backends.flashinfer import kernels as tri  # noqa: E402
 from backends.flashinfer import ops as fi_ops  # noqa: E402
@@ -47,6 +46,7 @@ from planner import (  # noqa: E402
 )
 from tests.support import REPO  # noqa: E402
 from tests.support.batches import mode_for, modes_for  # noqa: E402
+from tests.support.fake_flashinfer import install_fake_flashinfer  # noqa: E402
 from tests.support.kernels import DEVICE, I32, garbage, ints  # noqa: E402
 from tests.support.planners import (  # noqa: E402
     PlannerSetup,
@@ -524,12 +524,11 @@ class _FakeMLA(_FakeWrapper):
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
     _FakeWrapper.made.clear()
-    fake = SimpleNamespace(
-        BatchDecodeWithPagedKVCacheWrapper=_FakeDecode, BatchMLAPagedAttentionWrapper=_FakeMLA
+    return install_fake_flashinfer(
+        monkeypatch,
+        BatchDecodeWithPagedKVCacheWrapper=_FakeDecode,
+        BatchMLAPagedAttentionWrapper=_FakeMLA,
     )
-    monkeypatch.setattr(wrappers, "_module", fake)
-    monkeypatch.setattr(fi_ops, "flashinfer_usable", lambda device: True)
-    return fake
 
 
 def test_wrappers_per_size_bound_to_static_plans_and_planned_every_replay(fake_flashinfer):

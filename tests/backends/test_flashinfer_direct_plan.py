@@ -17,10 +17,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from backends.flashinfer import direct_plan, release_wrappers, wrappers
-from backends.flashinfer import ops as fi_ops
+from backends.flashinfer import direct_plan, release_wrappers
 from planner import ForwardMode, native, notices
 from planner import planner as planner_module
+from tests.support.fake_flashinfer import install_fake_flashinfer
 from tests.support.planners import PlannerSetup, replay_smallest
 
 MAX_BATCH, MAX_CTX, PAGE = 8, 300, 64
@@ -131,12 +131,9 @@ SCHEDULER = _Scheduler()
 def fake(monkeypatch):
     release_wrappers()
     _Wrapper.made.clear()
-    module = SimpleNamespace(
-        BatchDecodeWithPagedKVCacheWrapper=_Decode, BatchMLAPagedAttentionWrapper=_MLA
+    yield install_fake_flashinfer(
+        monkeypatch, BatchDecodeWithPagedKVCacheWrapper=_Decode, BatchMLAPagedAttentionWrapper=_MLA
     )
-    monkeypatch.setattr(wrappers, "_module", module)
-    monkeypatch.setattr(fi_ops, "flashinfer_usable", lambda device: True)
-    yield module
     release_wrappers()
 
 

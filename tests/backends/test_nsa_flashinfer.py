@@ -18,13 +18,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.flashinfer import ops as fi_ops
-from backends.flashinfer import wrappers
 from backends.nsa.attention import sparse_mla_decode
 from backends.nsa_flashinfer import SPARSE_POOL, NSAFlashInferPlan, sparse_mla_flashinfer
 from backends.nsa_flashinfer.slots import row_lengths
 from planner import ConfigError, ForwardMode, PlanError, PlanSet, SchemaError
 from tests.support.batches import random_batch
+from tests.support.fake_flashinfer import install_fake_flashinfer
 from tests.support.planners import PlannerSetup, replay_smallest
 
 TOPK = 16
@@ -179,10 +178,7 @@ class _FakeSparseMLA:
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
     _FakeSparseMLA.made.clear()
-    monkeypatch.setattr(
-        wrappers, "_module", SimpleNamespace(BatchMLAPagedAttentionWrapper=_FakeSparseMLA)
-    )
-    monkeypatch.setattr(fi_ops, "flashinfer_usable", lambda device: True)
+    install_fake_flashinfer(monkeypatch, BatchMLAPagedAttentionWrapper=_FakeSparseMLA)
 
 
 def test_wrappers_are_planned_with_the_static_layout_and_run_the_layers_slots(fake_flashinfer):
