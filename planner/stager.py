@@ -72,7 +72,7 @@ class Stager:
             for _ in range(RING if self._pinned else 1):
                 self._ring.append(self._host_buffer(self._size * regions))
         if static:
-            self.host, self.host_view = self._ring[0][0], self._ring[0][1]
+            self.host = self._ring[0][0]  # the first pinned buffer (sizes, benchmarks)
             self.device_buf = torch.zeros(self._size * regions, dtype=torch.int32, device=device)
 
     def region_size(self, extra: int = 0) -> int:
