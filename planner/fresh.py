@@ -20,6 +20,7 @@ import torch
 
 from planner.batch import ForwardBatch
 from planner.dims import resolve_shape
+from planner.fusion import Runnable, fuse_steps
 from planner.host_pass import HostPass, HostPassFailed, NativePass, Placement
 from planner.program import Key, Program, batch_reads
 from planner.stager import Stager
@@ -94,6 +95,7 @@ class FreshStorage:
         segments: Mapping[Key, Segment],
         stager: Stager,
         host_pass: HostPass | None,
+        retired_fusions: set[tuple[str, str]] | None = None,
     ) -> None:
         self.program = program
         self.segments = segments
@@ -105,10 +107,19 @@ class FreshStorage:
         self._inputs = {frozenset(): batch_reads(program.steps)}
         if host_pass is not None:
             self._inputs[host_pass.outputs] = batch_reads(program.steps, host_pass.outputs)
+        self._schedules = {
+            done: fuse_steps((s for s in program.steps if s.output not in done), retired_fusions)
+            for done in self._inputs
+        }
 
     def batch_inputs(self, done: frozenset) -> frozenset[str]:
         """The batch tensors the steps left after the host pass (``done``) read."""
         return self._inputs[done]
+
+    def schedule(self, done: frozenset) -> tuple[Runnable, ...]:
+        """The steps left after the host pass (``done``), adjacent fusable pairs joined
+        (``planner.fusion``: one launch where two would cost the host twice)."""
+        return self._schedules[done]
 
     def _layout(
         self, dims: Mapping[str, int], reqs: int, host_pass: HostPass | None

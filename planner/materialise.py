@@ -20,6 +20,7 @@ from planner.batch import BATCH, BATCH_TABLES, HOST_INPUTS, ForwardBatch
 from planner.dims import resolve_shape
 from planner.errors import SchemaError
 from planner.fresh import FreshStorage
+from planner.fusion import Runnable
 from planner.program import Key, Program, Step
 from planner.staged_outputs import StagedOutput
 from planner.stager import Stager
@@ -200,6 +201,9 @@ def materialise(
         batch, reqs, dims, ranges, read_device=read_device, read_table=read_table
     )
     inputs = storage.batch_inputs(done)
+    if not storage.static and steps is storage.program.steps:
+        # eager: the steps the host pass left, fusable pairs as one launch each
+        return tensors, run_steps(storage.schedule(done), tensors, batch, False, inputs=inputs)
     return tensors, run_steps(steps, tensors, batch, storage.static, done, inputs)
 
 
@@ -242,7 +246,7 @@ def materialise_all(
 
 
 def run_steps(
-    steps: Sequence[Step],
+    steps: Sequence[Runnable],
     tensors: Tensors,
     batch: ForwardBatch,
     static: bool,

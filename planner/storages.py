@@ -42,6 +42,8 @@ class Storages:
         self.device = device
         self.eager_on_host = eager_on_host
         self._switch = Switch()
+        self._retired_fusions: set[tuple[str, str]] = set()
+        """Fused launches that failed in any mode or size (``planner.fusion``): off for all."""
         self._layouts: dict[tuple[ForwardMode, int], StagingLayout] = {}
         self._fresh: dict[tuple[ForwardMode, int], FreshStorage] = {}
         self._static: dict[ForwardMode, list[StaticStorage]] = {}
@@ -95,7 +97,9 @@ class Storages:
             host_pass = (
                 host_pass_for(program, segments, self._switch) if self.eager_on_host else None
             )
-            storage = self._fresh[key] = FreshStorage(program, segments, stager, host_pass)
+            storage = self._fresh[key] = FreshStorage(
+                program, segments, stager, host_pass, self._retired_fusions
+            )
         return storage
 
     def static(self, mode: ForwardMode, steps: int = 1) -> list[StaticStorage]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from backends.common import torch_ref as ref
 from backends.common import triton_kernels as tri
+from backends.common.token_table_triton import token_table
+from planner.fusion import fused
 from planner.ops import metadata_op
 
 triton_usable = tri.triton_available
@@ -54,3 +56,6 @@ with_providers(
         (causal_lengths, ref.causal_lengths, tri.causal_lengths),
     ]
 )
+
+# Eager plans run the token table's two steps as one launch where both chose Triton.
+fused(gather_token_slots, page_table, "triton")(token_table)
