@@ -18,14 +18,12 @@ supported, by Triton itself either.
 
 from __future__ import annotations
 
-import inspect
-import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from backends.common import torch_ref as ref
+from backends.common.triton_launch import LazyKernel, _interpreting, unspecialised  # noqa: F401 (re-exported)
 
 try:
     import triton
@@ -51,14 +49,6 @@ _MAX_BLOCK = 1024
 _MAX_SCAN_BLOCK = 4096
 
 
-def _interpreting() -> bool:
-    # Ask triton itself when it can tell, so this agrees with what triton.jit does.
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def triton_available(device: torch.device) -> bool:
     """Lets the planner pick a provider per device without trying a launch: compiled
     Triton needs CUDA, anything else needs the interpreter."""
@@ -70,48 +60,6 @@ def triton_available(device: torch.device) -> bool:
     if device.type == "cpu":
         return _interpreting()
     return False
-
-
-class LazyKernel:
-    """Decorates on first launch, once per interpreter mode, so a module imported
-    before ``TRITON_INTERPRET`` was set still launches under the interpreter.
-
-    ``aligned`` keeps Triton's 16-byte pointer specialisation: for the forward's kernels
-    (sparse MLA, top-k), whose wide vector loads are what they are for. Without it the
-    sparse MLA gathers its 1152-byte KV rows in narrow loads: on the H200 it took 750 us
-    a layer at 64 rows (45.8 ms of a 61-layer step), against 183 us in the kernel
-    benchmark run before alignment was turned off (docs/benchmarks.md). Their pointers are
-    allocation starts or views checked to 16-byte strides, so this is one variant a run,
-    not one per batch. Sizes stay unspecialised either way.
-    """
-
-    def __init__(self, fn: Callable[..., None], *, aligned: bool = False) -> None:
-        self._fn = fn
-        self._aligned = aligned
-        self._variants: dict[bool, Any] = {}
-
-    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
-        mode = _interpreting()
-        kernel = self._variants.get(mode)
-        if kernel is None:
-            # Sizes, strides and where a view starts change every batch: specialising on them
-            # (value 1, divisible by 16, a 16-byte aligned pointer) compiles a new variant
-            # mid-serving, 0.15-0.2 s of stall in an eager extend plan on the H200. These
-            # kernels move a few KB; wide vector loads would not pay for that.
-            params = inspect.signature(self._fn).parameters
-            sizes = [p for p in params if not p.endswith("_ptr") and not p.isupper()]
-            pointers = [] if self._aligned else [p for p in params if p.endswith("_ptr")]
-            kernel = self._variants[mode] = triton.jit(self._fn, **unspecialised(sizes, pointers))
-        return kernel[grid]
-
-
-def unspecialised(sizes: list[str], pointers: list[str]) -> dict[str, list[str]]:
-    """``triton.jit`` keywords that compile one variant whatever these arguments' values;
-    alignment is left specialised on a Triton too old to be told (before 3.2)."""
-    keywords = {"do_not_specialize": sizes}
-    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
-        keywords["do_not_specialize_on_alignment"] = pointers
-    return keywords
 
 
 def require_launchable(device: torch.device, uses: str) -> None:
