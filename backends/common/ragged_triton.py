@@ -155,7 +155,8 @@ def _launch_token(
     if n == 0:
         return
     reqs = qo_indptr.shape[0] - 1
-    _token[(triton.cdiv(n, _BLOCK),)](
+    _token.launch(
+        (triton.cdiv(n, _BLOCK),),
         out,
         qo_indptr,
         aux,
@@ -216,7 +217,8 @@ def kv_gather_slots(
     cap = out.shape[0]
     if cap == 0:
         return
-    _kv_gather[(triton.cdiv(cap, _BLOCK),)](
+    _kv_gather.launch(
+        (triton.cdiv(cap, _BLOCK),),
         out,
         req_to_token,
         req_pool_indices,
@@ -236,7 +238,7 @@ def last_token_rows(out: torch.Tensor, qo_indptr: torch.Tensor) -> None:
     tri._require(out.device)
     if reqs == 0:
         return
-    _last_rows[(triton.cdiv(reqs, _BLOCK),)](out, qo_indptr, reqs, BLOCK=_BLOCK)
+    _last_rows.launch((triton.cdiv(reqs, _BLOCK),), out, qo_indptr, reqs, BLOCK=_BLOCK)
 
 
 def slot_pages(out: torch.Tensor, out_cache_loc: torch.Tensor, page_size: int) -> None:
@@ -245,6 +247,6 @@ def slot_pages(out: torch.Tensor, out_cache_loc: torch.Tensor, page_size: int) -
     tri._require(out.device)
     if n == 0:
         return
-    _slot_pages[(triton.cdiv(n, _BLOCK),)](
-        out, out_cache_loc, n, page_size, out.stride(0), BLOCK=_BLOCK
+    _slot_pages.launch(
+        (triton.cdiv(n, _BLOCK),), out, out_cache_loc, n, page_size, out.stride(0), BLOCK=_BLOCK
     )

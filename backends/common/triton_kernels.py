@@ -251,7 +251,7 @@ def cumsum_with_zero(out: torch.Tensor, x: torch.Tensor) -> None:
     kernel = _cumsum_with_zero
     if _interpreting() and not _stdlib_interpretable():
         kernel = _cumsum_with_zero_interp
-    kernel[(1,)](out, x, n, BLOCK=block_size(n, _MAX_SCAN_BLOCK))
+    kernel.launch((1,), out, x, n, BLOCK=block_size(n, _MAX_SCAN_BLOCK))
 
 
 def clamp_into(out: torch.Tensor, x: torch.Tensor, lo: int | None, hi: int | None) -> None:
@@ -262,7 +262,8 @@ def clamp_into(out: torch.Tensor, x: torch.Tensor, lo: int | None, hi: int | Non
     if n == 0:
         return
     block = block_size(n)
-    _clamp[(triton.cdiv(n, block),)](
+    _clamp.launch(
+        (triton.cdiv(n, block),),
         out,
         x,
         n,
@@ -282,7 +283,7 @@ def uniform_offsets(out: torch.Tensor, step: int) -> None:
     if n == 0:
         return
     block = block_size(n)
-    _uniform_offsets[(triton.cdiv(n, block),)](out, n, step, BLOCK=block)
+    _uniform_offsets.launch((triton.cdiv(n, block),), out, n, step, BLOCK=block)
 
 
 def gather_token_slots(
@@ -299,7 +300,8 @@ def gather_token_slots(
     if reqs == 0 or width == 0:
         return
     block = block_size(width)
-    _gather_token_slots[(triton.cdiv(width, block), reqs)](
+    _gather_token_slots.launch(
+        (triton.cdiv(width, block), reqs),
         out,
         req_to_token,
         req_pool_indices,
@@ -320,7 +322,8 @@ def page_table_from_slots(out: torch.Tensor, token_slots: torch.Tensor, page_siz
     if reqs == 0 or pages == 0:
         return
     block = block_size(pages)
-    _page_table[(triton.cdiv(pages, block), reqs)](
+    _page_table.launch(
+        (triton.cdiv(pages, block), reqs),
         out,
         token_slots,
         pages,
@@ -340,4 +343,6 @@ def causal_lengths(out: torch.Tensor, seq_lens: torch.Tensor, next_n: int) -> No
     if total == 0:
         return
     block = block_size(total)
-    _causal_lengths[(triton.cdiv(total, block),)](out, seq_lens, total, NEXT_N=next_n, BLOCK=block)
+    _causal_lengths.launch(
+        (triton.cdiv(total, block),), out, seq_lens, total, NEXT_N=next_n, BLOCK=block
+    )

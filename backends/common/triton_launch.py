@@ -106,13 +106,13 @@ class LazyKernel:
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., Any]:
         return self._kernel(_interpreting())[grid]
 
-    def launch(self, grid: tuple[int, int], *args: Any, **constexprs: Any) -> None:
+    def launch(self, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
         """``self[grid](*args, **constexprs)``, with every argument that is not a
         ``tl.constexpr`` positional and the constexprs the kernel's last parameters, in
         order. Once a specialisation has been compiled, later launches of it call the
         compiled kernel's launcher directly on the current stream; under the interpreter,
         with launch hooks set, or for an argument it cannot key, Triton's run launches."""
-        if not _direct_launch_ok() or len(grid) != 2:
+        if not _direct_launch_ok() or not 1 <= len(grid) <= 3:
             self[grid](*args, **constexprs)
             return
         device = torch.cuda.current_device()
@@ -131,7 +131,8 @@ class LazyKernel:
         run, function, metadata = fast
         stream = torch._C._cuda_getCurrentRawStream(device)
         values = constexprs.values()
-        run(grid[0], grid[1], 1, stream, function, metadata, None, None, None, *args, *values)
+        gx, gy, gz = (*grid, 1, 1)[:3]
+        run(gx, gy, gz, stream, function, metadata, None, None, None, *args, *values)
 
 
 def unspecialised(sizes: list[str], pointers: list[str]) -> dict[str, list[str]]:
