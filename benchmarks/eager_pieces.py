@@ -235,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         ["piece", *[f"bs {bs}" for bs in args.batches]],
         table_rows,
     )
+    hand = "hand-written eager"
+    print_table(
+        "plan() over the hand-written eager path, median of per-call ratios (the target is <= 0.8)",
+        [f"bs {bs}" for bs in args.batches],
+        [[f"{1 / by[(bs, hand)]['ratio_to_first']:.3f}" for bs in args.batches]],
+    )
     write_json(args.out, {"machine": machine(), "config": vars(args), "rows": rows})
     plot_bars(
         args.plot,

@@ -88,16 +88,16 @@ class FusedSteps:
         return self.second.output
 
     def run(self, tensors: Mapping[Key, torch.Tensor], *, static: bool) -> None:
-        name = self.fusion.provider
+        first, second, fusion = self.first, self.second, self.fusion
+        name = fusion.provider
         if (
-            self.fusion.ops in self.retired
-            or self.first.provider.name != name
-            or self.second.provider.name != name
+            first.chain.current.name != name
+            or second.chain.current.name != name
+            or fusion.ops in self.retired
         ):
-            self.first.run(tensors, static=static)
-            self.second.run(tensors, static=static)
+            first.run(tensors, static=static)
+            second.run(tensors, static=static)
             return
-        first, second = self.first, self.second
         outs = (tensors[first.output], tensors[second.output])
         args = ([tensors[k] for k in first.input_keys], [tensors[k] for k in second.input_keys])
         try:

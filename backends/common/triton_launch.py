@@ -70,6 +70,17 @@ def _arg_kind(value: Any, aligned: bool) -> Any:
     return None
 
 
+def _kinds(args: tuple, aligned: bool) -> list:
+    """``_arg_kind`` of each argument, the common cases inline (a call per argument costs
+    a launch's worth over a dozen of them)."""
+    return [
+        a.dtype
+        if type(a) is torch.Tensor and not aligned
+        else (32 if type(a) is int and -2147483648 <= a <= 2147483647 else _arg_kind(a, aligned))
+        for a in args
+    ]
+
+
 class LazyKernel:
     """Decorates on first launch, once per interpreter mode, so a module imported
     before ``TRITON_INTERPRET`` was set still launches under the interpreter.
@@ -116,7 +127,7 @@ class LazyKernel:
             self[grid](*args, **constexprs)
             return
         device = torch.cuda.current_device()
-        kinds = [_arg_kind(a, self._aligned) for a in args]
+        kinds = _kinds(args, self._aligned)
         if None in kinds or self._params[len(args) :] != tuple(constexprs):
             self[grid](*args, **constexprs)
             return

@@ -146,16 +146,3 @@ def test_refuses_exactly_what_the_references_refuse(case):
         _call(dict(x), fused=False)
     with pytest.raises(want.type, match=re.escape(str(want.value))):
         _call(dict(x), fused=True)
-
-
-def test_launch_hooks_are_seen_as_set_only_when_some_hook_is_there():
-    from backends.common.triton_launch import _hook_set
-
-    class Chain:
-        def __init__(self, calls):
-            self.calls = calls
-
-    assert not _hook_set(None)
-    assert not _hook_set(Chain([]))
-    assert _hook_set(Chain([print]))
-    assert _hook_set(print)
