@@ -135,6 +135,8 @@ class LazyKernel:
         fast = self._compiled.get(key)
         if fast is None:
             compiled = self[grid](*args, **constexprs)  # compiles where needed, and launches
+            if compiled is None or not hasattr(compiled, "packed_metadata"):
+                return  # no compiled kernel handed back (a Triton that compiles elsewhere)
             if len(self._compiled) >= _FAST_KEPT:
                 self._compiled.clear()
             self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
