@@ -51,16 +51,10 @@ def _launch_paths(tensors, program, batch) -> dict[str, Callable[[int], Any]]:
     by_op = {s.op_name: s for s in program.steps}
     gather, pages = by_op["gather_token_slots"], by_op["page_table"]
     slots, table = tensors[gather.output], tensors[pages.output]
-    r2t, pool, lens = (tensors[k] for k in gather.input_keys)
-    reqs, width = slots.shape
-    n_pages = table.shape[1]
-    block, page_block = tt.block_size(width), tt.block_size(n_pages)
-    grid = (max(-(-width // block), -(-n_pages // page_block)), reqs)
-    args = (slots, table, r2t, pool, lens, width, r2t.shape[1], n_pages, 64)
-    args += (slots.stride(0), table.stride(0), r2t.stride(0))
-    kw = dict(BLOCK=block, PAGE_BLOCK=page_block)
+    inputs = [tensors[k] for k in gather.input_keys]
+    grid, args, kw = tt.launch_args(slots, table, *inputs, pages.params["page_size"])
     compiled = tt._token_table[grid](*args, **kw)
-    every = (*args, block, page_block)
+    every = (*args, *kw.values())
     index = slots.device.index
     raw_stream = torch._C._cuda_getCurrentRawStream
     run, function, meta = compiled.run, compiled.function, compiled.packed_metadata

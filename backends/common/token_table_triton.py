@@ -119,27 +119,30 @@ def token_table(
         ref.check_page_table_from_slots(pages, slots, page_size)
     if slots.device.type != "cuda":
         _require(slots.device)  # the interpreter's CPU tensors, or a refusal
+    if slots.shape[0] == 0 or (slots.shape[1] == 0 and pages.shape[1] == 0):
+        return
+    grid, args, constexprs = launch_args(
+        slots, pages, req_to_token, req_pool_indices, seq_lens, page_size
+    )
+    _token_table.launch(grid, *args, **constexprs)
+
+
+def launch_args(
+    slots: torch.Tensor,
+    pages: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+) -> tuple[tuple[int, int], tuple, dict[str, int]]:
+    """The kernel's grid, positional arguments and constexprs for checked, non-empty tables
+    (``benchmarks/eager_pieces`` launches it the same way through other paths)."""
     reqs, width = slots.shape
     n_pages = pages.shape[1]
-    if reqs == 0 or (width == 0 and n_pages == 0):
-        return
     block = block_size(width)
     page_block = block_size(n_pages)
     grid = (max(-(-width // block), -(-n_pages // page_block)), reqs)
-    _token_table.launch(
-        grid,
-        slots,
-        pages,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
-        width,
-        req_to_token.shape[1],
-        n_pages,
-        page_size,
-        slots.stride(0),
-        pages.stride(0),
-        req_to_token.stride(0),
-        BLOCK=block,
-        PAGE_BLOCK=page_block,
-    )
+    args = (slots, pages, req_to_token, req_pool_indices, seq_lens, width)
+    args += (req_to_token.shape[1], n_pages, page_size)
+    args += (slots.stride(0), pages.stride(0), req_to_token.stride(0))
+    return grid, args, {"BLOCK": block, "PAGE_BLOCK": page_block}
