@@ -95,23 +95,26 @@ class FusedSteps:
             or second.chain.current.name != name
             or fusion.ops in self.retired
         ):
-            first.run(tensors, static=static)
-            second.run(tensors, static=static)
+            self._one_by_one(tensors, static)
             return
         outs = (tensors[first.output], tensors[second.output])
         args = ([tensors[k] for k in first.input_keys], [tensors[k] for k in second.input_keys])
         try:
-            self.fusion.fn(outs, args, (first.params, second.params))
+            fusion.fn(outs, args, (first.params, second.params))
         except PlanError:
             raise
         except Exception as exc:
-            self.retired.add(self.fusion.ops)
+            self.retired.add(fusion.ops)
             warn_once(
                 f"{first.key} + {second.key}: the fused {name!r} launch failed "
                 f"({type(exc).__name__}: {exc}); running the two steps one by one from now on"
             )
-            self.first.run(tensors, static=static)
-            self.second.run(tensors, static=static)
+            self._one_by_one(tensors, static)
+
+    def _one_by_one(self, tensors: Mapping[Key, torch.Tensor], static: bool) -> None:
+        """Each step through its own chain (which may fall back on its own)."""
+        self.first.run(tensors, static=static)
+        self.second.run(tensors, static=static)
 
 
 Runnable = Step | FusedSteps
