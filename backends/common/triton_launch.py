@@ -28,7 +28,7 @@ try:
 except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
     triton = None
 
-_I32 = (-(2**31), 2**31 - 1)
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _I64_MAX = 2**63 - 1
 _FAST_KEPT = 64
 """Specialisations kept per kernel for the direct launch (block sizes x index dtypes)."""
@@ -62,7 +62,7 @@ def _arg_kind(value: Any, aligned: bool) -> Any:
     """What Triton's binder specialises an unspecialised argument on: a tensor's dtype (and
     16-byte alignment where kept), an int's width; None for anything else."""
     if type(value) is int:
-        if _I32[0] <= value <= _I32[1]:
+        if _I32_MIN <= value <= _I32_MAX:
             return 32
         return 64 if -_I64_MAX - 1 <= value <= _I64_MAX else 65
     if isinstance(value, torch.Tensor):
@@ -76,7 +76,7 @@ def _kinds(args: tuple, aligned: bool) -> list:
     return [
         a.dtype
         if type(a) is torch.Tensor and not aligned
-        else (32 if type(a) is int and -2147483648 <= a <= 2147483647 else _arg_kind(a, aligned))
+        else (32 if type(a) is int and _I32_MIN <= a <= _I32_MAX else _arg_kind(a, aligned))
         for a in args
     ]
 

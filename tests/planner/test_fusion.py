@@ -33,7 +33,6 @@ pytestmark = pytest.mark.skipif(
 MAX_BATCH, MAX_CTX, PAGE = 5, 320, 64
 TABLE = make_pool(2 * MAX_BATCH + 1, MAX_CTX, PAGE, seed=5).to(DEVICE)
 TABLE_OPS = ("gather_token_slots", "page_table")
-KEY = TABLE_OPS
 
 
 def _planner(backends, providers=None, next_n: int = 1) -> Planner:
@@ -52,20 +51,29 @@ def _triton_table() -> dict[str, str]:
     return {op: "triton" for op in TABLE_OPS}
 
 
+def _replace_fusion(monkeypatch, fn) -> fusion_mod.Fusion:
+    """Registers ``fn`` in place of the token table's fusion (before a planner lays out its
+    schedules); the real one is returned."""
+    real = fusion_mod._FUSIONS[TABLE_OPS]
+    monkeypatch.setitem(
+        fusion_mod._FUSIONS,
+        TABLE_OPS,
+        fusion_mod.Fusion(real.first, real.second, real.provider, fn),
+    )
+    return real
+
+
 @pytest.fixture
 def calls(monkeypatch):
     """Counts the fused calls (the wrapper replaces the registered fusion before a planner
     lays out its schedules)."""
-    real = fusion_mod._FUSIONS[KEY]
     count = []
 
     def counted(outs, args, params):
         count.append(1)
         return real.fn(outs, args, params)
 
-    monkeypatch.setitem(
-        fusion_mod._FUSIONS, KEY, fusion_mod.Fusion(real.first, real.second, real.provider, counted)
-    )
+    real = _replace_fusion(monkeypatch, counted)
     return count
 
 
@@ -115,7 +123,6 @@ def test_captures_run_the_steps_one_by_one(calls):
 
 
 def test_a_failing_fused_call_is_retired_and_the_plans_stay_right(monkeypatch):
-    real = fusion_mod._FUSIONS[KEY]
     tried = []
 
     def broken(outs, args, params):
@@ -123,9 +130,7 @@ def test_a_failing_fused_call_is_retired_and_the_plans_stay_right(monkeypatch):
         outs[0].fill_(-3)  # half-written outputs: the steps run after it must overwrite them
         raise RuntimeError("no kernel image for this device")
 
-    monkeypatch.setitem(
-        fusion_mod._FUSIONS, KEY, fusion_mod.Fusion(real.first, real.second, real.provider, broken)
-    )
+    _replace_fusion(monkeypatch, broken)
     planner = _planner(["nsa"], _triton_table())
     reference = _planner(["nsa"], {op: "torch" for op in TABLE_OPS})
     batches = _batches(4, seed=7)
