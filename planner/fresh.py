@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from planner.batch import ForwardBatch
-from planner.dims import resolve_shape
+from planner.dims import dim_names, resolve_shape
 from planner.fusion import Runnable, fuse_steps
 from planner.host_pass import HostPass, HostPassFailed, NativePass, Placement
 from planner.program import Key, Program, batch_reads
@@ -69,19 +69,43 @@ class Cuts:
 
 
 @dataclass(frozen=True)
-class FreshLayout:
-    """One set of dimensions: one buffer of the staged inputs, the host-pass outputs and the
-    int32 device-computed fields, and one allocation per other dtype."""
+class StagedPart:
+    """What a layout's staged region holds: the inputs and the host pass's outputs, placed
+    by the dimensions the host pass's shapes name (fixed over a decode: the request count,
+    the SMs), and the host pass compiled for those places."""
 
     host: tuple[Placement, ...]
     native: NativePass | None
     """The host pass compiled for these placements, or None (numpy twins only)."""
     staged_size: int
+    sent: int
+    """int32 elements one copy sends (the staged size, as the stager rounds it)."""
+    pieces: tuple[tuple[Key, int, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class FreshLayout:
+    """One set of dimensions: one buffer of the staged inputs, the host-pass outputs and the
+    int32 device-computed fields, and one allocation per other dtype."""
+
+    part: StagedPart
     device_extra: int
     """int32 elements of device-computed fields after the staged ones, in the same buffer."""
     staged: Cuts
     arenas: Mapping[torch.dtype, tuple[int, Cuts]]
     """The other dtypes' device-computed fields: one allocation each."""
+
+    @property
+    def host(self) -> tuple[Placement, ...]:
+        return self.part.host
+
+    @property
+    def native(self) -> NativePass | None:
+        return self.part.native
+
+    @property
+    def staged_size(self) -> int:
+        return self.part.staged_size
 
 
 class FreshStorage:
@@ -102,6 +126,7 @@ class FreshStorage:
         self.stager = stager
         self.host_pass = host_pass
         self._layouts: dict[tuple, FreshLayout] = {}
+        self._staged: dict[tuple, StagedPart] = {}
         # Only the batch tensors the device steps read are bound: with the host pass on,
         # the ragged ops' implied extend lengths are never built (a torch.full per plan).
         self._inputs = {frozenset(): batch_reads(program.steps)}
@@ -109,6 +134,20 @@ class FreshStorage:
             self._inputs[host_pass.outputs] = batch_reads(program.steps, host_pass.outputs)
         self._schedules = {
             done: fuse_steps((s for s in program.steps if s.output not in done), retired_fusions)
+            for done in self._inputs
+        }
+        self._device_steps = {
+            done: tuple(s for s in program.steps if s.output not in done) for done in self._inputs
+        }
+        # The dimensions each part's shapes name, so that a part is laid out again only when
+        # one of them changes (a decode's longest request grows every step; its request
+        # count, the host pass's shapes' only name, does not).
+        host_names = set() if host_pass is None else _names(s for s, _ in host_pass.steps)
+        self._names = {
+            done: (
+                tuple(sorted(host_names if done else ())),
+                tuple(sorted(_names(self._device_steps[done]))),
+            )
             for done in self._inputs
         }
 
@@ -124,17 +163,21 @@ class FreshStorage:
     def _layout(
         self, dims: Mapping[str, int], reqs: int, host_pass: HostPass | None
     ) -> FreshLayout:
-        key = (host_pass is not None, reqs, *dims.values())  # dims come in one fixed order
+        done = host_pass.outputs if host_pass is not None else frozenset()
+        host_names, device_names = self._names[done]
+        staged_key = (host_pass is not None, reqs, dims["tokens"], *[dims[n] for n in host_names])
+        key = (*staged_key, *[dims[n] for n in device_names])
         layout = self._layouts.get(key)
         if layout is None:
-            if len(self._layouts) >= _LAYOUT_CACHE:
-                self._layouts.clear()
-            layout = self._layouts[key] = self._lay_out(dims, reqs, host_pass)
+            part = self._staged.get(staged_key)
+            if part is None:
+                part = _cached(self._staged, staged_key, self._stage_part(dims, reqs, host_pass))
+            layout = _cached(self._layouts, key, self._lay_out(part, dims, done))
         return layout
 
-    def _lay_out(
+    def _stage_part(
         self, dims: Mapping[str, int], reqs: int, host_pass: HostPass | None
-    ) -> FreshLayout:
+    ) -> StagedPart:
         host, staged_size, compiled = (), self.stager.layout.size, None
         tokens = dims["tokens"]
         if host_pass is not None:
@@ -145,12 +188,13 @@ class FreshStorage:
             for key, seg in self.segments.items()
         ]
         staged += [(p.key, p.offset, p.shape) for p in host]
-        done = host_pass.outputs if host_pass is not None else frozenset()
+        sent = self.stager.region_size(staged_size - self.stager.layout.size)
+        return StagedPart(tuple(host), compiled, staged_size, sent, tuple(staged))
+
+    def _lay_out(self, part: StagedPart, dims: Mapping[str, int], done: frozenset) -> FreshLayout:
         pieces: dict[torch.dtype, list] = {}
         totals: dict[torch.dtype, int] = {}
-        for step in self.program.steps:
-            if step.output in done:
-                continue
+        for step in self._device_steps[done]:
             shape = resolve_shape(step.spec.shape, dims, field=step.key)
             dtype = step.spec.dtype
             align = max(1, _ALIGN_BYTES // dtype.itemsize)
@@ -159,15 +203,13 @@ class FreshStorage:
             totals[dtype] = start + -(-math.prod(shape) // align) * align
         # int32 fields share the staging buffer's allocation, after it: one allocation and
         # one cut for the whole plan (a device allocation costs 5-10 us of host time on a GPU)
-        sent = self.stager.region_size(staged_size - self.stager.layout.size)
-        device_extra = 0
+        staged, sent, device_extra = list(part.pieces), part.sent, 0
         if torch.int32 in totals:
             base = -(-sent // _INT32_ALIGN) * _INT32_ALIGN
             staged += [(key, base + at, shape) for key, at, shape in pieces.pop(torch.int32)]
             device_extra = base + totals.pop(torch.int32) - sent
         arenas = {dt: (totals[dt], Cuts.of(pieces[dt], totals[dt])) for dt in totals}
-        cuts = Cuts.of(staged, sent + device_extra)
-        return FreshLayout(tuple(host), compiled, staged_size, device_extra, cuts, arenas)
+        return FreshLayout(part, device_extra, Cuts.of(staged, sent + device_extra), arenas)
 
     def prepare(
         self,
@@ -217,3 +259,17 @@ class FreshStorage:
         for alias, owner in self.program.aliases.items():
             tensors[alias] = tensors[owner]
         return tensors, host_pass.outputs if host_pass is not None else frozenset()
+
+
+def _names(steps: Iterable) -> set[str]:
+    """The dimension names the steps' output shapes use."""
+    return {name for step in steps for name in dim_names(step.spec.shape)}
+
+
+def _cached(cache: dict, key: tuple, value):
+    """``value`` kept under ``key``; the cache is emptied when full (ragged batches vary in
+    shape, so it is bounded)."""
+    if len(cache) >= _LAYOUT_CACHE:
+        cache.clear()
+    cache[key] = value
+    return value

@@ -1,0 +1,85 @@
+"""Eager plans' layouts in a real decode loop: every step's lengths grow by one, so the
+longest request (and with it the token slots' width) changes every step, while what the
+host pass writes and where does not. The part that depends only on the latter is laid
+out (and its host pass compiled) once; the rest per shape, and the plans stay the plans
+a planner that never saw an earlier batch makes."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from planner import ForwardBatch, ForwardMode, Limits, Planner
+from planner.compare import diff_plans
+from planner.host_pass import HostPass
+from tests.support.batches import make_pool
+
+MAX_BATCH, MAX_CTX, PAGE = 6, 256, 64
+TABLE = make_pool(2 * MAX_BATCH + 1, MAX_CTX, PAGE, seed=4)
+
+
+def _planner() -> Planner:
+    limits = Limits(
+        max_batch=MAX_BATCH, max_context=MAX_CTX, num_sms=8, kv_slots=int(TABLE.max()) + 1
+    )
+    return Planner(["paged", "nsa"], limits, options={"nsa": {"topk": 16}})
+
+
+def _decode(lens: list[int]) -> ForwardBatch:
+    seq = torch.tensor(lens, dtype=torch.int32)
+    pool = torch.arange(1, len(lens) + 1, dtype=torch.int64)
+    return ForwardBatch(
+        seq_lens_cpu=seq,
+        req_pool_indices=pool,
+        req_to_token=TABLE,
+        out_cache_loc=TABLE[pool, (seq - 1).long()].to(torch.int64),
+        positions=seq - 1,
+    )
+
+
+def _growing(steps: int, bs: int = 4, seed: int = 0) -> list[ForwardBatch]:
+    rng = random.Random(seed)
+    start = [rng.randint(1, MAX_CTX - steps) for _ in range(bs)]
+    return [_decode([n + step for n in start]) for step in range(steps)]
+
+
+def test_a_growing_decode_compiles_its_host_pass_once(monkeypatch):
+    planner = _planner()
+    made = []
+    original = HostPass.native_pass
+
+    def counting(self, *args, **kwargs):
+        made.append(args)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostPass, "native_pass", counting)
+    for batch in _growing(12):
+        planner.plan(batch)
+    assert len(made) == 1
+
+
+def test_growing_plans_equal_a_fresh_planners():
+    planner = _planner()
+    for batch in _growing(10, seed=1):
+        got = planner.plan(batch)
+        assert diff_plans(got, _planner().plan(batch)) == []
+
+
+def test_a_layout_follows_only_the_dimensions_its_shapes_name():
+    planner = _planner()
+    storage = planner.storages.fresh(ForwardMode.DECODE, 3)
+    planner.plan(_decode([100, 50, 20]))
+    planner.plan(_decode([100, 60, 30]))  # other total KV tokens, same longest request
+    assert len(storage._layouts) == 1
+    planner.plan(_decode([101, 60, 30]))  # a longer request: wider token slots
+    assert len(storage._layouts) == 2
+    assert len(storage._staged) == 1
+
+
+def test_a_growing_batch_of_other_sizes_and_modes_stays_exact():
+    """Request counts and modes each keep their own layouts (a verify step's rows differ)."""
+    planner = _planner()
+    for bs in (1, 3, 6):
+        for batch in _growing(4, bs=bs, seed=bs):
+            assert diff_plans(planner.plan(batch), _planner().plan(batch)) == []
