@@ -81,12 +81,17 @@ def time_host(fn: Callable[[int], Any], *, warmup: int, iters: int) -> dict[str,
 
 
 def time_paired(
-    variants: Mapping[str, Callable[[int], Any]], *, warmup: int, iters: int
+    variants: Mapping[str, Callable[[int], Any]],
+    *,
+    warmup: int,
+    iters: int,
+    ratios_to: Sequence[str] = (),
 ) -> dict[str, dict[str, float]]:
     """:func:`time_host` of several variants of one step, interleaved call by call (each
     round in a shuffled order), so the host's drift, which on the GPU hosts moves medians by 2x between
     blocks of calls, falls on every variant alike. Each variant's statistics, plus
-    ``ratio_to_first``: the median over iterations of its time over the first variant's."""
+    ``ratio_to_first``: the median over iterations of its time over the first variant's, and
+    ``ratio_to <name>`` the same over each variant named in ``ratios_to``."""
     names = list(variants)
     for i in range(warmup):
         for name in names:
@@ -101,10 +106,9 @@ def time_paired(
             start = time.perf_counter()
             variants[name](i)
             samples[name].append((time.perf_counter() - start) * 1e6)
-    first = samples[names[0]]
     out = {}
     for name in names:
-        ratios = sorted(b / a for a, b in zip(first, samples[name]) if a > 0)
+        ratios = _median_ratio(samples[names[0]], samples[name])
         ordered = sorted(samples[name])
         out[name] = {
             "median_us": statistics.median(ordered),
@@ -112,9 +116,16 @@ def time_paired(
             "p90_us": ordered[(len(ordered) * 9) // 10],
             "p99_us": ordered[min(len(ordered) - 1, (len(ordered) * 99) // 100)],
             "iters": iters,
-            "ratio_to_first": statistics.median(ratios) if ratios else float("nan"),
+            "ratio_to_first": ratios,
+            **{f"ratio_to {ref}": _median_ratio(samples[ref], samples[name]) for ref in ratios_to},
         }
     return out
+
+
+def _median_ratio(base: Sequence[float], other: Sequence[float]) -> float:
+    """The median over calls of ``other``'s time over ``base``'s in the same round."""
+    ratios = sorted(b / a for a, b in zip(base, other) if a > 0)
+    return statistics.median(ratios) if ratios else float("nan")
 
 
 def machine() -> dict[str, Any]:
