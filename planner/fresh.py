@@ -40,26 +40,36 @@ class Cuts:
     sizes: tuple[int, ...]
     picks: tuple[tuple[Key, int, tuple[int, ...]], ...]
     """``(key, piece, shape)``: several keys may name one piece (one staged source)."""
+    end: int = 0
+    """Where the cut pieces end: :meth:`then` cuts more after it."""
 
     @classmethod
-    def of(cls, pieces: Iterable[tuple[Key, int, tuple[int, ...]]], total: int) -> Cuts:
-        """``pieces`` are ``(key, offset, shape)``, non-overlapping unless equal."""
-        sizes: list[int] = []
+    def of(cls, pieces: Iterable[tuple[Key, int, tuple[int, ...]]], total: int | None) -> Cuts:
+        """``pieces`` are ``(key, offset, shape)``, non-overlapping unless equal; a last gap up
+        to ``total``, or none (more pieces to follow) where it is None."""
+        return _OPEN.then(pieces, total)
+
+    def then(self, pieces: Iterable[tuple[Key, int, tuple[int, ...]]], total: int | None) -> Cuts:
+        """These cuts and ``pieces`` after them: a layout's device fields after its staged
+        region, whose cuts are kept while the fields' shapes change every step."""
+        sizes, picks, at = list(self.sizes), list(self.picks), self.end
         index: dict[tuple[int, int], int] = {}
-        picks = []
-        at = 0
-        for key, offset, shape in sorted(pieces, key=lambda p: p[1]):
+        for key, offset, shape in sorted(pieces, key=_offset):
             numel = math.prod(shape)
             where = (offset, numel)
             if where not in index:
+                if offset < at:
+                    raise ValueError(f"{key} at {offset} overlaps the pieces before it (to {at})")
                 if offset > at:
                     sizes.append(offset - at)
                 index[where] = len(sizes)
                 sizes.append(numel)
                 at = offset + numel
             picks.append((key, index[where], shape))
-        sizes.append(total - at)
-        return cls(tuple(sizes), tuple(picks))
+        if total is not None:
+            sizes.append(total - at)
+            at = total
+        return Cuts(tuple(sizes), tuple(picks), at)
 
     def views(self, buffer: torch.Tensor, out: dict[Key, torch.Tensor]) -> None:
         parts = buffer.split_with_sizes(self.sizes)
@@ -80,7 +90,8 @@ class StagedPart:
     staged_size: int
     sent: int
     """int32 elements one copy sends (the staged size, as the stager rounds it)."""
-    pieces: tuple[tuple[Key, int, tuple[int, ...]], ...]
+    cuts: Cuts
+    """The staged fields' cuts, open: a layout adds its device fields after them."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +200,7 @@ class FreshStorage:
         ]
         staged += [(p.key, p.offset, p.shape) for p in host]
         sent = self.stager.region_size(staged_size - self.stager.layout.size)
-        return StagedPart(tuple(host), compiled, staged_size, sent, tuple(staged))
+        return StagedPart(tuple(host), compiled, staged_size, sent, Cuts.of(staged, None))
 
     def _lay_out(self, part: StagedPart, dims: Mapping[str, int], done: frozenset) -> FreshLayout:
         pieces: dict[torch.dtype, list] = {}
@@ -203,13 +214,13 @@ class FreshStorage:
             totals[dtype] = start + -(-math.prod(shape) // align) * align
         # int32 fields share the staging buffer's allocation, after it: one allocation and
         # one cut for the whole plan (a device allocation costs 5-10 us of host time on a GPU)
-        staged, sent, device_extra = list(part.pieces), part.sent, 0
+        after, sent, device_extra = [], part.sent, 0
         if torch.int32 in totals:
             base = -(-sent // _INT32_ALIGN) * _INT32_ALIGN
-            staged += [(key, base + at, shape) for key, at, shape in pieces.pop(torch.int32)]
+            after = [(key, base + at, shape) for key, at, shape in pieces.pop(torch.int32)]
             device_extra = base + totals.pop(torch.int32) - sent
         arenas = {dt: (totals[dt], Cuts.of(pieces[dt], totals[dt])) for dt in totals}
-        return FreshLayout(part, device_extra, Cuts.of(staged, sent + device_extra), arenas)
+        return FreshLayout(part, device_extra, part.cuts.then(after, sent + device_extra), arenas)
 
     def prepare(
         self,
@@ -259,6 +270,13 @@ class FreshStorage:
         for alias, owner in self.program.aliases.items():
             tensors[alias] = tensors[owner]
         return tensors, host_pass.outputs if host_pass is not None else frozenset()
+
+
+def _offset(piece: tuple[Key, int, tuple[int, ...]]) -> int:
+    return piece[1]
+
+
+_OPEN = Cuts((), (), 0)
 
 
 def _names(steps: Iterable) -> set[str]:
