@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from planner import device_copy
 from planner.batch import ForwardBatch
 from planner.errors import BatchError
 from planner.ring_events import GROUP, RingEvents
@@ -201,13 +202,12 @@ class Stager:
         if host_work is not None:
             host_work(view, base)
         if self.static:
-            dev = sent = self.device_buf
+            dev = self.device_buf
         elif done is None:
-            dev = sent = host
-        else:
+            dev = host
+        else:  # the copy fills its first ``total`` elements; the device steps the rest
             dev = torch.empty(total + device_extra, dtype=torch.int32, device=self.device)
-            sent = dev[:total] if device_extra else dev
-        self.send(host, sent, done)
+        self.send(host, dev, done)
         views = [dev[r * size : (r + 1) * size] for r in range(n)] if n > 1 else [dev]
         for region, (counts, on_device) in zip(views, pending):
             _copy_on_device(region, on_device, counts)
@@ -232,13 +232,15 @@ class Stager:
         return self.device_buf
 
     def send(self, host: torch.Tensor, dev: torch.Tensor, done: RingEvents | None) -> None:
-        """The one host-to-device copy (asynchronous from a pinned buffer, whose event says
-        when it may be refilled); on the CPU a copy only where the buffers differ."""
+        """The one host-to-device copy of ``host`` into the start of ``dev`` (asynchronous
+        from a pinned buffer, whose event says when it may be refilled; one runtime call,
+        ``planner.device_copy``); on the CPU a copy only where the buffers differ."""
         if done is None:
             if dev is not host:
-                dev.copy_(host)
+                n = host.shape[0]
+                (dev if dev.shape[0] == n else dev[:n]).copy_(host)
         else:
-            dev.copy_(host, non_blocking=True)
+            device_copy.send(dev, host, host.shape[0], done.device_index)
             done.after_copy(self.copies)
         self.copies += 1
 

@@ -1,0 +1,96 @@
+"""The staging copy as one CUDA runtime call: ``cudaMemcpyAsync`` out of a ring's pinned buffer.
+
+Why: ``Tensor.copy_(non_blocking=True)`` goes through the dispatcher, a TensorIterator, the
+copy kernel's choice and the pinned host allocator's event record before it reaches the
+runtime: 6.9-7.7 us of host time on the H200's host for an empty copy (r10-3), the largest
+floor of a replay. A stager's buffers need none of that: they are its own, contiguous
+int32, pinned once, and the ring's events (``planner.ring_events``) already say when a
+buffer may be refilled. So the copy is the runtime's own call, on the current stream,
+through ``ctypes``.
+
+It is taken only where it means exactly what ``copy_`` would: the CUDA runtime library the
+process already loaded (found in ``/proc/self/maps``), the destination's device current.
+Anywhere else, and for good after a call that fails (with a notice), ``copy_`` runs.
+``FORWARD_PLANNER_RAW_COPY=0`` turns it off.
+
+A ring buffer is replaced only after the copy that last read it ran (``Stager.next_host``
+waits for that first), so the copy needs no guard from the pinned allocator either.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+
+from planner.notices import warn_once
+
+_HOST_TO_DEVICE = 1
+"""``cudaMemcpyHostToDevice``."""
+_INT32_BYTES = 4
+
+_state = {"on": True}
+
+
+def enabled() -> bool:
+    return _state["on"] and os.environ.get("FORWARD_PLANNER_RAW_COPY", "1") not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _memcpy_async() -> Callable[..., int] | None:
+    """``cudaMemcpyAsync`` of the runtime library this process loaded, or None."""
+    path = _loaded_cudart()
+    if path is None:
+        return None
+    try:
+        fn = ctypes.CDLL(path).cudaMemcpyAsync
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _loaded_cudart() -> str | None:
+    """The path of the CUDA runtime library mapped into this process (torch's), or None:
+    loading another copy would be another runtime."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return cudart_in(maps)
+    except OSError:
+        return None
+
+
+def cudart_in(maps: Iterable[str]) -> str | None:
+    """The CUDA runtime library's path among ``/proc/self/maps`` lines, or None."""
+    for line in maps:
+        path = line.rstrip("\n").partition("/")[2]
+        if path and path.rsplit("/", 1)[-1].startswith("libcudart.so"):
+            return "/" + path
+    return None
+
+
+def send(dst: torch.Tensor, src: torch.Tensor, numel: int, device_index: int) -> None:
+    """The first ``numel`` int32 elements of pinned ``src`` into the first of ``dst``, on the
+    current stream of CUDA device ``device_index``, asynchronously."""
+    fn = _memcpy_async() if enabled() else None
+    if fn is not None and torch._C._cuda_getDevice() == device_index:
+        stream = torch._C._cuda_getCurrentRawStream(device_index)
+        error = fn(dst.data_ptr(), src.data_ptr(), numel * _INT32_BYTES, _HOST_TO_DEVICE, stream)
+        if error == 0:
+            return
+        _state["on"] = False
+        warn_once(
+            f"cudaMemcpyAsync failed (error {error}); staging copies go through "
+            "Tensor.copy_ from now on"
+        )
+    whole = numel == dst.numel() == src.numel()
+    (dst if whole else dst[:numel]).copy_(src if whole else src[:numel], non_blocking=True)
