@@ -33,7 +33,7 @@ from backends.nsa import NSAPlan  # noqa: F401  (registers the NSA backend)
 from benchmarks.common import machine, num_sms_of, plot_bars, print_table, time_paired, write_json
 from benchmarks.planner_overhead import HandWrittenNSA
 from benchmarks.seed_stack import batch_of, make_batch, make_table
-from planner import ForwardMode, Limits, Planner
+from planner import ForwardMode, Limits, Planner, device_copy
 from planner.dims import lengths_max_sum
 from planner.fusion import FusedSteps
 from planner.materialise import run_steps
@@ -186,6 +186,9 @@ def _floors(planner: Planner, batch, device: torch.device) -> dict[str, Callable
             total, dtype=torch.int32, device=device
         ),
         "floor: empty pinned copy_": lambda i: dev.copy_(host, non_blocking=True),
+        "floor: the same copy as one cudaMemcpyAsync": lambda i: device_copy.send(
+            dev, host, total, device.index if device.index is not None else 0
+        ),
         "floor: one split_with_sizes": lambda i: dev.split_with_sizes(sizes),
         "hand-written eager": lambda i: hand.plan(batch),
     }

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import machine, num_sms_of, plot_bars, print_table, time_paired, write_json
-from planner import ForwardMode, Limits, Planner
+from planner import ForwardMode, Limits, Planner, device_copy
 from planner.cuda_events import record_on_current_stream
 from planner.staging_screen import K_DERIVED, K_I32, K_I64
 from tests.support.batches import make_pool, random_batch
@@ -83,6 +83,9 @@ def _floors(planner: Planner, bs: int, device: torch.device) -> dict[str, Callab
     noop.argtypes, noop.restype = [ctypes.c_int], ctypes.c_int
     floors: dict[str, Callable[[int], Any]] = {
         "floor: empty pinned copy_": lambda i: dev.copy_(host, non_blocking=True),
+        "floor: the same copy as one cudaMemcpyAsync": lambda i: device_copy.send(
+            dev, host, host.shape[0], device.index if device.index is not None else 0
+        ),
         "floor: data_ptr() loop": lambda i: [t.data_ptr() for t in tensors],
         "floor: ctypes call": lambda i: noop(1),
     }
