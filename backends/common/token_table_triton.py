@@ -112,7 +112,8 @@ def token_table(
     page_size = params[1]["page_size"]
     if page_input is not slots:
         raise ValueError("the fused page table must read the slots this launch writes")
-    if not _plainly_valid(slots, pages, req_to_token, req_pool_indices, seq_lens, page_size):
+    plain = _plainly_valid(slots, pages, req_to_token, req_pool_indices, seq_lens, page_size)
+    if not plain:
         # the references' own checks name what is wrong (and accept what the test above
         # is too strict for)
         ref.check_gather_token_slots(slots, req_to_token, req_pool_indices, seq_lens)
@@ -122,9 +123,19 @@ def token_table(
     if slots.shape[0] == 0 or (slots.shape[1] == 0 and pages.shape[1] == 0):
         return
     grid, args, constexprs = launch_args(
-        slots, pages, req_to_token, req_pool_indices, seq_lens, page_size
+        slots, pages, req_to_token, req_pool_indices, seq_lens, page_size, contiguous=plain
     )
-    _token_table.launch(grid, *args, **constexprs)
+    _token_table.launch_as(known_kinds(args) if plain else None, grid, args, constexprs)
+
+
+def known_kinds(args: tuple) -> tuple | None:
+    """The direct launch's key of ``launch_args``' arguments once ``_plainly_valid`` held:
+    int32 tensors but the request indices (int32 or int64), and each size's width; None
+    where a size needs 64 bits (the launch then works the kinds out itself)."""
+    sizes = args[5:]
+    if max(sizes) > ref._I32_MAX or min(sizes) < 0:
+        return None
+    return (_I32, _I32, _I32, args[3].dtype, _I32, *[32] * len(sizes))
 
 
 def launch_args(
@@ -134,15 +145,22 @@ def launch_args(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     page_size: int,
+    *,
+    contiguous: bool = False,
 ) -> tuple[tuple[int, int], tuple, dict[str, int]]:
     """The kernel's grid, positional arguments and constexprs for checked, non-empty tables
-    (``benchmarks/eager_pieces`` launches it the same way through other paths)."""
+    (``benchmarks/eager_pieces`` launches it the same way through other paths); the row
+    strides are the rows' lengths where the tables are known ``contiguous`` (a table of one
+    row or none of its columns may say otherwise, but no row offset of it is then taken)."""
     reqs, width = slots.shape
     n_pages = pages.shape[1]
+    ctx = req_to_token.shape[1]
     block = block_size(width)
     page_block = block_size(n_pages)
     grid = (max(-(-width // block), -(-n_pages // page_block)), reqs)
-    args = (slots, pages, req_to_token, req_pool_indices, seq_lens, width)
-    args += (req_to_token.shape[1], n_pages, page_size)
-    args += (slots.stride(0), pages.stride(0), req_to_token.stride(0))
+    args = (slots, pages, req_to_token, req_pool_indices, seq_lens, width, ctx, n_pages, page_size)
+    if contiguous:
+        args += (width, n_pages, ctx)
+    else:
+        args += (slots.stride(0), pages.stride(0), req_to_token.stride(0))
     return grid, args, {"BLOCK": block, "PAGE_BLOCK": page_block}

@@ -123,12 +123,29 @@ class LazyKernel:
         order. Once a specialisation has been compiled, later launches of it call the
         compiled kernel's launcher directly on the current stream; under the interpreter,
         with launch hooks set, or for an argument it cannot key, Triton's run launches."""
+        self.launch_as(None, grid, args, constexprs)
+
+    def launch_as(
+        self,
+        kinds: tuple | None,
+        grid: tuple[int, ...],
+        args: tuple,
+        constexprs: dict[str, Any],
+    ) -> None:
+        """:meth:`launch`, given the arguments' kinds (``_arg_kind`` of each: a tensor's
+        dtype, an int's width) where the caller's own checks made them certain, which saves
+        working them out per launch; None works them out. A wrong kind would call another
+        specialisation's code: give them only where a test holds them to ``_kinds``."""
         if not _direct_launch_ok() or not 1 <= len(grid) <= 3:
             self[grid](*args, **constexprs)
             return
-        device = torch.cuda.current_device()
-        kinds = _kinds(args, self._aligned)
-        if None in kinds or self._params[len(args) :] != tuple(constexprs):
+        device = _current_device()
+        if kinds is None:
+            kinds = _kinds(args, self._aligned)
+            if None in kinds:
+                self[grid](*args, **constexprs)
+                return
+        if self._params[len(args) :] != tuple(constexprs):
             self[grid](*args, **constexprs)
             return
         key = (device, *kinds, *constexprs.values())
@@ -146,6 +163,13 @@ class LazyKernel:
         values = constexprs.values()
         gx, gy, gz = (*grid, 1, 1)[:3]
         run(gx, gy, gz, stream, function, metadata, None, None, None, *args, *values)
+
+
+def _current_device() -> int:
+    """The current CUDA device's index: the raw query (``torch.cuda.current_device``'s
+    Python wrapper costs a microsecond a launch), or the wrapper where it is missing."""
+    get = getattr(torch._C, "_cuda_getDevice", None)
+    return get() if get is not None else torch.cuda.current_device()
 
 
 def unspecialised(sizes: list[str], pointers: list[str]) -> dict[str, list[str]]:
