@@ -67,7 +67,8 @@ class Cuts:
                 at = offset + numel
             picks.append((key, index[where], shape))
         if total is not None:
-            sizes.append(total - at)
+            if total > at:  # no empty last piece: each piece is a tensor to make
+                sizes.append(total - at)
             at = total
         return Cuts(tuple(sizes), tuple(picks), at)
 

@@ -232,12 +232,8 @@ class Planner:
         else:
             plans = sets[0]
         if count:
-            seconds = time.perf_counter() - start
-            self.stats.record_steps(mode, self.program(mode).steps, len(sets))
-            self.stats.batches["eager"] += 1
-            self.stats.batches[f"eager_{mode.value}"] += 1
-            self.stats.host_seconds["eager"] += seconds
-            self.stats.host_seconds[f"eager_{mode.value}"] += seconds
+            steps = self.program(mode).steps
+            self.stats.count_eager(mode, steps, len(sets), time.perf_counter() - start)
         return plans
 
     def _plan_one(

@@ -94,6 +94,10 @@ class PlanSet(Mapping[str, Plan]):
         )
 
 
+_EAGER_KEYS: dict[ForwardMode, str] = {}
+"""``eager_<mode>`` per mode, made once (an f-string per plan costs the hot path)."""
+
+
 @dataclass
 class PlannerStats:
     """What the planner did: batches per phase, op executions, host time.
@@ -120,6 +124,21 @@ class PlannerStats:
         self.programs[mode] = steps
         self.batches["replay"] += 1
         self.host_seconds["replay"] += seconds
+
+    def count_eager(
+        self, mode: ForwardMode, steps: tuple[Step, ...], times: int, seconds: float
+    ) -> None:
+        """One eager batch of ``mode`` (``times`` steps of ``steps``) that took ``seconds``:
+        :meth:`record_steps` and the eager counters, overall and per mode, in one call."""
+        self.program_runs[mode] += 1
+        self.programs[mode] = steps if times == 1 else steps * times
+        per_mode = _EAGER_KEYS.get(mode)
+        if per_mode is None:
+            per_mode = _EAGER_KEYS[mode] = f"eager_{mode.value}"
+        self.batches["eager"] += 1
+        self.batches[per_mode] += 1
+        self.host_seconds["eager"] += seconds
+        self.host_seconds[per_mode] += seconds
 
     @property
     def op_calls(self) -> Counter:
