@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 import torch
@@ -154,11 +155,12 @@ class FreshStorage:
         # The dimensions each part's shapes name, so that a part is laid out again only when
         # one of them changes (a decode's longest request grows every step; its request
         # count, the host pass's shapes' only name, does not).
+        # Each key is read in one call (a getter of two names at least, so it gives a tuple).
         host_names = set() if host_pass is None else _names(s for s, _ in host_pass.steps)
-        self._names = {
+        self._keys = {
             done: (
-                tuple(sorted(host_names if done else ())),
-                tuple(sorted(_names(self._device_steps[done]))),
+                itemgetter("reqs", "tokens", *sorted(host_names if done else ())),
+                itemgetter("reqs", "tokens", *sorted(_names(self._device_steps[done]))),
             )
             for done in self._inputs
         }
@@ -176,9 +178,9 @@ class FreshStorage:
         self, dims: Mapping[str, int], reqs: int, host_pass: HostPass | None
     ) -> FreshLayout:
         done = host_pass.outputs if host_pass is not None else frozenset()
-        host_names, device_names = self._names[done]
-        staged_key = (host_pass is not None, reqs, dims["tokens"], *[dims[n] for n in host_names])
-        key = (*staged_key, *[dims[n] for n in device_names])
+        staged_names, device_names = self._keys[done]
+        staged_key = (host_pass is not None, reqs, staged_names(dims))
+        key = (staged_key, device_names(dims))
         layout = self._layouts.get(key)
         if layout is None:
             part = self._staged.get(staged_key)
