@@ -8,8 +8,8 @@ int32, pinned once, and the ring's events (``planner.ring_events``) already say 
 buffer may be refilled. So the copy is the runtime's own call, on the current stream,
 through ``ctypes``.
 
-It is taken only where it means exactly what ``copy_`` would: the CUDA runtime library the
-process already loaded (found in ``/proc/self/maps``), the destination's device current.
+It is taken only where it means exactly what ``copy_`` would: torch's own CUDA runtime
+(the global symbol; else the one runtime library mapped), the destination's device current.
 Anywhere else, and for good after a call that fails (with a notice), ``copy_`` runs.
 ``FORWARD_PLANNER_RAW_COPY=0`` turns it off.
 
@@ -46,22 +46,28 @@ def enabled() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _memcpy_async() -> Callable[..., int] | None:
-    """``cudaMemcpyAsync`` of the runtime library this process loaded, or None."""
-    path = _loaded_cudart()
-    if path is None:
-        return None
+    """``cudaMemcpyAsync`` of torch's own runtime library, or None.
+
+    torch loads its CUDA runtime into the global symbol scope before any extension, so the
+    global lookup finds torch's even when an extension mapped another copy (which would be
+    another runtime). Without the global symbol, the one library mapped, if only one is."""
     try:
-        fn = ctypes.CDLL(path).cudaMemcpyAsync
+        fn = ctypes.CDLL(None).cudaMemcpyAsync
     except (OSError, AttributeError):
-        return None
+        path = _loaded_cudart()
+        if path is None:
+            return None
+        try:
+            fn = ctypes.CDLL(path).cudaMemcpyAsync
+        except (OSError, AttributeError):
+            return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
 
 
 def _loaded_cudart() -> str | None:
-    """The path of the CUDA runtime library mapped into this process (torch's), or None:
-    loading another copy would be another runtime."""
+    """The path of the one CUDA runtime library mapped into this process, or None."""
     try:
         with open("/proc/self/maps") as maps:
             return cudart_in(maps)
@@ -70,12 +76,14 @@ def _loaded_cudart() -> str | None:
 
 
 def cudart_in(maps: Iterable[str]) -> str | None:
-    """The CUDA runtime library's path among ``/proc/self/maps`` lines, or None."""
+    """The CUDA runtime library's path among ``/proc/self/maps`` lines; None where there is
+    none, or more than one (which is torch's the addresses do not say)."""
+    found = set()
     for line in maps:
         path = line.rstrip("\n").partition("/")[2]
         if path and path.rsplit("/", 1)[-1].startswith("libcudart.so"):
-            return "/" + path
-    return None
+            found.add("/" + path)
+    return found.pop() if len(found) == 1 else None
 
 
 def send(dst: torch.Tensor, src: torch.Tensor, numel: int, device_index: int) -> None:

@@ -87,12 +87,42 @@ def test_no_runtime_library_means_copy_(monkeypatch):
     assert dst.tolist() == [0, 1, 2, 0, 0]
 
 
-def test_the_runtime_library_is_found_by_its_file_name_only():
+def test_the_mapped_runtime_library_is_found_by_its_file_name_and_only_if_alone():
     maps = [
         "7f00-7f01 r--p 00000000 08:01 1 /usr/lib/libc.so.6\n",
         "7f02-7f03 r--p 00000000 08:01 2 /opt/libcudart.so.13/libtorch.so\n",
         "7f04-7f05 r-xp 00000000 08:01 3 /site/nvidia/cu13/lib/libcudart.so.13\n",
     ]
     assert device_copy.cudart_in(maps) == "/site/nvidia/cu13/lib/libcudart.so.13"
+    assert device_copy.cudart_in([*maps, maps[2]]) == "/site/nvidia/cu13/lib/libcudart.so.13"
     assert device_copy.cudart_in(maps[:2]) is None
+    other = "7f06-7f07 r-xp 00000000 08:01 4 /site/ext/lib/libcudart.so.12\n"
+    assert device_copy.cudart_in([*maps, other]) is None  # two runtimes: which is torch's?
     assert device_copy.cudart_in(["7f00-7f01 rw-p 00000000 00:00 0 \n"]) is None
+
+
+def test_torchs_global_runtime_is_preferred_to_a_mapped_one(monkeypatch):
+    """The global symbol (torch loads its runtime first, into the global scope) wins; the
+    mapped library is read only without it."""
+
+    class Symbol:
+        argtypes = restype = None
+
+    opened: list = []
+    state = {"global_missing": False}
+
+    class FakeCDLL:
+        def __init__(self, path):
+            opened.append(path)
+            if path is not None or not state["global_missing"]:
+                self.cudaMemcpyAsync = Symbol()
+
+    monkeypatch.setattr(device_copy.ctypes, "CDLL", FakeCDLL)
+    monkeypatch.setattr(device_copy, "_loaded_cudart", lambda: "/lib/libcudart.so.13")
+    for missing, want in ((False, [None]), (True, [None, "/lib/libcudart.so.13"])):
+        state["global_missing"] = missing
+        opened.clear()
+        device_copy._memcpy_async.cache_clear()
+        assert device_copy._memcpy_async() is not None
+        assert opened == want
+    device_copy._memcpy_async.cache_clear()
