@@ -179,8 +179,11 @@ class FreshStorage:
     ) -> FreshLayout:
         done = host_pass.outputs if host_pass is not None else frozenset()
         staged_names, device_names = self._keys[done]
-        staged_key = (host_pass is not None, reqs, staged_names(dims))
-        key = (staged_key, device_names(dims))
+        try:
+            staged_key = (host_pass is not None, reqs, staged_names(dims))
+            key = (staged_key, device_names(dims))
+        except KeyError:  # a shape names a dimension not given: resolve_shape names the field
+            return self._lay_out(self._stage_part(dims, reqs, host_pass), dims, done)
         layout = self._layouts.get(key)
         if layout is None:
             part = self._staged.get(staged_key)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from planner import ForwardBatch, ForwardMode, Limits, Planner
 from planner.compare import diff_plans
+from planner.errors import SchemaError
 from planner.host_pass import HostPass
 from tests.support.batches import make_pool
 
@@ -83,3 +85,14 @@ def test_a_growing_batch_of_other_sizes_and_modes_stays_exact():
     for bs in (1, 3, 6):
         for batch in _growing(4, bs=bs, seed=bs):
             assert diff_plans(planner.plan(batch), _planner().plan(batch)) == []
+
+
+def test_a_dimension_a_shape_names_but_the_batch_lacks_is_named():
+    planner = _planner()
+    planner.plan(_decode([100, 50, 20]))
+    storage = planner.storages.fresh(ForwardMode.DECODE, 3)
+    dims = planner.dims(ForwardMode.DECODE, 3, 100, 3, 170)
+    del dims["max_len"]
+    with pytest.raises(SchemaError, match="unknown dimension 'max_len'") as caught:
+        storage._layout(dims, 3, storage.host_pass)
+    assert caught.value.field == "paged.token_slots"
