@@ -89,6 +89,11 @@ def cudart_in(maps: Iterable[str]) -> str | None:
 def send(dst: torch.Tensor, src: torch.Tensor, numel: int, device_index: int) -> None:
     """The first ``numel`` int32 elements of pinned ``src`` into the first of ``dst``, on the
     current stream of CUDA device ``device_index``, asynchronously."""
+    if not 0 <= numel <= min(dst.shape[0], src.shape[0]):  # never past either buffer's end
+        raise ValueError(
+            f"staging copy of {numel} elements between buffers of "
+            f"{src.shape[0]} (host) and {dst.shape[0]} (device)"
+        )
     fn = _memcpy_async() if enabled() else None
     if fn is not None and torch._C._cuda_getDevice() == device_index:
         stream = torch._C._cuda_getCurrentRawStream(device_index)

@@ -126,3 +126,11 @@ def test_torchs_global_runtime_is_preferred_to_a_mapped_one(monkeypatch):
         assert device_copy._memcpy_async() is not None
         assert opened == want
     device_copy._memcpy_async.cache_clear()
+
+
+def test_a_copy_past_either_buffers_end_is_refused(runtime):
+    src, dst = _buffers(runtime, 5, 4)
+    for numel in (5, -1):
+        with pytest.raises(ValueError, match="staging copy of"):
+            device_copy.send(dst, src, numel, 0)
+    assert runtime.calls == []
