@@ -72,7 +72,7 @@ def _staging_pieces(storage, batch, reqs, dims, ranges) -> dict[str, Callable[[i
     allocation and copy (``stage`` whole), and cutting the views."""
     stager, layout = storage.stager, storage._layout(dims, reqs, storage.host_pass)
     tokens = dims["tokens"]
-    extra = layout.staged_size - stager.layout.size
+    extra = layout.part.staged_size - stager.layout.size
     total = stager.region_size(extra)
     scratch = torch.zeros(total, dtype=torch.int32)  # the screen's and pass's own: the ring's
     address = scratch.data_ptr()  # buffers may still be being sent
@@ -90,15 +90,15 @@ def _staging_pieces(storage, batch, reqs, dims, ranges) -> dict[str, Callable[[i
             ranges,
             read_device=True,
             extra=extra,
-            host_work=lambda view, at: layout.native.run(at),
+            host_work=lambda view, at: layout.part.native.run(at),
             device_extra=layout.device_extra,
         ),
         "  views (one split, the 2-D views)": lambda i: layout.staged.views(staged, {}),
     }
     if stager._ring:  # pinned buffers on a GPU host; a fresh buffer per plan on the CPU
         pieces["  ring's next buffer (event wait)"] = lambda i: stager._next_cut(total)
-    if layout.native is not None:
-        pieces["  host pass C call"] = lambda i, _alive=scratch: layout.native.run(address)
+    if layout.part.native is not None:
+        pieces["  host pass C call"] = lambda i, _alive=scratch: layout.part.native.run(address)
     return pieces
 
 
@@ -179,9 +179,8 @@ def _floors(
     planner: Planner, batch, grown: list, device: torch.device
 ) -> dict[str, Callable[[int], Any]]:
     storage = planner.storages.fresh(_DECODE, batch.bs)
-    stager = storage.stager
     layout = next(iter(storage._layouts.values()))
-    total = stager.region_size(layout.staged_size - stager.layout.size) + layout.device_extra
+    total = layout.part.sent + layout.device_extra
     host = torch.zeros(total, dtype=torch.int32, pin_memory=device.type == "cuda")
     dev = torch.zeros(total, dtype=torch.int32, device=device)
     sizes = layout.staged.sizes

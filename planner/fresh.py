@@ -108,18 +108,6 @@ class FreshLayout:
     arenas: Mapping[torch.dtype, tuple[int, Cuts]]
     """The other dtypes' device-computed fields: one allocation each."""
 
-    @property
-    def host(self) -> tuple[Placement, ...]:
-        return self.part.host
-
-    @property
-    def native(self) -> NativePass | None:
-        return self.part.native
-
-    @property
-    def staged_size(self) -> int:
-        return self.part.staged_size
-
 
 class FreshStorage:
     """Eager plans: see the module docstring."""
@@ -145,12 +133,11 @@ class FreshStorage:
         self._inputs = {frozenset(): batch_reads(program.steps)}
         if host_pass is not None:
             self._inputs[host_pass.outputs] = batch_reads(program.steps, host_pass.outputs)
-        self._schedules = {
-            done: fuse_steps((s for s in program.steps if s.output not in done), retired_fusions)
-            for done in self._inputs
-        }
         self._device_steps = {
             done: tuple(s for s in program.steps if s.output not in done) for done in self._inputs
+        }
+        self._schedules = {
+            done: fuse_steps(steps, retired_fusions) for done, steps in self._device_steps.items()
         }
         # The dimensions each part's shapes name, so that a part is laid out again only when
         # one of them changes (a decode's longest request grows every step; its request
@@ -245,13 +232,14 @@ class FreshStorage:
         if host_pass is not None and host_pass.failed:
             host_pass = None
         layout = self._layout(dims, reqs, host_pass)
+        part = layout.part
         tokens = dims["tokens"]
         work = None
         if host_pass is not None:
 
             def work(view: np.ndarray, address: int) -> None:
-                if layout.native is None or not layout.native.run(address):
-                    host_pass.run(view, layout.host, reqs, tokens)
+                if part.native is None or not part.native.run(address):
+                    host_pass.run(view, part.host, reqs, tokens)
 
         try:
             staged = self.stager.stage(
@@ -261,7 +249,7 @@ class FreshStorage:
                 ranges,
                 read_device=read_device,
                 read_table=read_table,
-                extra=layout.staged_size - self.stager.layout.size,
+                extra=part.staged_size - self.stager.layout.size,
                 host_work=work,
                 device_extra=layout.device_extra,
             )
