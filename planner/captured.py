@@ -183,6 +183,9 @@ class CapturedBatch:
     any, then run over the captured tensors)."""
     host_calls: tuple[HostCall, ...] = ()
     """The host steps of a one-step capture as prepared calls (see :class:`HostCall`)."""
+    recorded: bool = False
+    """``record`` ran since the capture: its first call is the capture's (an emulated
+    graph's capture runs it too, and must pull nothing), the later ones replays."""
 
     @property
     def table_ptr(self) -> int:
@@ -243,6 +246,17 @@ class CapturedBatch:
             return [run_calls(self.host_calls, batch, {})]
         tensors = self.steps[0].tensors
         return [run_steps(self.host_steps, tensors, batch, True, inputs=self.host_inputs)]
+
+    def pull_unless_capturing(self, device: torch.device) -> None:
+        """``record``'s pull of the staged inputs, where the graph pulls them: launched inside
+        a CUDA capture (recorded, not run), run at an emulated graph's replays; not at the
+        first record of an emulated graph, which is its capture (the replay that staged
+        for it is yet to come)."""
+        stager = self.storages[0].stager
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if stager.pull is not None and (self.recorded or capturing):
+            stager.pull.pull(stager.device_buf)
+        self.recorded = True
 
     def check_unmoved(self, handles: list[Handles] | tuple[Handles, ...]) -> None:
         for step, step_handles in zip(self.steps, handles):

@@ -123,3 +123,16 @@ def check_forced(programs: Iterable[Program], forced: Mapping[str, str]) -> None
             expected=sorted(known),
             actual=sorted(unknown),
         )
+
+
+def check_staging_in_graph(staging_in_graph: bool, ops_in_graph: bool) -> None:
+    """A graph can pull the staged inputs only before ops that run in it: ops run at replay,
+    outside it, would read the device buffer before the pull filled it."""
+    if staging_in_graph and not ops_in_graph:
+        raise ConfigError(
+            "staging_in_graph needs ops_in_graph: ops run outside the graph read the "
+            "staged inputs before the graph could pull them",
+            field="staging_in_graph",
+            expected="ops_in_graph=True",
+            actual="ops_in_graph=False",
+        )

@@ -5,7 +5,8 @@
   buffers, filled from a valid dummy batch; ``record(bs)`` then runs the
   graph-safe ops inside the caller's CUDA graph, once, before the layers.
 - ``replay(batch)``: stage raw inputs (one pinned buffer, one copy), run host
-  ops, and hand back the very plan objects of the capture.
+  ops, and hand back the very plan objects of the capture (``staging_in_graph``:
+  the graph pulls the pinned buffer itself; ``graph_launched()`` follows its launch).
 
 All three go through :func:`planner.materialise.materialise`; this module
 only says which storage and which steps each phase uses, and keeps the
@@ -32,13 +33,14 @@ from planner.fallback import ProviderChain
 from planner.limits import Limits
 from planner.materialise import batch_dims, bind_batch, materialise, materialise_all
 from planner.ops import get_op
-from planner.options import check_forced, check_options
+from planner.options import check_forced, check_options, check_staging_in_graph
 from planner.plan_build import build_plans
 from planner.planset import PlannerStats, PlanSet
 from planner.program import Program, build_program, warm_up
 from planner.replay_lane import ReplayLane, lane_for
 from planner.schema import Plan
 from planner.schema_sets import check_serves, schemas_by_mode
+from planner.staging_pull import PulledRing
 from planner.stepped import batches_of
 from planner.storages import Storages
 
@@ -49,6 +51,8 @@ class Planner:
     ``on_mismatch(batch, replayed, eager)`` is called in debug mode before a
     replay that differs from eager is raised (dumps use it to keep both).
     ``eager_on_host`` lets eager plans run ops' host twins (``planner.host_pass``).
+    ``staging_in_graph`` has the captured graphs pull each replay's inputs out of pinned
+    memory themselves, so a replay makes no CUDA call (``planner.staging_pull``).
     """
 
     def __init__(
@@ -62,9 +66,11 @@ class Planner:
         ops_in_graph: bool = True,
         on_mismatch: MismatchHook | None = None,
         eager_on_host: bool = True,
+        staging_in_graph: bool = False,
     ) -> None:
         if not backends:
             raise SchemaError("a planner needs at least one backend", field="backends")
+        check_staging_in_graph(staging_in_graph, ops_in_graph)
         self.limits = limits
         self.device = limits.torch_device
         self.schemas_by_mode = schemas_by_mode(backends)
@@ -78,13 +84,8 @@ class Planner:
         self.ops_in_graph = ops_in_graph
         self.on_mismatch = on_mismatch
         self.stats = PlannerStats()
-        self._base = {
-            "max_batch": limits.max_batch,
-            "max_context": limits.max_context,
-            "page_size": limits.page_size,
-            "next_n": limits.next_n,
-            "num_sms": limits.num_sms,
-        }
+        base = ("max_batch", "max_context", "page_size", "next_n", "num_sms")
+        self._base = {name: getattr(limits, name) for name in base}
         self._chains: dict[tuple[str, str | None], ProviderChain] = {}
         self._programs = {
             mode: self._build_program(mode, schemas)
@@ -100,7 +101,16 @@ class Planner:
         }
         idle = {ForwardMode.IDLE} if ForwardMode.DECODE in self._programs else set()
         self._modes = frozenset(self._programs) | idle
-        self.storages = Storages(self._programs, limits, self.device, eager_on_host=eager_on_host)
+        self.staging_in_graph = staging_in_graph
+        self.storages = Storages(
+            self._programs,
+            limits,
+            self.device,
+            eager_on_host=eager_on_host,
+            staging_in_graph=staging_in_graph,
+        )
+        self._pulled: PulledRing | None = None
+        """The ring the last replay staged into, where the graphs pull (its launch next)."""
         self.storages.check_budget()  # before any static buffer is allocated
         self._captured: dict[tuple[ForwardMode, int], CapturedBatch] = {}
         self._lanes: dict[tuple[ForwardMode, int], ReplayLane] = {}
@@ -301,6 +311,7 @@ class Planner:
         captured = self._captured_for(
             mode, check_size("bs", bs, 1, self.limits.max_batch, "size out of range")
         )
+        captured.pull_unless_capturing(self.device)  # first: the ops below read what it pulls
         in_graph = [step for step in self.program(mode).steps if step.in_graph]
         for each in captured.steps:  # a stepped mode: every step's ops, in one graph
             bind_batch(each.tensors, each.dummy)
@@ -329,6 +340,7 @@ class Planner:
         start = time.perf_counter()
         lane = lane_for(self._lanes, batch, bs)
         if lane is not None and not self.debug and lane.run(batch):
+            self._pulled = lane.stager.pull
             self.stats.count_replay(lane.mode, lane.steps, time.perf_counter() - start)
             return lane.plans
         mode = self._validate(batch, device_reads=self.debug)
@@ -360,11 +372,22 @@ class Planner:
                 read_table=self.debug,
             )
             captured.check_unmoved([handles for _, handles in results])
+        self._pulled = captured.storages[0].stager.pull
         captured.plans.mark("replay", mode, real)
         self.stats.record_steps(mode, captured.program_steps, len(batches))
         self.stats.batches["replay"] += 1
         self.stats.host_seconds["replay"] += time.perf_counter() - start
         return captured.plans
+
+    def graph_launched(self) -> None:
+        """The graph of the last :meth:`replay` was launched: with ``staging_in_graph``, call
+        it right after each such launch (the next replay stages the next step); without, it
+        does nothing. A launch declared twice is refused, naming this call."""
+        if not self.staging_in_graph:
+            return
+        if self._pulled is None:
+            raise ReplayError("graph_launched() before any replay()", field="graph_launched")
+        self._pulled.launched()
 
     # ---- debug ----------------------------------------------------------------------------
 

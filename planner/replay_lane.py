@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from planner.batch import ForwardBatch, ForwardMode
+from planner.batch import BATCH, ForwardBatch, ForwardMode
 from planner.captured import CapturedBatch, run_calls
 from planner.staging_screen import K_DERIVED, K_I32, K_I64
 
@@ -50,6 +50,7 @@ class ReplayLane:
         "steps",
         "staged",
         "later",
+        "pull",
         "_mirrors",
     )
 
@@ -81,7 +82,23 @@ class ReplayLane:
         )
         staged = {call.output for call, _ in self.staged}
         self.later = tuple(call for call in captured.host_calls if call.output not in staged)
+        self.pull = stager.pull if stager.pull is not None and self._pullable() else None
+        """The ring the graph pulls this capture's inputs from, where it may: see
+        :meth:`_pullable`; None sends them by the copy, as without one."""
         self._mirrors: dict[int, tuple[torch.Tensor, tuple[np.ndarray, ...]]] = {}
+
+    def _pullable(self) -> bool:
+        """Whether the graph may pull the staged inputs itself, after every host op ran: no
+        host op reads the device buffer (each reads the batch, or binds a field's address
+        without reading it; a device op hoisted out of the graph would read it), and none
+        writes the appendix on the device (the pull would overwrite that with the slot)."""
+        appendix = self.captured.storages[0].staged
+        for step in self.captured.host_steps:
+            if step.chain.current.graph_safe:
+                return False
+            if any(who != BATCH and name not in step.spec.binds for who, name in step.input_keys):
+                return False
+        return not any(call.output in appendix for call in self.later)
 
     @classmethod
     def for_capture(
@@ -150,7 +167,11 @@ class ReplayLane:
             if call.chain.current is not call.provider:  # a fallback since capture
                 return False
         stager = self.stager
-        host, view, done = stager.next_host()
+        pull = self.pull
+        if pull is None:
+            host, view, done = stager.next_host()
+        else:  # the graph pulls this slot itself: nothing to send here
+            (host, view), done = pull.slot(), None
         seq_ptr = seq.data_ptr()
         if not self.screen.run(
             host.data_ptr(), seq_ptr, pool_kind, pool, slot_kind, slot, pos_kind, pos, real
@@ -168,7 +189,10 @@ class ReplayLane:
                     return False  # again, through its chain, which names or retires it)
                 if handle is not None:
                     handles[call.output] = handle
-        stager.send(host, stager.device_buf, done)
+        if pull is None:
+            stager.send(host, stager.device_buf, done)
+        else:
+            pull.publish(sent=False)
         run_calls(self.later, batch, handles)  # host ops that write the device: after it
         self.captured.steps[0].check_unmoved(handles)
         plans = self.plans  # one step: what PlanSet.mark sets, without its loop over steps

@@ -7,6 +7,10 @@ on CUDA (a pageable copy costs several times a pinned one), after the host
 pass has added its outputs. Either way a pinned buffer is refilled only once
 the copy out of it is done, so two batches never race on one. What is
 written where, and the range check, are ``planner.staging``'s.
+
+Where the planner stages in the graph, a static stager also keeps the ring its graphs pull
+from (``planner.staging_pull``): the replay lane fills a slot of it and sends nothing; any
+other send tells the pull that its step went by the copy.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from planner.batch import ForwardBatch
 from planner.errors import BatchError
 from planner.ring_events import GROUP, RingEvents
 from planner.staging import Ranges, Segment, StagingLayout, real_counts
+from planner.staging_pull import PulledRing
 
 _CUTS_KEPT = 64
 """Sizes whose cuts a fresh stager keeps per pinned buffer (ragged batches vary in size)."""
@@ -51,6 +56,7 @@ class Stager:
         static: bool,
         regions: int = 1,
         appendix: int = 0,
+        pulled: str | None = None,
     ) -> None:
         self.layout = layout
         self.device = device
@@ -75,6 +81,11 @@ class Stager:
         if static:
             self.host = self._ring[0][0]  # the first pinned buffer (sizes, benchmarks)
             self.device_buf = torch.zeros(self._size * regions, dtype=torch.int32, device=device)
+        self.pull: PulledRing | None = None
+        """A static stager's ring that the graph pulls from (``planner.staging_pull``),
+        where the planner stages in the graph; ``pulled`` names its mode."""
+        if pulled is not None and static:
+            self.pull = PulledRing(self._size * regions, device, pulled)
 
     def region_size(self, extra: int = 0) -> int:
         """Elements one batch's region holds, and one copy sends: the layout's (at least
@@ -243,6 +254,8 @@ class Stager:
             device_copy.send(dev, host, host.shape[0], done.device_index)
             done.after_copy(self.copies)
         self.copies += 1
+        if self.pull is not None:  # sent already: the graph's pull leaves the buffer alone
+            self.pull.publish(sent=True)
 
 
 def _even(n: int) -> int:

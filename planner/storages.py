@@ -24,6 +24,7 @@ from planner.program import Program
 from planner.staged_outputs import appendix_words, staged_outputs
 from planner.stager import RING, Stager
 from planner.staging import Ranges, StagingLayout, input_ranges
+from planner.staging_pull import SLOTS
 
 
 class Storages:
@@ -36,8 +37,10 @@ class Storages:
         device: torch.device,
         *,
         eager_on_host: bool = True,
+        staging_in_graph: bool = False,
     ) -> None:
         self.programs = programs
+        self.staging_in_graph = staging_in_graph
         self.limits = limits
         self.device = device
         self.eager_on_host = eager_on_host
@@ -113,7 +116,12 @@ class Storages:
             # host ops' small outputs ride the staging copy (one step: one region)
             staged = staged_outputs(program) if steps == 1 else {}
             stager = Stager(
-                layout, self.device, static=True, regions=steps, appendix=appendix_words(staged)
+                layout,
+                self.device,
+                static=True,
+                regions=steps,
+                appendix=appendix_words(staged),
+                pulled=mode.value if self.staging_in_graph else None,
             )
             max_dims = self.max_dims(mode)
             storages = self._static[mode] = [
@@ -162,6 +170,8 @@ class Storages:
             # is counted as their fields, above)
             appendix = 4 * (appendix_words(staged_outputs(program)) + 1) if steps == 1 else 0
             out[(mode, "staging (host)")] = (staging + appendix) * ring
+            if self.staging_in_graph:  # the ring the graphs pull from, beside the copy's
+                out[(mode, "staging (pulled)")] = (staging + appendix) * SLOTS
         return out
 
     def check_budget(self) -> None:
