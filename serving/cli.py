@@ -64,6 +64,13 @@ def _add_decode(sub: Any) -> None:
     )
     p.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
     p.add_argument(
+        "--staging",
+        choices=("auto", "graph", "copy"),
+        help="how a replay's staged inputs reach the device (override planner.staging_in_graph): "
+        "graph: the captured graph pulls them from pinned memory; copy: one host-to-device copy "
+        "before the launch; auto: graph whenever ops run in the graph",
+    )
+    p.add_argument(
         "--debug", action="store_true", help="verify every replayed plan against eager (slow)"
     )
     p.add_argument(

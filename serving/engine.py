@@ -115,6 +115,7 @@ class DecodeEngine:
             providers=p.providers,
             debug=p.debug or None,
             ops_in_graph=p.ops_in_graph,
+            staging_in_graph=p.ops_in_graph if p.staging_in_graph == "auto" else p.staging_in_graph,
             on_mismatch=None if dumps is None else MismatchDumper(dumps.directory / "mismatches"),
         )
         self.planner.check_serves(needs)

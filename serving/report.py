@@ -43,6 +43,7 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         "device": str(engine.device),
         "layers": engine.model_config.num_hidden_layers,
         "sparse_mla_kernel": engine.mla_kernel,
+        "staging": "graph" if engine.planner.staging_in_graph else "copy",
         "requests_finished": result.finished,
         "generated_tokens": generated,
         "wall_seconds": result.wall_seconds,
@@ -131,6 +132,12 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
             f"{summary['planner_us_per_extend_plan']:.0f} us",
         ),
         (f"graph replays ({summary['graph_kind']})", f"{summary['graph_replays']}"),
+        (
+            "staged inputs reach the device by",
+            "the graph's own pull"
+            if summary["staging"] == "graph"
+            else "a copy before each launch",
+        ),
         (
             "eager fallbacks",
             ", ".join(f"{k}: {v}" for k, v in summary["eager_fallbacks"].items()) or "0",

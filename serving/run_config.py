@@ -49,6 +49,11 @@ class PlannerSection(_Section):
     )
     debug: bool = False
     ops_in_graph: bool = True
+    staging_in_graph: bool | Literal["auto"] = Field(
+        "auto",
+        description="the captured graphs pull each replay's staged inputs out of pinned memory "
+        "themselves, so a replay makes no CUDA call; auto: whenever ops_in_graph",
+    )
     schedule_layout: Literal["0.1.0", "new"] = "0.1.0"
     mla_kernel: Literal["auto", "triton", "torch", "flashinfer"] = Field(
         "auto",

@@ -41,6 +41,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["speculative.compare_plain"] = True
     if args.mla_kernel is not None:
         out["planner.mla_kernel"] = args.mla_kernel
+    if args.staging is not None:
+        out["planner.staging_in_graph"] = {"auto": "auto", "graph": True, "copy": False}[
+            args.staging
+        ]
     if args.no_graphs:
         out["graphs.enabled"] = False
     if args.debug:

@@ -46,6 +46,7 @@ def _setup(
     debug: bool = False,
     forward=None,
     table: torch.Tensor | None = None,
+    planner_kw: dict | None = None,
     **kw,
 ):
     """Runner, its model, the eager twin (own KV cache), an eager planner, a scheduler.
@@ -64,7 +65,7 @@ def _setup(
         max_batch=max_batch, max_context=max_context, page_size=PAGE, next_n=NEXT_N, device="cuda"
     )
     runner = GraphRunner(
-        Planner(["paged"], limits, debug=debug),
+        Planner(["paged"], limits, debug=debug, **(planner_kw or {})),
         forward or model,
         req_to_token=table,
         static_inputs={"input_ids": torch.int64},

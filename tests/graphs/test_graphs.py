@@ -199,6 +199,26 @@ def test_host_ops_path_equals_eager(ops_in_graph):
     assert runner.stats.graph_steps == 40
 
 
+def test_staging_in_the_graph_equals_eager():
+    """The graph pulls its inputs itself: every step's outputs are still eager's, and each
+    replayed step was pulled once (decode and verify each keep their own ring)."""
+    runner, _, twin, ref, sched = _setup(seed=5, planner_kw={"staging_in_graph": True})
+    rng = random.Random(5)
+    for _ in range(300):
+        batch, inputs = sched.batch(rng.randint(1, 8), rng.choice([DECODE, VERIFY]))
+        _check_equal(
+            runner.step(batch, inputs), twin(inputs, ref.plan(batch)), batch.bs * batch.next_n
+        )
+    pulled = {}
+    for (mode, _), captured in runner.planner._captured.items():
+        pulled[mode] = captured.storages[0].stager.pull.seq
+    replays = {m: 0 for m in (DECODE.value, VERIFY.value)}
+    for (mode, _), count in runner.stats.replays.items():
+        replays[mode] += count
+    assert {m.value: n for m, n in pulled.items()} == replays
+    assert sum(replays.values()) == 300
+
+
 def test_padding_rows_write_only_the_null_slot():
     runner, model, _, _, sched = _setup(seed=5)
     rng = random.Random(5)
@@ -517,6 +537,9 @@ def test_replay_overhead_benchmark_runs_on_emulated_graphs(tmp_path):
     args += ["--max-context", "256", "--backends", "paged", "--out", str(out)]
     result = bench.main(args)
     saved = json.loads(out.read_text())
-    assert [r["bs"] for r in saved["rows"]] == [1, 4] == [r["graph_size"] for r in result["rows"]]
-    assert saved["graphs"]["eager_fallbacks"] == {} and saved["graph_kind"] == "emulated"
+    rows = [(r["bs"], r["staging"]) for r in saved["rows"]]
+    assert rows == [(1, "graph"), (1, "copy"), (4, "graph"), (4, "copy")]
+    assert [r["bs"] for r in saved["rows"]] == [r["graph_size"] for r in result["rows"]]
+    assert all(g["eager_fallbacks"] == {} for g in saved["graphs"].values())
+    assert saved["graph_kind"] == "emulated"
     assert all(r["refresh"]["p50"] > 0 for r in saved["rows"])

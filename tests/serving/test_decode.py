@@ -51,6 +51,22 @@ def test_greedy_tokens_identical_without_graphs(with_graphs):
     assert eager.tokens == result.tokens
 
 
+def test_greedy_tokens_identical_with_the_staging_copy_outside_the_graph(with_graphs):
+    """The default (auto) stages in the graph: the graphs pulled every replayed step."""
+    engine, result = with_graphs
+    assert engine.planner.staging_in_graph
+    rings = {
+        id(c.storages[0].stager): c.storages[0].stager.pull
+        for c in engine.planner._captured.values()
+    }
+    pulls = sum(ring.seq for ring in rings.values())
+    assert pulls == summarize(engine, result)["graph_replays"] > 0
+    assert summarize(engine, result)["staging"] == "graph"
+    copier, copied = _run(**{"planner.staging_in_graph": False})
+    assert copied.tokens == result.tokens
+    assert summarize(copier, copied)["staging"] == "copy"
+
+
 def test_greedy_tokens_identical_after_save_and_reload(with_graphs, tmp_path):
     engine, result = with_graphs
     path = tmp_path / "tiny.safetensors"
@@ -79,6 +95,11 @@ def test_cli_prints_the_summary(tmp_path):
     assert "tokens/s" in proc.stdout and "schedule computations per step" in proc.stdout
     data = json.loads(out.read_text())
     assert data["summary"]["requests_finished"] == 3
+    assert data["summary"]["staging"] == "graph"
+    proc = planner_cli("decode", "--requests", "2", "--staging", "copy", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "a copy before each launch" in proc.stdout
+    assert json.loads(out.read_text())["summary"]["staging"] == "copy"
 
 
 def test_cli_config_errors_are_one_line(tmp_path):
