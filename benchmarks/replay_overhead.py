@@ -55,6 +55,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--staging",
+        nargs="+",
+        choices=["graph", "copy"],
+        default=["graph", "copy"],
+        help="where the staged inputs go to the device: pulled by the graph itself "
+        "(staging_in_graph), or by a copy before its launch; several are interleaved step by step",
+    )
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG bar chart here (needs matplotlib)")
     return p.parse_args(argv)
@@ -110,26 +118,37 @@ def _us(values: list[float]) -> dict[str, float]:
 
 
 def measure(
-    args: argparse.Namespace, bs: int, batches: list, sync: Callable[[], None], runner: GraphRunner
-) -> dict[str, Any]:
-    """Per-step phase times of graph steps, step+sync wall time, and eager host time."""
-    planner = runner.planner
-    phases: dict[str, list[float]] = {k: [] for k in PHASES}
-    host, wall, eager = [], [], []
+    args: argparse.Namespace,
+    bs: int,
+    batches: list,
+    sync: Callable[[], None],
+    runners: dict[str, GraphRunner],
+) -> list[dict[str, Any]]:
+    """Per-step phase times of graph steps, step+sync wall time, and eager host time, for
+    each runner, their steps interleaved (the host's drift falls on all alike)."""
+    names = list(runners)
+    phases = {n: {k: [] for k in PHASES} for n in names}
+    host = {n: [] for n in names}
+    wall = {n: [] for n in names}
+    eager: list[float] = []
     for i, (batch, inputs) in enumerate(batches):
-        before = dict(runner.stats.host_seconds)
-        sync()
-        t0 = time.perf_counter()
-        runner.step(batch, inputs)
-        t1 = time.perf_counter()
-        sync()
-        t2 = time.perf_counter()
-        if i < args.warmup:
-            continue
-        for k in PHASES:
-            phases[k].append(runner.stats.host_seconds[k] - before.get(k, 0.0))
-        host.append(t1 - t0)
-        wall.append(t2 - t0)
+        order = names if i % 2 == 0 else names[::-1]
+        for name in order:
+            runner = runners[name]
+            before = dict(runner.stats.host_seconds)
+            sync()
+            t0 = time.perf_counter()
+            runner.step(batch, inputs)
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            if i < args.warmup:
+                continue
+            for k in PHASES:
+                phases[name][k].append(runner.stats.host_seconds[k] - before.get(k, 0.0))
+            host[name].append(t1 - t0)
+            wall[name].append(t2 - t0)
+    planner = runners[names[0]].planner
     for i, (batch, inputs) in enumerate(batches):
         sync()
         t0 = time.perf_counter()
@@ -138,10 +157,14 @@ def measure(
         t1 = time.perf_counter()
         if i >= args.warmup:
             eager.append(t1 - t0)
-    row = {"bs": bs, "graph_size": runner.route(ForwardMode(args.mode), bs)[0]}
-    row.update({k: _us(v) for k, v in phases.items()})
-    row.update(step_host=_us(host), step_sync=_us(wall), eager_host=_us(eager))
-    return row
+    rows = []
+    for name in names:
+        size = runners[name].route(ForwardMode(args.mode), bs)[0]
+        row = {"bs": bs, "staging": name, "graph_size": size}
+        row.update({k: _us(v) for k, v in phases[name].items()})
+        row.update(step_host=_us(host[name]), step_sync=_us(wall[name]), eager_host=_us(eager))
+        rows.append(row)
+    return rows
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -156,17 +179,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         next_n=args.next_n,
         device=str(device),
     )
-    planner = Planner(args.backends, limits, debug=False)
     table = make_table(top + 1, args.max_context, args.page_size, device)
-    runner = GraphRunner(
-        planner,
-        light_forward,
-        req_to_token=table,
-        static_inputs={"input_ids": torch.int64},
-        modes=[mode],
-        sizes=sorted(set(args.batches)),
-    )
-    stats = runner.capture()
+    runners = {}
+    for staging in dict.fromkeys(args.staging):
+        planner = Planner(args.backends, limits, debug=False, staging_in_graph=staging == "graph")
+        runners[staging] = GraphRunner(
+            planner,
+            light_forward,
+            req_to_token=table,
+            static_inputs={"input_ids": torch.int64},
+            modes=[mode],
+            sizes=sorted(set(args.batches)),
+        )
+        stats = runners[staging].capture()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     rng = random.Random(args.seed)
     host = table.cpu()
@@ -175,17 +200,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         batches = [
             make_batch(rng, table, host, bs, mode, n) for _ in range(args.warmup + args.iters)
         ]
-        rows.append(measure(args, bs, batches, sync, runner))
+        rows.extend(measure(args, bs, batches, sync, runners))
+    first = next(iter(runners.values()))
     return {
         "config": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},
         "device": torch.cuda.get_device_name(device)
         if device.type == "cuda"
         else platform.processor(),
         "torch": torch.__version__,
-        "providers": planner.providers_chosen(mode),
+        "providers": first.planner.providers_chosen(mode),
         "graph_kind": stats.kind,
         "rows": rows,
-        "graphs": stats.summary(),
+        "graphs": {name: r.stats.summary() for name, r in runners.items()},
     }
 
 
@@ -198,13 +224,18 @@ def render(result: dict[str, Any]) -> None:
         title=f"Host overhead per step, us p50 (p99) - {result['graph_kind']} graphs, "
         f"{'+'.join(cfg['backends'])}, {cfg['mode']}, {result['device']}"
     )
-    for col in ("bs", "refresh", "inputs", "replay call", "step host", "step + sync", "eager host"):
+    columns = ("bs", "staging", "refresh", "inputs", "replay call", "step host", "step + sync")
+    for col in (*columns, "eager host"):
         table.add_column(col, justify="right")
     for row in result["rows"]:
         cells = [
             row[k] for k in ("refresh", "inputs", "replay", "step_host", "step_sync", "eager_host")
         ]
-        table.add_row(str(row["bs"]), *(f"{c['p50']:.1f} ({c['p99']:.1f})" for c in cells))
+        table.add_row(
+            str(row["bs"]),
+            row.get("staging", "copy"),
+            *(f"{c['p50']:.1f} ({c['p99']:.1f})" for c in cells),
+        )
     Console().print(table)
 
 
@@ -215,7 +246,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    labels = [str(r["bs"]) for r in rows]
+    labels = [f"{r['bs']}\n{r.get('staging', 'copy')}" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(7, 4))
     bottom = [0.0] * len(rows)

@@ -72,6 +72,33 @@ def _pieces(planner: Planner, batch, bs: int) -> dict[str, Callable[[int], Any]]
     }
 
 
+def _pulled_pieces(backends, limits: Limits, table, batch, bs: int) -> dict[str, Callable]:
+    """The same replay where the graph pulls the staged inputs itself (``staging_in_graph``):
+    no copy, no events. Without a graph launch the ring stays at one step, so each call
+    refills the same slot: the host cost a serving loop pays, without its wait (none in a
+    loop that syncs each step)."""
+    planner = Planner(backends, limits, options={"nsa": {"topk": 2048}}, staging_in_graph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner.capture(bs, req_to_token=table)
+    lane = planner._lanes[(_DECODE, bs)]
+    if lane.pull is None or not lane.run(batch):
+        raise SystemExit(f"bs {bs}: the staged-in-graph replay does not pull; nothing to time")
+    pull = lane.pull
+    pieces: dict[str, Callable[[int], Any]] = {
+        "in graph: replay() whole": lambda i: planner.replay(batch, bs),
+        "in graph: lane run": lambda i: lane.run(batch),
+        "in graph: slot and tag (ack check)": lambda i: (pull.slot(), pull.publish(sent=False)),
+    }
+    device = limits.torch_device
+    if device.type == "cuda":
+        pieces["in graph: device sync, then replay()"] = lambda i: (
+            torch.cuda.synchronize(device),
+            planner.replay(batch, bs),
+        )
+    return pieces
+
+
 def _floors(planner: Planner, bs: int, device: torch.device) -> dict[str, Callable[[int], Any]]:
     captured = planner._captured[(_DECODE, bs)]
     stager = captured.storages[0].stager
@@ -151,6 +178,7 @@ def measure(
         raise SystemExit(f"bs {bs}: the replay does not take the lane; nothing to split")
     if backend is None:
         variants = {**_pieces(planner, batch, bs), **_floors(planner, bs, device)}
+        variants.update(_pulled_pieces(backends, limits, table, batch, bs))
         if device.type == "cuda":  # what a serving loop sees: each step starts after a sync
             variants["device sync, then replay()"] = lambda i: (
                 torch.cuda.synchronize(device),
@@ -189,14 +217,22 @@ def _print_group(rows: list[dict[str, Any]], group: str, batches: list[int], dev
             lane = by[(bs, "lane run")]["median_us"]
             derived.append(f"{lane - sum(by[(bs, n)]['median_us'] for n in calls):.2f}")
         table_rows.append(["lane's own checks, reads and marks (derived)", *derived])
-    synced = ("device sync, then replay()", "floor: device sync alone")
-    if all((bs, n) in by for bs in batches for n in synced):
-        after = [
-            by[(bs, synced[0])]["median_us"] - by[(bs, synced[1])]["median_us"] for bs in batches
-        ]
-        table_rows.append(
-            ["replay() right after a device sync (derived)", *[f"{a:.2f}" for a in after]]
-        )
+    for label, name in (
+        ("", "device sync, then replay()"),
+        ("in graph: ", "in graph: device sync, then replay()"),
+    ):
+        synced = (name, "floor: device sync alone")
+        if all((bs, n) in by for bs in batches for n in synced):
+            after = [
+                by[(bs, synced[0])]["median_us"] - by[(bs, synced[1])]["median_us"]
+                for bs in batches
+            ]
+            table_rows.append(
+                [
+                    f"{label}replay() right after a device sync (derived)",
+                    *[f"{a:.2f}" for a in after],
+                ]
+            )
     print_table(
         f"replay() pieces, median (p99) us, {group} decode, {device}",
         ["piece", *[f"bs {bs}" for bs in batches]],
