@@ -179,3 +179,25 @@ def test_the_switch_turns_it_off(monkeypatch):
         assert native.stage_screen() is None
     finally:
         native.library.cache_clear()
+
+
+@pytest.mark.parametrize("pool", [3, 64])
+def test_a_repeated_slot_or_row_is_refused_by_the_bitmap_and_by_the_hash_set(pool):
+    """A small table's slots fit a bitmap in the scratch, a large one's take the hash set
+    (request rows always fit the bitmap here); either way a repeat is caught."""
+    table = make_pool(pool, 64, 64)
+    limits = Limits(max_batch=4, max_context=64, kv_slots=int(table.max()) + 1, device="cpu")
+    planner = Planner(["paged"], limits)
+    layout = planner.storages.layout(ForwardMode.DECODE, 4)
+    ranges = planner.storages.ranges(ForwardMode.DECODE, table)
+    for seed in range(40):
+        rng = random.Random(seed)
+        bs = rng.randint(2, min(4, pool - 1))
+        batch = random_batch(rng, table, max_batch=4, max_context=64, bs=bs)
+        assert _screen(layout, batch, 4, 4, ranges) is not None
+        field = rng.choice(["out_cache_loc", "req_pool_indices"])
+        tensor = getattr(batch, field).clone()
+        tensor[1] = tensor[0]
+        bad = dataclasses.replace(batch, **{field: tensor})
+        assert isinstance(_python(layout, bad, 4, 4, ranges), BatchError)
+        assert _screen(layout, bad, 4, 4, ranges) is None, (seed, field)
