@@ -16,7 +16,7 @@ import torch
 from planner.batch import BATCH, BATCH_TABLES, ForwardBatch, ForwardMode
 from planner.errors import PlanError, ReplayError
 from planner.fallback import ProviderChain
-from planner.materialise import Handles, StaticStorage, Tensors, run_steps
+from planner.materialise import Handles, StaticStorage, Tensors, materialise_all, run_steps
 from planner.plan_build import build_plans
 from planner.planset import PlanSet
 from planner.program import Program, Step
@@ -229,6 +229,19 @@ class CapturedBatch:
             self.host_calls = tuple(
                 HostCall.of(step, tensors, handles.get(step.output)) for step in self.host_steps
             )
+
+    def refresh(
+        self, batch: ForwardBatch, batches: list[ForwardBatch], bs: int, *, debug: bool
+    ) -> None:
+        """A replay's staging and host ops off the lane (``batches``: the batch's steps): the
+        screen where it applies, else the general path, which debug mode always takes (it
+        also reads device-resident inputs and the table); then the plans checked unmoved."""
+        if self.screened and not debug and self.stage_screened(batch, bs):
+            self.check_unmoved(self.run_host_ops(batch))
+            return
+        args = (self.storages, batches, bs, self.dims, self.ranges, self.host_steps)
+        results = materialise_all(*args, read_device=debug, read_table=debug)
+        self.check_unmoved([handles for _, handles in results])
 
     def stage_screened(self, batch: ForwardBatch, bs: int) -> bool:
         """The replay hot path of a :attr:`screened` capture: the compiled screen stages the

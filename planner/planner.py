@@ -357,21 +357,7 @@ class Planner:
         captured = self._captured_for(mode.plans_as, bs)
         captured.check_table(batch.req_to_token)
         batches = batches_of(batch) if mode.stepped else [batch]
-        # Debug mode takes the general path: it also reads device-resident inputs and the table.
-        if captured.screened and not self.debug and captured.stage_screened(batch, bs):
-            captured.check_unmoved(captured.run_host_ops(batch))
-        else:
-            results = materialise_all(
-                captured.storages,
-                batches,
-                bs,
-                captured.dims,
-                captured.ranges,
-                captured.host_steps,
-                read_device=self.debug,
-                read_table=self.debug,
-            )
-            captured.check_unmoved([handles for _, handles in results])
+        captured.refresh(batch, batches, bs, debug=self.debug)
         self._pulled = captured.storages[0].stager.pull
         captured.plans.mark("replay", mode, real)
         self.stats.record_steps(mode, captured.program_steps, len(batches))
@@ -380,9 +366,8 @@ class Planner:
         return captured.plans
 
     def graph_launched(self) -> None:
-        """The graph of the last :meth:`replay` was launched: with ``staging_in_graph``, call
-        it right after each such launch (the next replay stages the next step); without, it
-        does nothing. A launch declared twice is refused, naming this call."""
+        """The last :meth:`replay`'s graph was launched (``staging_in_graph``: call it after
+        each such launch; else it does nothing). A launch declared twice is refused."""
         if not self.staging_in_graph:
             return
         if self._pulled is None:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from planner.errors import ReplayError
+from planner.staging_pull_kernel import pull_kernel
 
 SLOTS = 8
 """Pinned slots per ring: how many launched graphs the host may run ahead of the GPU."""
@@ -128,8 +129,6 @@ class PulledRing:
         """The graph's pull into ``dst`` (called inside capture on CUDA, where it is recorded;
         an emulated graph calls it at every replay)."""
         if self.device.type == "cuda":
-            from planner.staging_pull_kernel import pull_kernel
-
             pull_kernel()[(1,)](
                 self.block, self.meta, self.counter, dst, self.words, SLOTS=SLOTS, BLOCK=_BLOCK
             )

@@ -1,12 +1,15 @@
 """The pull kernel of ``planner.staging_pull``: a step's slot of the pinned ring into the
-static device buffer, inside the captured graph. Imported only where a CUDA planner pulls
-(or a test runs it under ``TRITON_INTERPRET=1``): the planner core imports no Triton."""
+static device buffer, inside the captured graph. Triton is loaded on the first
+:func:`pull_kernel` call, where a CUDA planner pulls (or a test runs the kernel under
+``TRITON_INTERPRET=1``), so importing the planner core loads no Triton."""
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+import importlib
+from typing import Any
 
+tl: Any = None
+"""``triton.language``, once :func:`pull_kernel` has loaded it (the kernel's body names it)."""
 _kernels: dict[bool, object] = {}
 
 
@@ -44,6 +47,9 @@ def _pull(
 def pull_kernel() -> object:
     """:func:`_pull` under ``triton.jit``, decorated on first use per interpreter mode
     (``triton.jit`` fixes interpreter or compiler when it decorates)."""
+    global tl
+    triton = importlib.import_module("triton")
+    tl = importlib.import_module("triton.language")
     knobs = getattr(triton, "knobs", None)
     interpret = bool(knobs.runtime.interpret) if knobs is not None else False
     kernel = _kernels.get(interpret)
