@@ -45,14 +45,15 @@ def test_the_host_running_ahead_of_the_gpu_waits_for_the_pulls():
     launches ahead; no step is checked before the end, and every one equals eager."""
     runner, _, twin, ref, sched = _setup(8, 128, seed=6, sizes=[2, 4, 8], planner_kw=PULL)
     rng = random.Random(6)
-    got, steps = [], []
+    # made first: a batch's own host-to-device copies wait for the GPU, which would keep
+    # the host from getting ahead
+    steps = [sched.batch(rng.randint(1, 8), DECODE, "cuda") for _ in range(4 * SLOTS)]
     runner.capture()
     torch.cuda.synchronize()
-    for _ in range(4 * SLOTS):
-        batch, inputs = sched.batch(rng.randint(1, 8), DECODE, "cuda")
+    got = []
+    for batch, inputs in steps:
         torch.cuda._sleep(2_000_000)
         got.append(runner.step(batch, inputs)["meta"].clone())
-        steps.append((batch, inputs))
     (ring,) = [r for r in _rings(runner) if r.mode == ForwardMode.DECODE.value]
     assert ring.waits > 0, "the host never got a ring ahead: the test proves nothing"
     torch.cuda.synchronize()
