@@ -279,7 +279,7 @@ class GraphRunner:
         self.inputs.fill_checked(inputs, reqs, rows, entry.bs, entry.rows)  # checked above
         t2 = time.perf_counter()
         entry.graph.replay()
-        self.planner.graph_launched()  # where the graph pulls the staged inputs: the next step's
+        self.planner.graph_launched()  # staged in the graph: the next replay is the next step
         t3 = time.perf_counter()
         if self.planner.debug:
             self.planner.verify(batch, plans)

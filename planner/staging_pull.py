@@ -12,9 +12,9 @@ counter (the steps the graphs have pulled), and a pinned control block: the ack 
 counter as the last pull left it), an error word and one tag per slot.
 - ``replay()`` fills slot ``seq % SLOTS`` (``seq``: the graphs launched so far) and writes its
   tag, ``2 * seq`` (or ``2 * seq + 1``: "already sent", where a replay took the copy path).
-- The graph's first kernel (``planner.staging_pull_kernel``, captured by ``Planner.record``) reads the counter,
-  checks that the slot's tag names that step, copies the slot unless it was already sent,
-  then advances the counter and the ack.
+- The graph's first kernel (``planner.staging_pull_kernel``, captured by
+  ``Planner.record``) reads the counter, checks that the slot's tag names that step,
+  copies the slot unless it was already sent, then advances the counter and the ack.
 - ``Planner.graph_launched()``, right after the graph's launch, advances ``seq``.
 
 A slot is refilled only once the ack says its last pull ran (``SLOTS`` launches back), so

@@ -58,9 +58,9 @@ def test_every_step_pulls_what_a_fresh_plan_computes(case):
     assert stager.pull.seq == 40
 
 
-def test_the_plain_lanes_pull_and_only_batch_reading_host_ops_keep_them():
-    """nsa+paged has no host op: its lane pulls. FlashInfer's plan reads only the batch
-    (the fields it takes are bound by address): its lanes pull too."""
+def test_every_lane_of_these_setups_pulls():
+    """nsa+paged has no host op. FlashInfer's plans read only the batch (the fields they
+    take are bound by address) and write their summaries into the slot: they pull too."""
     for case in CASES:
         _, planner, mode = _captured(case)
         assert planner._lanes[(mode, BS)].pull is not None, case
