@@ -58,6 +58,14 @@ def pull_reference(
     meta[_ACK] = seq + 1
 
 
+def _launch(
+    block: torch.Tensor, meta: torch.Tensor, counter: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """The pull kernel over one ring's tensors (pinned ``block`` and ``meta``, device
+    ``counter`` and ``dst``), in one program on the current stream."""
+    pull_kernel()[(1,)](block, meta, counter, dst, block.shape[1], SLOTS=SLOTS, BLOCK=_BLOCK)
+
+
 class PulledRing:
     """One static stager's ring of pinned slots, its device counter and its control block;
     see the module docstring. ``mode`` names the ring in errors."""
@@ -86,12 +94,12 @@ class PulledRing:
         """Compile and load the kernel now, on scratch buffers of the ring's shapes (the same
         specialisation): its first launch is inside a graph capture, where loading a module
         is not allowed, and a launch on the ring itself would count a step."""
-        scratch = PulledRing.__new__(PulledRing)
-        scratch.device, scratch.mode, scratch.words = self.device, self.mode, self.words
-        scratch.block = torch.zeros_like(self.block).pin_memory()
-        scratch.meta = torch.full_like(self.meta, -2).pin_memory()
-        scratch.counter = torch.zeros_like(self.counter)
-        scratch.pull(torch.zeros(self.words, dtype=torch.int32, device=self.device))
+        _launch(
+            torch.zeros_like(self.block).pin_memory(),
+            torch.full_like(self.meta, -2).pin_memory(),
+            torch.zeros_like(self.counter),
+            torch.zeros(self.words, dtype=torch.int32, device=self.device),
+        )
         torch.cuda.synchronize(self.device)
 
     def slot(self) -> tuple[torch.Tensor, np.ndarray]:
@@ -128,27 +136,22 @@ class PulledRing:
     def pull(self, dst: torch.Tensor) -> None:
         """The graph's pull into ``dst`` (called inside capture on CUDA, where it is recorded;
         an emulated graph calls it at every replay)."""
-        if self.device.type == "cuda":
-            pull_kernel()[(1,)](
-                self.block, self.meta, self.counter, dst, self.words, SLOTS=SLOTS, BLOCK=_BLOCK
-            )
-        else:
-            pull_reference(self.block, self.meta, self.counter, dst)
+        pull = _launch if self.device.type == "cuda" else pull_reference
+        pull(self.block, self.meta, self.counter, dst)
 
     def _refuse(self) -> None:
         """The error word is set: resynchronise, then name what happened."""
         error = self._meta[_ERROR]
-        if error:
-            found = self._resync()
-            raise ReplayError(
-                f"a graph of mode {self.mode} ran without its replay(): step {error - 1}'s pull "
-                "found no inputs staged for it, so that step ran on stale plans. Every "
-                "replay() must be followed by one graph launch and graph_launched(); "
-                f"resynchronised at step {found}",
-                field="graph_launched",
-                expected=f"step {error - 1} staged",
-                actual="not staged",
-            )
+        found = self._resync()
+        raise ReplayError(
+            f"a graph of mode {self.mode} ran without its replay(): step {error - 1}'s pull "
+            "found no inputs staged for it, so that step ran on stale plans. Every "
+            "replay() must be followed by one graph launch and graph_launched(); "
+            f"resynchronised at step {found}",
+            field="graph_launched",
+            expected=f"step {error - 1} staged",
+            actual="not staged",
+        )
 
     def _resync(self) -> int:
         """After an error: the host's step count set to the device's, the error cleared."""
