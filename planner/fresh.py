@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import itemgetter
 
 import numpy as np
@@ -21,6 +21,7 @@ import torch
 
 from planner.batch import ForwardBatch
 from planner.dims import dim_names, resolve_shape
+from planner.fresh_pool import FreshPool
 from planner.fusion import Runnable, fuse_steps
 from planner.host_pass import HostPass, HostPassFailed, NativePass, Placement
 from planner.program import Key, Program, batch_reads
@@ -32,6 +33,7 @@ _LAYOUT_CACHE = 256
 _ALIGN_BYTES = 256
 """Fields start on 256-byte boundaries, the alignment a separate allocation gives kernels."""
 _INT32_ALIGN = _ALIGN_BYTES // 4
+Piece = tuple[Key, int, tuple[int, ...], tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,11 @@ class FreshLayout:
     staged: Cuts
     arenas: Mapping[torch.dtype, tuple[int, Cuts]]
     """The other dtypes' device-computed fields: one allocation each."""
+    device_pieces: tuple[Piece, ...] = ()
+    """The int32 device fields as ``(key, offset, shape, stride)``: what recycled memory
+    (``planner.fresh_pool``) cuts anew when only they changed shape."""
+    arena_pieces: Mapping[torch.dtype, tuple[int, tuple[Piece, ...]]] = field(default_factory=dict)
+    """The other dtypes' fields the same way, with each allocation's size."""
 
 
 class FreshStorage:
@@ -126,6 +133,8 @@ class FreshStorage:
         self.segments = segments
         self.stager = stager
         self.host_pass = host_pass
+        self.pool = FreshPool(stager.device, program.aliases)
+        """Memory of dropped plans, taken back with its views (``planner.fresh_pool``)."""
         self._layouts: dict[tuple, FreshLayout] = {}
         self._staged: dict[tuple, StagedPart] = {}
         # Only the batch tensors the device steps read are bound: with the host pass on,
@@ -213,7 +222,14 @@ class FreshStorage:
             after = [(key, base + at, shape) for key, at, shape in pieces.pop(torch.int32)]
             device_extra = base + totals.pop(torch.int32) - sent
         arenas = {dt: (totals[dt], Cuts.of(pieces[dt], totals[dt])) for dt in totals}
-        return FreshLayout(part, device_extra, part.cuts.then(after, sent + device_extra), arenas)
+        return FreshLayout(
+            part,
+            device_extra,
+            part.cuts.then(after, sent + device_extra),
+            arenas,
+            _strided(after),
+            {dt: (totals[dt], _strided(pieces[dt])) for dt in totals},
+        )
 
     def prepare(
         self,
@@ -241,6 +257,7 @@ class FreshStorage:
                 if part.native is None or not part.native.run(address):
                     host_pass.run(view, part.host, reqs, tokens)
 
+        kept = self.pool.take(layout)
         try:
             staged = self.stager.stage(
                 batch,
@@ -252,18 +269,34 @@ class FreshStorage:
                 extra=part.staged_size - self.stager.layout.size,
                 host_work=work,
                 device_extra=layout.device_extra,
+                into=None if kept is None else (kept.buffer, kept.host),
             )
         except HostPassFailed:
             return self.prepare(
                 batch, reqs, dims, ranges, read_device=read_device, read_table=read_table
             )
+        done = host_pass.outputs if host_pass is not None else frozenset()
+        if kept is not None:  # the plan's own dict: the steps bind the batch's tensors in it
+            return dict(kept.views), done
         tensors: dict[Key, torch.Tensor] = {}
         layout.staged.views(staged, tensors)
         for dtype, (total, cuts) in layout.arenas.items():
             cuts.views(torch.empty(total, dtype=dtype, device=staged.device), tensors)
         for alias, owner in self.program.aliases.items():
             tensors[alias] = tensors[owner]
-        return tensors, host_pass.outputs if host_pass is not None else frozenset()
+        return tensors, done
+
+
+def _strided(pieces: Iterable[tuple[Key, int, tuple[int, ...]]]) -> tuple[Piece, ...]:
+    """``(key, offset, shape)`` with the contiguous strides of each shape."""
+    out = []
+    for key, offset, shape in pieces:
+        stride, step = [], 1
+        for size in reversed(shape):
+            stride.append(step)
+            step *= max(size, 1)
+        out.append((key, offset, tuple(shape), tuple(reversed(stride))))
+    return tuple(out)
 
 
 def _offset(piece: tuple[Key, int, tuple[int, ...]]) -> int:

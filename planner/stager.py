@@ -145,6 +145,7 @@ class Stager:
         extra: int = 0,
         host_work: Callable[[np.ndarray, int], None] | None = None,
         device_extra: int = 0,
+        into: tuple[torch.Tensor, np.ndarray | None] | None = None,
     ) -> torch.Tensor:
         """Fill, check, ``host_work(view, address)`` (a fresh plan's host pass, writing its
         outputs in the ``extra`` elements after the inputs), one host-to-device copy, then device-resident
@@ -159,6 +160,7 @@ class Stager:
             extra=extra,
             host_work=host_work,
             device_extra=device_extra,
+            into=into,
         )[0]
 
     def stage_all(
@@ -173,11 +175,14 @@ class Stager:
         extra: int = 0,
         host_work: Callable[[np.ndarray, int], None] | None = None,
         device_extra: int = 0,
+        into: tuple[torch.Tensor, np.ndarray | None] | None = None,
     ) -> list[torch.Tensor]:
         """:meth:`stage` for several batches, one region each, in one copy; a view per batch
         (``extra`` and ``host_work`` for a single batch only). A fresh stager's device buffer
         has ``device_extra`` elements more, after the staged ones and never copied: a fresh
-        plan's device-computed fields, so that one allocation holds the whole plan."""
+        plan's device-computed fields, so that one allocation holds the whole plan. ``into``
+        is that buffer where the plan's memory is recycled (``planner.fresh_pool``), with its
+        numpy view on the CPU, where it is filled in place."""
         n = len(batches)
         if n > self.regions and self.static:
             raise BatchError(
@@ -189,7 +194,9 @@ class Stager:
             host, view, done = self.next_host(total)
         elif self._ring:
             host, view, done = self._next_cut(total)
-        else:  # fresh on the CPU: the buffer is the plan's own memory, so it is new per call
+        elif into is not None:  # on the CPU the buffer is the plan's own memory
+            host, view, done = into[0], into[1][:total], None
+        else:  # ... so it is new per call where it is not recycled
             whole = torch.empty(total + device_extra, dtype=torch.int32)
             host, view, done = whole, whole.numpy()[:total], None
         pending = []
@@ -216,6 +223,8 @@ class Stager:
             dev = self.device_buf
         elif done is None:
             dev = host
+        elif into is not None:
+            dev = into[0]
         else:  # the copy fills its first ``total`` elements; the device steps the rest
             dev = torch.empty(total + device_extra, dtype=torch.int32, device=self.device)
         self.send(host, dev, done)

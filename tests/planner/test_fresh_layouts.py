@@ -6,44 +6,15 @@ a planner that never saw an earlier batch makes."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
-from planner import ForwardBatch, ForwardMode, Limits, Planner
+from planner import ForwardMode
 from planner.compare import diff_plans
 from planner.errors import SchemaError
 from planner.host_pass import HostPass
-from tests.support.batches import make_pool
-
-MAX_BATCH, MAX_CTX, PAGE = 6, 256, 64
-TABLE = make_pool(2 * MAX_BATCH + 1, MAX_CTX, PAGE, seed=4)
-
-
-def _planner() -> Planner:
-    limits = Limits(
-        max_batch=MAX_BATCH, max_context=MAX_CTX, num_sms=8, kv_slots=int(TABLE.max()) + 1
-    )
-    return Planner(["paged", "nsa"], limits, options={"nsa": {"topk": 16}})
-
-
-def _decode(lens: list[int]) -> ForwardBatch:
-    seq = torch.tensor(lens, dtype=torch.int32)
-    pool = torch.arange(1, len(lens) + 1, dtype=torch.int64)
-    return ForwardBatch(
-        seq_lens_cpu=seq,
-        req_pool_indices=pool,
-        req_to_token=TABLE,
-        out_cache_loc=TABLE[pool, (seq - 1).long()].to(torch.int64),
-        positions=seq - 1,
-    )
-
-
-def _growing(steps: int, bs: int = 4, seed: int = 0) -> list[ForwardBatch]:
-    rng = random.Random(seed)
-    start = [rng.randint(1, MAX_CTX - steps) for _ in range(bs)]
-    return [_decode([n + step for n in start]) for step in range(steps)]
+from tests.support.growing_decode import decode as _decode
+from tests.support.growing_decode import growing as _growing
+from tests.support.growing_decode import small_planner as _planner
 
 
 def test_a_growing_decode_compiles_its_host_pass_once(monkeypatch):
