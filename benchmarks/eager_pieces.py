@@ -11,7 +11,7 @@ drift falls on all alike), so the table shows which pieces are worth a change.
 The pieces (nsa, decode, fresh tensors per plan): the door's checks; the batch's sizes
 (the lengths' max and sum, the dimensions); the storage look-ups; staging (the compiled
 screen's fill and checks, the host pass, the one device allocation, the one copy, the
-views); the device steps the host pass left, as the plan runs them (a fused pair as one
+views, and what recycled memory costs instead of the last two, ``planner.fresh_pool``); the device steps the host pass left, as the plan runs them (a fused pair as one
 launch, ``planner.fusion``) and each alone; building the frozen plans. The floors: a ``torch.empty`` of the plan's buffer, an empty pinned
 ``copy_`` of the staged size, one ``split_with_sizes`` of the buffer, and the hand-written
 eager path of ``planner_overhead`` (one tensor op or copy per field).
@@ -93,8 +93,14 @@ def _staging_pieces(storage, batch, reqs, dims, ranges) -> dict[str, Callable[[i
             host_work=lambda view, at: layout.part.native.run(at),
             device_extra=layout.device_extra,
         ),
-        "  views (one split, the 2-D views)": lambda i: layout.staged.views(staged, {}),
+        "  views cut anew (one split, the 2-D views; recycled memory keeps them)": lambda i: (
+            layout.staged.views(staged, {})
+        ),
+        "  recycled memory: take (the counts, the views held)": lambda i: storage.pool.take(layout),
     }
+    kept = storage.pool.take(layout)
+    if kept is not None:
+        pieces["    its counts alone (nothing reads the memory)"] = lambda i: kept.unobserved()
     if stager._ring:  # pinned buffers on a GPU host; a fresh buffer per plan on the CPU
         pieces["  ring's next buffer (event wait)"] = lambda i: stager._next_cut(total)
     if layout.part.native is not None:
