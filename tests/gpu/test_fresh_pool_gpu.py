@@ -24,7 +24,7 @@ def _pool(planner):
 def test_a_growing_loop_recycles_and_stays_exact():
     planner = small_planner("cuda")
     held = None
-    for batch in growing(16, bs=3, seed=5):
+    for batch in growing(16, bs=3, seed=5, device="cuda"):
         held = planner.plan(batch)
         assert diff_plans(held, small_planner("cuda").plan(batch)) == []
     assert _pool(planner).recycled >= 12

@@ -42,7 +42,7 @@ def decode(lens: list[int], device: str = "cpu") -> ForwardBatch:
     )
 
 
-def growing(steps: int, bs: int = 4, seed: int = 0) -> list[ForwardBatch]:
+def growing(steps: int, bs: int = 4, seed: int = 0, device: str = "cpu") -> list[ForwardBatch]:
     rng = random.Random(seed)
     start = [rng.randint(1, MAX_CTX - steps) for _ in range(bs)]
-    return [decode([n + step for n in start]) for step in range(steps)]
+    return [decode([n + step for n in start], device) for step in range(steps)]

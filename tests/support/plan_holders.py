@@ -51,7 +51,7 @@ def _hold_storage(plans, field):
         t.dtype,
     )
     del t
-    return s, lambda: torch.empty(0, dtype=dtype).set_(s, offset, shape, stride)
+    return s, lambda: torch.empty(0, dtype=dtype, device=s.device).set_(s, offset, shape, stride)
 
 
 def _hold_dlpack(plans, field):
