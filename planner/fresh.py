@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from operator import itemgetter
 
 import numpy as np
@@ -101,19 +102,34 @@ class StagedPart:
 @dataclass(frozen=True)
 class FreshLayout:
     """One set of dimensions: one buffer of the staged inputs, the host-pass outputs and the
-    int32 device-computed fields, and one allocation per other dtype."""
+    int32 device-computed fields, and one allocation per other dtype.
+
+    Only the device fields' places are worked out per shape (a decode's longest request
+    grows every step); the whole buffer's cuts are made on first use, by plans whose
+    memory is not recycled (a recycled buffer keeps its staged views, ``planner.fresh_pool``).
+    """
 
     part: StagedPart
     device_extra: int
     """int32 elements of device-computed fields after the staged ones, in the same buffer."""
-    staged: Cuts
-    arenas: Mapping[torch.dtype, tuple[int, Cuts]]
-    """The other dtypes' device-computed fields: one allocation each."""
-    device_pieces: tuple[Piece, ...] = ()
-    """The int32 device fields as ``(key, offset, shape, stride)``: what recycled memory
-    (``planner.fresh_pool``) cuts anew when only they changed shape."""
-    arena_pieces: Mapping[torch.dtype, tuple[int, tuple[Piece, ...]]] = field(default_factory=dict)
-    """The other dtypes' fields the same way, with each allocation's size."""
+    device_pieces: tuple[Piece, ...]
+    """The int32 device fields as ``(key, offset, shape, stride)``."""
+    arena_pieces: Mapping[torch.dtype, tuple[int, tuple[Piece, ...]]]
+    """The other dtypes' device fields the same way, with each allocation's size."""
+
+    @cached_property
+    def staged(self) -> Cuts:
+        """The views of the whole buffer: the staged fields, then the device ones."""
+        total = self.part.sent + self.device_extra
+        return self.part.cuts.then([p[:3] for p in self.device_pieces], total)
+
+    @cached_property
+    def arenas(self) -> dict[torch.dtype, tuple[int, Cuts]]:
+        """The other dtypes' device fields: one allocation each, and its views."""
+        return {
+            dt: (total, Cuts.of([p[:3] for p in pieces], total))
+            for dt, (total, pieces) in self.arena_pieces.items()
+        }
 
 
 class FreshStorage:
@@ -144,6 +160,19 @@ class FreshStorage:
             self._inputs[host_pass.outputs] = batch_reads(program.steps, host_pass.outputs)
         self._device_steps = {
             done: tuple(s for s in program.steps if s.output not in done) for done in self._inputs
+        }
+        self._device_specs = {
+            done: tuple(
+                (
+                    s.output,
+                    s.spec.shape,
+                    s.spec.dtype,
+                    max(1, _ALIGN_BYTES // s.spec.dtype.itemsize),
+                    s.key,
+                )
+                for s in steps
+            )
+            for done, steps in self._device_steps.items()
         }
         self._schedules = {
             done: fuse_steps(steps, retired_fusions) for done, steps in self._device_steps.items()
@@ -205,31 +234,23 @@ class FreshStorage:
         return StagedPart(tuple(host), compiled, staged_size, sent, Cuts.of(staged, None))
 
     def _lay_out(self, part: StagedPart, dims: Mapping[str, int], done: frozenset) -> FreshLayout:
-        pieces: dict[torch.dtype, list] = {}
+        pieces: dict[torch.dtype, list[Piece]] = {}
         totals: dict[torch.dtype, int] = {}
-        for step in self._device_steps[done]:
-            shape = resolve_shape(step.spec.shape, dims, field=step.key)
-            dtype = step.spec.dtype
-            align = max(1, _ALIGN_BYTES // dtype.itemsize)
+        for output, symbolic, dtype, align, key in self._device_specs[done]:
+            shape = resolve_shape(symbolic, dims, field=key)
             start = totals.get(dtype, 0)
-            pieces.setdefault(dtype, []).append((step.output, start, shape))
+            pieces.setdefault(dtype, []).append((output, start, shape, _contiguous(shape)))
             totals[dtype] = start + -(-math.prod(shape) // align) * align
         # int32 fields share the staging buffer's allocation, after it: one allocation and
         # one cut for the whole plan (a device allocation costs 5-10 us of host time on a GPU)
-        after, sent, device_extra = [], part.sent, 0
-        if torch.int32 in totals:
-            base = -(-sent // _INT32_ALIGN) * _INT32_ALIGN
-            after = [(key, base + at, shape) for key, at, shape in pieces.pop(torch.int32)]
-            device_extra = base + totals.pop(torch.int32) - sent
-        arenas = {dt: (totals[dt], Cuts.of(pieces[dt], totals[dt])) for dt in totals}
-        return FreshLayout(
-            part,
-            device_extra,
-            part.cuts.then(after, sent + device_extra),
-            arenas,
-            _strided(after),
-            {dt: (totals[dt], _strided(pieces[dt])) for dt in totals},
-        )
+        after, device_extra = (), 0
+        ints = pieces.pop(torch.int32, None)
+        if ints is not None:
+            base = -(-part.sent // _INT32_ALIGN) * _INT32_ALIGN
+            after = tuple((key, base + at, shape, st) for key, at, shape, st in ints)
+            device_extra = base + totals.pop(torch.int32) - part.sent
+        arenas = {dt: (totals[dt], tuple(pieces[dt])) for dt in totals}
+        return FreshLayout(part, device_extra, after, arenas)
 
     def prepare(
         self,
@@ -287,16 +308,17 @@ class FreshStorage:
         return tensors, done
 
 
-def _strided(pieces: Iterable[tuple[Key, int, tuple[int, ...]]]) -> tuple[Piece, ...]:
-    """``(key, offset, shape)`` with the contiguous strides of each shape."""
-    out = []
-    for key, offset, shape in pieces:
-        stride, step = [], 1
-        for size in reversed(shape):
-            stride.append(step)
-            step *= max(size, 1)
-        out.append((key, offset, tuple(shape), tuple(reversed(stride))))
-    return tuple(out)
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (an empty dimension counts as one)."""
+    if len(shape) == 1:
+        return (1,)
+    if len(shape) == 2:
+        return (max(shape[1], 1), 1)
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _offset(piece: tuple[Key, int, tuple[int, ...]]) -> int:

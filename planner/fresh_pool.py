@@ -60,20 +60,31 @@ class Recycled:
         "layout",
         "views",
         "nbytes",
+        "capacity",
+        "_staged",
+        "_staged_views",
+        "_storages",
         "_watch",
     )
 
     def __init__(self, part: StagedPart, stream: int, elements: int, device: torch.device):
         self.part = part
         self.stream = stream
-        self.buffer = torch.empty(elements, dtype=torch.int32, device=device)
-        self.host: np.ndarray | None = self.buffer.numpy() if device.type == "cpu" else None
+        self.buffer = torch.empty(0, dtype=torch.int32, device=device)
+        self.host: np.ndarray | None = None
         """The buffer as numpy on the CPU, where the stager fills the plan's memory itself."""
         self.arenas: dict[torch.dtype, torch.Tensor] = {}
         self.layout: FreshLayout | None = None
         self.views: dict[Key, torch.Tensor] = {}
-        self.nbytes = 4 * elements
+        """What a plan of :attr:`layout` is handed (a copy of): every field's view."""
+        self.nbytes = 0
+        self.capacity = 0
+        """int32 elements of :attr:`buffer`."""
+        self._staged: dict[Key, torch.Tensor] = {}
+        self._staged_views: tuple[torch.Tensor, ...] = ()
+        self._storages: tuple = ()
         self._watch: tuple = ((), (), 0, (), 0, 0)
+        self._allocate(elements)
 
     def unobserved(self) -> bool:
         """True when no tensor but the pool's shares its memory, and nothing holds one of
@@ -88,38 +99,71 @@ class Recycled:
             and sum(map(_use_count, watched)) == view_uses
         )
 
+    def needs_more(self, layout: FreshLayout) -> bool:
+        """Whether holding ``layout`` means allocating (a larger buffer or arena)."""
+        if self.capacity < layout.part.sent + layout.device_extra:
+            return True
+        arenas = self.arenas
+        for dtype, (total, _pieces) in layout.arena_pieces.items():
+            arena = arenas.get(dtype)
+            if arena is None or arena.numel() < total:
+                return True
+        return False
+
     def fit(self, layout: FreshLayout, aliases: Mapping[Key, Key]) -> None:
-        """Hold ``layout``'s views, growing the memory where it needs more: the staged
-        fields' views are cut again only with the buffer, the device fields' per shape."""
+        """Hold ``layout``'s views. Within the memory held, the device fields' views are
+        moved in place (``as_strided_``: the same objects, so the counts stand); else the
+        memory grows and every view is cut anew."""
         if layout is self.layout:
             return
-        device = self.buffer.device
-        views = self.views
-        if self.buffer.numel() < layout.part.sent + layout.device_extra:
-            self.buffer = torch.empty(
-                _capacity(_elements(layout)), dtype=torch.int32, device=device
-            )
-            self.host = self.buffer.numpy() if device.type == "cpu" else None
-            views = {}
-        if not views:
-            layout.part.cuts.then((), self.buffer.numel()).views(self.buffer, views)
-        else:
-            views = dict(views)  # the device fields' views below replace the last shape's
+        if self.layout is not None and not self.needs_more(layout):
+            views = self.views
+            for key, offset, shape, stride in layout.device_pieces:
+                views[key].as_strided_(shape, stride, offset)
+            for _total, pieces in layout.arena_pieces.values():
+                for key, offset, shape, stride in pieces:
+                    views[key].as_strided_(shape, stride, offset)
+            self.layout = layout
+            return
+        self.layout = None
+        self.views = {}
+        self._watch = ((), (), 0, (), 0, 0)  # the last views die here, before the counts
+        if self.capacity < _elements(layout):
+            self._allocate(_capacity(_elements(layout)))
+        if not self._staged:
+            layout.part.cuts.then((), self.capacity).views(self.buffer, self._staged)
+            for alias, owner in aliases.items():
+                if owner in self._staged:
+                    self._staged[alias] = self._staged[owner]
+            self._staged_views = _unique(self._staged)
+        views = dict(self._staged)
         _cut(self.buffer, layout.device_pieces, views)
         for dtype, (total, pieces) in layout.arena_pieces.items():
             arena = self.arenas.get(dtype)
             if arena is None or arena.numel() < total:
                 arena = self.arenas[dtype] = torch.empty(
-                    _capacity(total), dtype=dtype, device=device
+                    _capacity(total), dtype=dtype, device=self.buffer.device
                 )
+                self._sized()
             _cut(arena, pieces, views)
         for alias, owner in aliases.items():
-            views[alias] = views[owner]
+            if alias not in views:
+                views[alias] = views[owner]
         self.views, self.layout = views, layout
-        self.nbytes = sum(
-            t.numel() * t.element_size() for t in (self.buffer, *self.arenas.values())
-        )
         self._settle()
+
+    def _allocate(self, elements: int) -> None:
+        """A new buffer: its staged views are cut on the next :meth:`fit`."""
+        self._staged, self._staged_views = {}, ()
+        self.buffer = torch.empty(elements, dtype=torch.int32, device=self.buffer.device)
+        self.capacity = elements
+        self.host = self.buffer.numpy() if self.buffer.device.type == "cpu" else None
+        self._sized()
+
+    def _sized(self) -> None:
+        memory = (self.buffer, *self.arenas.values())
+        self.nbytes = sum(t.numel() * t.element_size() for t in memory)
+        self._storages = tuple(t.untyped_storage() for t in memory)
 
     def _settle(self) -> None:
         """The counts of an unobserved buffer, read as :meth:`unobserved` reads them (one
@@ -127,9 +171,9 @@ class Recycled:
         other reference to a view alive in this frame. The storage objects are kept: torch
         hands the same one to every ``untyped_storage()`` call while it lives, so a caller
         keeping one raises its count."""
-        self._watch = ((), (), 0, (), 0, 0)  # the last shape's views die here, before the counts
-        watched = tuple({id(t): t for t in self.views.values()}.values())
-        storages = tuple(t.untyped_storage() for t in (self.buffer, *self.arenas.values()))
+        staged = self._staged
+        watched = self._staged_views + tuple(t for k, t in self.views.items() if k not in staged)
+        storages = self._storages
         self._watch = (
             tuple((s._cdata, _storage_uses(s._cdata)) for s in storages),
             storages,
@@ -170,10 +214,10 @@ class FreshPool:
         if entries is not None:
             for i, entry in enumerate(entries):  # the longest unused first
                 if entry.stream == stream and entry.unobserved():
+                    if i + 1 < len(entries):  # last: trimming keeps the one in use
+                        entries.append(entries.pop(i))
                     if entry.layout is not layout and not self._fit(key, entry, layout):
                         return None
-                    if i + 1 < len(entries):
-                        entries.append(entries.pop(i))
                     self.recycled += 1
                     return entry
         if _bytes(layout) > POOL_BYTES:
@@ -184,18 +228,23 @@ class FreshPool:
             self.nbytes -= entries.pop(0).nbytes
         entry = Recycled(part, stream, _capacity(_elements(layout)), self.device)
         entries.append(entry)
+        entry.fit(layout, self.aliases)
         self.nbytes += entry.nbytes
-        return entry if self._fit(key, entry, layout) else None
+        self._trim(entries)
+        return entry
 
     def _fit(self, key: int, entry: Recycled, layout: FreshLayout) -> bool:
-        """``entry`` holding ``layout``'s views, the budget kept; False where ``layout``
-        alone would pass it."""
+        """``entry`` holding ``layout``'s views, the budget kept; False where growing it for
+        ``layout`` would pass the budget on its own."""
+        if not entry.needs_more(layout):
+            entry.fit(layout, self.aliases)
+            return True
         if _bytes(layout) > POOL_BYTES:
             return False
         before = entry.nbytes
         entry.fit(layout, self.aliases)
         self.nbytes += entry.nbytes - before
-        if next(reversed(self._parts)) != key:  # the most recently fitted part last
+        if next(reversed(self._parts)) != key:  # the most recently grown part last
             self._parts[key] = self._parts.pop(key)
         self._trim(self._parts[key])
         return True
@@ -215,6 +264,11 @@ class FreshPool:
     def _drop(self, key: int) -> None:
         for entry in self._parts.pop(key, ()):
             self.nbytes -= entry.nbytes
+
+
+def _unique(views: Mapping[Key, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Each view once (several keys may name one, an alias or a staged source)."""
+    return tuple({id(t): t for t in views.values()}.values())
 
 
 def _elements(layout: FreshLayout) -> int:

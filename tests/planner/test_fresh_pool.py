@@ -89,3 +89,15 @@ def test_memory_past_the_budget_is_not_kept(monkeypatch):
     pool = _pool(planner)
     assert pool.recycled == 0
     assert pool.nbytes == 0
+
+
+def test_recycled_views_are_laid_out_as_fresh_ones():
+    """Same shapes, strides and contiguity as a plan in new memory, shape after shape."""
+    planner = small_planner()
+    for batch in growing(12, bs=3, seed=7):
+        got, fresh = planner.plan(batch), small_planner().plan(batch)
+        for field in fields_of(fresh):
+            a, b = tensor_of(got, field), tensor_of(fresh, field)
+            assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), field
+            assert a.is_contiguous(), field
+    assert _pool(planner).recycled >= 9
