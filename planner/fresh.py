@@ -1,11 +1,12 @@
 """Where an eager plan's tensors live: fresh memory per batch, laid out once per shape.
 
-An eager plan owns its tensors (a later plan never writes them), so each
-batch gets a new staging buffer, which also holds the host pass's outputs and,
-after the part copied from the host, the int32 fields computed on the device; other
-dtypes get one new allocation each.
+An eager plan owns its tensors (a later plan never writes memory any of them can still
+read), so each batch gets its own staging buffer, which also holds the host pass's
+outputs and, after the part copied from the host, the int32 fields computed on the
+device; other dtypes get one allocation each. That memory is a dropped plan's where
+one's is unobserved (``planner.fresh_pool``, its views already cut), else new.
 What is worked out per set of dimensions (offsets, shapes, alignment) is
-kept, and the views of each buffer are cut in one call: on a GPU host a
+kept, and the views of new memory are cut in one call: on a GPU host a
 slice and a view cost 2-3 us apiece, a dozen fields a few tens of us.
 """
 

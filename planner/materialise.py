@@ -3,7 +3,7 @@
 Every phase does the same five things: stage the batch's inputs, lay out
 the op outputs, run steps, alias fields two backends compute identically,
 build the frozen plans. The phases differ only in where the tensors live
-(:class:`FreshStorage`: new tensors per batch; :class:`StaticStorage`:
+(:class:`FreshStorage`: each batch's own tensors; :class:`StaticStorage`:
 views of max-size buffers a CUDA graph reads) and in which steps they run
 (eager: the host pass's on the host before the staging copy, the rest after;
 capture: all; replay: the host ops, the rest are in the graph).

@@ -222,7 +222,7 @@ class Planner:
     # ---- eager ----------------------------------------------------------------------------
 
     def plan(self, batch: ForwardBatch, *, pad_to: int | None = None) -> PlanSet:
-        """Eager plans in fresh tensors.
+        """Eager plans in tensors of their own (``planner.fresh_pool`` recycles unread memory).
 
         ``pad_to`` plans the batch padded to that many requests at the static
         shapes a captured plan has: what a replay of that size must equal. An

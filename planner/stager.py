@@ -2,7 +2,8 @@
 
 A static stager (capture and replay) keeps a ring of pinned host buffers
 and one device buffer for the planner's life. A fresh one (eager plans)
-copies into a new device buffer per call, from a ring of pinned host buffers
+copies into the plan's own device buffer (new, or a dropped plan's taken back by
+``planner.fresh_pool``), from a ring of pinned host buffers
 on CUDA (a pageable copy costs several times a pinned one), after the host
 pass has added its outputs. Either way a pinned buffer is refilled only once
 the copy out of it is done, so two batches never race on one. What is
