@@ -11,29 +11,27 @@ A buffer is taken back only when nothing outside the pool can read it:
 - no tensor but the pool's own shares its storage (a slice, a view or a numpy array of a
   plan tensor each hold the storage);
 - nothing holds one of the pool's views, from Python (a plan, a kept field) or from C++
-  (a DLPack capsule, an extension keeping an ``at::Tensor``), nor its storage object;
+  (a DLPack capsule, an extension keeping an ``at::Tensor``), nor its storage object.
 Each is a count read in one C call per object, against the counts the pool itself makes.
 Memory only the caller's raw pointers reach is as unprotected as a freed tensor's is.
 
 Per staged part (the request count and what the host pass writes: fixed over a decode) a
 few buffers are kept, grown to the next power of two a shape needs, so a decode whose
-longest request grows every step cuts only its device fields' views anew. Kept memory is
-bounded (``POOL_BYTES``); past it, and while a stream is being captured, plans take fresh
-memory as before.
+longest request grows every step only moves its device fields' views, in place. Kept
+memory is bounded (``POOL_BYTES``); past it, and while a stream is being captured, plans
+take new memory as before.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from planner.fresh import FreshLayout, StagedPart
-    from planner.program import Key
+from planner.fresh_layout import FreshLayout, Piece, StagedPart
+from planner.program import Key
 
 POOL_BYTES = 256 << 20
 """Device memory one storage (a mode and request count) keeps for recycling, at most."""
@@ -289,7 +287,7 @@ def _capacity(elements: int) -> int:
 
 def _cut(
     buffer: torch.Tensor,
-    pieces: tuple[tuple[Key, int, tuple[int, ...], tuple[int, ...]], ...],
+    pieces: tuple[Piece, ...],
     out: dict,
 ) -> None:
     """Contiguous views at fixed offsets, one call each: a layout's device fields."""
