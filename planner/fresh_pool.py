@@ -44,6 +44,7 @@ _use_count = torch.Tensor._use_count
 _storage_uses = torch._C._storage_Use_Count
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 class Recycled:
@@ -65,7 +66,9 @@ class Recycled:
         "_watch",
     )
 
-    def __init__(self, part: StagedPart, stream: int, elements: int, device: torch.device):
+    def __init__(
+        self, part: StagedPart, stream: tuple[int, int], elements: int, device: torch.device
+    ):
         self.part = part
         self.stream = stream
         self.buffer = torch.empty(0, dtype=torch.int32, device=device)
@@ -189,7 +192,8 @@ class FreshPool:
         self.device = device
         self.aliases = aliases
         self._cuda = device.type == "cuda"
-        self._index = (device.index or 0) if self._cuda else 0
+        self._index = device.index
+        """None for a bare ``cuda``: memory is then the current device's, as allocations are."""
         self._parts: dict[int, list[Recycled]] = {}
         self.nbytes = 0
         self.recycled = 0
@@ -198,11 +202,12 @@ class FreshPool:
     def take(self, layout: FreshLayout) -> Recycled | None:
         """Memory for a plan of ``layout``: an unobserved kept buffer, or a new one kept from
         now on; None where the plan must take fresh memory (past the budget, or capturing)."""
-        stream = 0
+        stream: tuple[int, int] = (0, 0)  # (device, raw stream): every device's default is 0
         if self._cuda:
             if _capturing():
                 return None  # a captured write would land in a later plan's memory
-            stream = _raw_stream(self._index)
+            index = self._index if self._index is not None else _current_device()
+            stream = (index, _raw_stream(index))
         part = layout.part
         key = id(part)
         entries = self._parts.get(key)
