@@ -37,6 +37,8 @@ POOL_BYTES = 256 << 20
 """Device memory one storage (a mode and request count) keeps for recycling, at most."""
 ENTRIES = 4
 """Buffers kept per staged part: a loop holding its last step's plans uses two."""
+PARTS = 64
+"""Staged parts kept buffers for (ragged batches' token counts each make one), at most."""
 _MIN_ELEMENTS = 1024
 
 _getrefcount = sys.getrefcount
@@ -197,7 +199,8 @@ class FreshPool:
         self._parts: dict[int, list[Recycled]] = {}
         self.nbytes = 0
         self.recycled = 0
-        """Plans that took back an earlier plan's memory."""
+        """Takes that found an earlier plan's memory unobserved (a plan refused after it, by
+        the staging checks, counts too)."""
 
     def take(self, layout: FreshLayout) -> Recycled | None:
         """Memory for a plan of ``layout``: an unobserved kept buffer, or a new one kept from
@@ -226,6 +229,8 @@ class FreshPool:
         if _bytes(layout) > POOL_BYTES:
             return None
         if entries is None:
+            if len(self._parts) >= PARTS:  # the longest unused part's memory goes
+                self._drop(next(iter(self._parts)))
             entries = self._parts[key] = []
         elif len(entries) >= ENTRIES:  # the longest held: its plan keeps its memory alive
             self.nbytes -= entries.pop(0).nbytes

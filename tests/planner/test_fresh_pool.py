@@ -101,3 +101,19 @@ def test_recycled_views_are_laid_out_as_fresh_ones():
             assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype), field
             assert a.is_contiguous(), field
     assert _pool(planner).recycled >= 9
+
+
+def test_kept_parts_are_bounded(monkeypatch):
+    """Ragged batches make a staged part per token count: the longest unused go first."""
+    monkeypatch.setattr("planner.fresh_pool.PARTS", 2)
+    planner = small_planner()
+    planner.plan(decode(A))
+    storage = planner.storages.fresh(ForwardMode.DECODE, 3)
+    pool = storage.pool
+    parts = []
+    for tokens in (1, 2, 3):  # a ragged batch of fewer tokens than requests, made up
+        layout = storage._layout(planner.dims(ForwardMode.DECODE, 3, 100, tokens, 170), 3, None)
+        assert pool.take(layout) is not None
+        parts.append(id(layout.part))
+    assert list(pool._parts) == parts[-2:]
+    assert pool.nbytes == sum(e.nbytes for es in pool._parts.values() for e in es)
