@@ -1,4 +1,4 @@
-"""Where an eager plan's tensors live: fresh memory per batch, laid out once per shape.
+"""Where an eager plan's tensors live: memory of its own per batch, laid out once per shape.
 
 An eager plan owns its tensors (a later plan never writes memory any of them can still
 read), so each batch gets its own staging buffer, which also holds the host pass's

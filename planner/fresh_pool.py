@@ -55,6 +55,7 @@ class Recycled:
     __slots__ = (
         "part",
         "stream",
+        "device",
         "buffer",
         "host",
         "arenas",
@@ -73,7 +74,7 @@ class Recycled:
     ):
         self.part = part
         self.stream = stream
-        self.buffer = torch.empty(0, dtype=torch.int32, device=device)
+        self.device = device
         self.host: np.ndarray | None = None
         """The buffer as numpy on the CPU, where the stager fills the plan's memory itself."""
         self.arenas: dict[torch.dtype, torch.Tensor] = {}
@@ -87,7 +88,7 @@ class Recycled:
         self._staged_views: tuple[torch.Tensor, ...] = ()
         self._storages: tuple = ()
         self._watch: tuple = ((), (), 0, (), 0, 0)
-        self._allocate(elements)
+        self._allocate(elements)  # :attr:`buffer`, its :attr:`capacity` and :attr:`host`
 
     def unobserved(self) -> bool:
         """True when no tensor but the pool's shares its memory, and nothing holds one of
@@ -113,21 +114,21 @@ class Recycled:
                 return True
         return False
 
-    def fit(self, layout: FreshLayout, aliases: Mapping[Key, Key]) -> None:
-        """Hold ``layout``'s views. Within the memory held, the device fields' views are
-        moved in place (``as_strided_``: the same objects, so the counts stand); else the
-        memory grows and every view is cut anew."""
-        if layout is self.layout:
-            return
-        if self.layout is not None and not self.needs_more(layout):
-            views = self.views
-            for key, offset, shape, stride in layout.device_pieces:
+    def move(self, layout: FreshLayout) -> None:
+        """Hold ``layout``'s views within the memory held (``needs_more`` is False): the
+        device fields' views are moved in place (``as_strided_``: the same objects, so the
+        counts stand)."""
+        views = self.views
+        for key, offset, shape, stride in layout.device_pieces:
+            views[key].as_strided_(shape, stride, offset)
+        for _total, pieces in layout.arena_pieces.values():
+            for key, offset, shape, stride in pieces:
                 views[key].as_strided_(shape, stride, offset)
-            for _total, pieces in layout.arena_pieces.values():
-                for key, offset, shape, stride in pieces:
-                    views[key].as_strided_(shape, stride, offset)
-            self.layout = layout
-            return
+        self.layout = layout
+
+    def fit(self, layout: FreshLayout, aliases: Mapping[Key, Key]) -> None:
+        """Hold ``layout``'s views in memory grown where it needs more, every view cut
+        anew (a new buffer's, or one that :meth:`needs_more` for ``layout``)."""
         self.layout = None
         self.views = {}
         self._watch = ((), (), 0, (), 0, 0)  # the last views die here, before the counts
@@ -145,7 +146,7 @@ class Recycled:
             arena = self.arenas.get(dtype)
             if arena is None or arena.numel() < total:
                 arena = self.arenas[dtype] = torch.empty(
-                    _capacity(total), dtype=dtype, device=self.buffer.device
+                    _capacity(total), dtype=dtype, device=self.device
                 )
                 self._sized()
             _cut(arena, pieces, views)
@@ -158,9 +159,9 @@ class Recycled:
     def _allocate(self, elements: int) -> None:
         """A new buffer: its staged views are cut on the next :meth:`fit`."""
         self._staged, self._staged_views = {}, ()
-        self.buffer = torch.empty(elements, dtype=torch.int32, device=self.buffer.device)
+        self.buffer = torch.empty(elements, dtype=torch.int32, device=self.device)
         self.capacity = elements
-        self.host = self.buffer.numpy() if self.buffer.device.type == "cpu" else None
+        self.host = self.buffer.numpy() if self.device.type == "cpu" else None
         self._sized()
 
     def _sized(self) -> None:
@@ -213,10 +214,7 @@ class FreshPool:
             stream = (index, _raw_stream(index))
         part = layout.part
         key = id(part)
-        entries = self._parts.get(key)
-        if entries is not None and entries[0].part is not part:  # a forgotten part's id
-            self._drop(key)
-            entries = None
+        entries = self._parts.get(key)  # its entries keep ``part`` alive: the id is its own
         if entries is not None:
             for i, entry in enumerate(entries):  # the longest unused first
                 if entry.stream == stream and entry.unobserved():
@@ -245,7 +243,7 @@ class FreshPool:
         """``entry`` holding ``layout``'s views, the budget kept; False where growing it for
         ``layout`` would pass the budget on its own."""
         if not entry.needs_more(layout):
-            entry.fit(layout, self.aliases)
+            entry.move(layout)
             return True
         if _bytes(layout) > POOL_BYTES:
             return False
