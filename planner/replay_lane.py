@@ -25,9 +25,8 @@ import torch
 
 from planner.batch import BATCH, ForwardBatch, ForwardMode
 from planner.captured import CapturedBatch, run_calls
-from planner.staging_screen import K_DERIVED, K_I32, K_I64
+from planner.lane_door import host_sources, table_on
 
-_TENSOR, _INT32, _INT64 = torch.Tensor, torch.int32, torch.int64
 LANE_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY})
 """Modes whose batches may take the lane: uniform, one step, lengths implied."""
 
@@ -123,44 +122,18 @@ class ReplayLane:
         """Stage ``batch`` into the capture's buffers, check the plans did not move, and mark
         them: True when done (the caller counts the replay, with its time); False, with
         nothing sent, where the general replay must run."""
-        if (
-            batch.__class__ is not ForwardBatch
-            or batch.next_n != self.next_n
-            or batch.extend_lens_cpu is not None
-            or batch.seq_lens is not None
-            or batch.extend_lens is not None
-        ):
+        sources = host_sources(batch, self.next_n)
+        if sources is None:
             return False
-        seq, table = batch.seq_lens_cpu, batch.req_to_token
+        seq, real, pool_kind, pool, slot_kind, slot, pos_kind, pos = sources
+        if real > self.bs:  # too large: the door's message
+            return False
+        table = batch.req_to_token
         if not (
-            seq.__class__ is _TENSOR
-            and seq.dtype is _INT32
-            and seq.ndim == 1
-            and seq.is_cpu
-            and seq.is_contiguous()
-        ):
-            return False
-        real = seq.numel()
-        if not 0 < real <= self.bs:  # idle, empty or too large: the door's messages
-            return False
-        if not (
-            table.__class__ is _TENSOR
+            table_on(table, self.device, self.on_host)
             and table.data_ptr() == self.table_ptr
             and table.shape == self.table_shape
-            and table.dtype is _INT32
-            and table.is_contiguous()
-            and (table.is_cpu if self.on_host else table.device == self.device)
         ):
-            return False
-        tokens = real * self.next_n
-        pool_kind, pool = _host_index(batch.req_pool_indices, real)
-        slot_kind, slot = _host_index(batch.out_cache_loc, tokens)
-        positions = batch.positions
-        if positions is None:
-            pos_kind, pos = K_DERIVED, 0
-        else:
-            pos_kind, pos = _host_index(positions, tokens)
-        if not (pool_kind and slot_kind and pos_kind):
             return False
         staged = self.staged
         for call, _ in staged:
@@ -213,21 +186,3 @@ def lane_for(
     ):
         return lanes.get((batch.mode, bs))
     return None
-
-
-def _host_index(tensor: object, length: int) -> tuple[int, int]:
-    """A host index input's screen kind and address; kind 0 where the lane cannot take it
-    (the door's checks for it: a 1-D contiguous int32 / int64 tensor of ``length``)."""
-    if (
-        tensor.__class__ is _TENSOR
-        and tensor.ndim == 1
-        and tensor.is_cpu
-        and tensor.is_contiguous()
-        and tensor.numel() == length
-    ):
-        dtype = tensor.dtype
-        if dtype is _INT64:
-            return K_I64, tensor.data_ptr()
-        if dtype is _INT32:
-            return K_I32, tensor.data_ptr()
-    return 0, 0

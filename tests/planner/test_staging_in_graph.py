@@ -10,7 +10,7 @@ import random
 import pytest
 
 from planner import ConfigError, ForwardMode, ReplayError
-from tests.planner.test_replay_lane import BS, CASES, _Sub
+from tests.support.lane_cases import BS, CASES, Sub
 from tests.support.planners import PlannerSetup
 
 
@@ -34,7 +34,7 @@ def _step(planner, batch):
 def _general(batch):
     """The same batch, in a form the lane leaves to the general path (lengths of a tensor
     subclass, which the door takes)."""
-    return dataclasses.replace(batch, seq_lens_cpu=batch.seq_lens_cpu.as_subclass(_Sub))
+    return dataclasses.replace(batch, seq_lens_cpu=batch.seq_lens_cpu.as_subclass(Sub))
 
 
 @pytest.mark.parametrize("case", CASES)
