@@ -275,6 +275,19 @@ def check_size(name: str, value: object, lo: int, hi: int, what: str) -> int:
     return size
 
 
+def check_replay_size(bs: object, real: int, max_batch: int) -> int:
+    """``replay(batch, bs)``: a captured size in range (the batch's own, at least one, by
+    default) that holds the batch's ``real`` requests; the size as a Python int."""
+    bs = check_size(
+        "bs", max(real, 1) if bs is None else bs, 1, max_batch, "replay size out of range"
+    )
+    if real > bs:
+        raise BatchError(
+            "batch larger than the replayed size", field="bs", expected=f"<= {bs}", actual=real
+        )
+    return bs
+
+
 def check_table_width(table: torch.Tensor, longest: int) -> None:
     """A token table one column short would make the gather read past a row."""
     if table.shape[1] < longest:

@@ -13,7 +13,7 @@ slice and a view cost 2-3 us apiece, a dozen fields a few tens of us.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from operator import itemgetter
 
 import numpy as np
@@ -22,7 +22,7 @@ import torch
 from planner.batch import ForwardBatch
 from planner.dims import dim_names, resolve_shape
 from planner.fresh_layout import Cuts, FreshLayout, Piece, StagedPart, contiguous_strides
-from planner.fresh_pool import FreshPool
+from planner.fresh_pool import FreshPool, Recycled
 from planner.fusion import Runnable, fuse_steps
 from planner.host_pass import HostPass, HostPassFailed
 from planner.program import Key, Program, batch_reads
@@ -169,30 +169,20 @@ class FreshStorage:
         """Stage (running the host pass before the copy) and lay out; the tensors, and the
         outputs already computed. A host twin that fails is retired for good and the plan
         redone on the device."""
-        host_pass = self.host_pass
-        if host_pass is not None and host_pass.failed:
-            host_pass = None
+        host_pass = self._live_pass()
         layout = self._layout(dims, reqs, host_pass)
         part = layout.part
-        tokens = dims["tokens"]
-        work = None
-        if host_pass is not None:
-
-            def work(view: np.ndarray, address: int) -> None:
-                if part.native is None or not part.native.run(address):
-                    host_pass.run(view, part.host, reqs, tokens)
-
         kept = self.pool.take(layout)
         try:
             staged = self.stager.stage(
                 batch,
                 reqs,
-                tokens,
+                dims["tokens"],
                 ranges,
                 read_device=read_device,
                 read_table=read_table,
                 extra=part.staged_size - self.stager.layout.size,
-                host_work=work,
+                host_work=_host_work(part, host_pass, reqs, dims["tokens"]),
                 device_extra=layout.device_extra,
                 into=None if kept is None else (kept.buffer, kept.host),
             )
@@ -200,16 +190,82 @@ class FreshStorage:
             return self.prepare(
                 batch, reqs, dims, ranges, read_device=read_device, read_table=read_table
             )
-        done = host_pass.outputs if host_pass is not None else frozenset()
-        if kept is not None:  # the plan's own dict: the steps bind the batch's tensors in it
-            return dict(kept.views), done
+        return self._tensors(layout, staged, kept), _done(host_pass)
+
+    def prepare_screened(
+        self,
+        screen: Callable[[int], bool],
+        batch: ForwardBatch,
+        reqs: int,
+        dims: Mapping[str, int],
+        ranges: Ranges,
+        *,
+        read_table: bool,
+    ) -> tuple[dict[Key, torch.Tensor], frozenset] | None:
+        """:meth:`prepare` for the eager lane (``planner.eager_lane``): ``screen`` fills and
+        checks the staged inputs of a host batch in one call. None, with nothing sent, where
+        the screen refuses the batch or a host twin fails: :meth:`prepare` then runs, and
+        names what is wrong or retires the twin."""
+        host_pass = self._live_pass()
+        layout = self._layout(dims, reqs, host_pass)
+        part = layout.part
+        kept = self.pool.take(layout)
+        try:
+            staged = self.stager.stage_fresh(
+                screen,
+                batch,
+                ranges,
+                read_table=read_table,
+                extra=part.staged_size - self.stager.layout.size,
+                host_work=_host_work(part, host_pass, reqs, dims["tokens"]),
+                device_extra=layout.device_extra,
+                into=None if kept is None else (kept.buffer, kept.host),
+            )
+        except HostPassFailed:
+            return None
+        if staged is None:
+            return None
+        return self._tensors(layout, staged, kept), _done(host_pass)
+
+    def _live_pass(self) -> HostPass | None:
+        """The host pass, unless one of its twins failed (it is then retired for good)."""
+        host_pass = self.host_pass
+        return None if host_pass is None or host_pass.failed else host_pass
+
+    def _tensors(
+        self, layout: FreshLayout, staged: torch.Tensor, kept: Recycled | None
+    ) -> dict[Key, torch.Tensor]:
+        """The plan's tensors: the recycled memory's views (the plan's own dict: the steps
+        bind the batch's tensors in it), else views cut in new memory."""
+        if kept is not None:
+            return dict(kept.views)
         tensors: dict[Key, torch.Tensor] = {}
         layout.staged.views(staged, tensors)
         for dtype, (total, cuts) in layout.arenas.items():
             cuts.views(torch.empty(total, dtype=dtype, device=staged.device), tensors)
         for alias, owner in self.program.aliases.items():
             tensors[alias] = tensors[owner]
-        return tensors, done
+        return tensors
+
+
+def _host_work(
+    part: StagedPart, host_pass: HostPass | None, reqs: int, tokens: int
+) -> Callable[[np.ndarray, int], None] | None:
+    """The host pass as staging calls it, between the fill and the copy: compiled where it
+    can run so, else numpy."""
+    if host_pass is None:
+        return None
+
+    def work(view: np.ndarray, address: int) -> None:
+        if part.native is None or not part.native.run(address):
+            host_pass.run(view, part.host, reqs, tokens)
+
+    return work
+
+
+def _done(host_pass: HostPass | None) -> frozenset:
+    """The outputs the host pass computed (none without one)."""
+    return frozenset() if host_pass is None else host_pass.outputs
 
 
 def _names(steps: Iterable) -> set[str]:

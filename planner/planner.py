@@ -27,7 +27,8 @@ from planner.batch import ForwardBatch, ForwardMode
 from planner.captured import CapturedBatch, capture_steps, dummy_batch
 from planner.debug import MismatchHook, check_replay, debug_from_env, guard
 from planner.dims import lengths_max_sum
-from planner.door import check_capture, check_pad_to, check_size, validate_batch
+from planner.door import check_capture, check_pad_to, check_replay_size, check_size, validate_batch
+from planner.eager_lane import EagerLanes
 from planner.errors import BatchError, ReplayError, SchemaError
 from planner.fallback import ProviderChain
 from planner.limits import Limits
@@ -114,6 +115,9 @@ class Planner:
         self.storages.check_budget()  # before any static buffer is allocated
         self._captured: dict[tuple[ForwardMode, int], CapturedBatch] = {}
         self._lanes: dict[tuple[ForwardMode, int], ReplayLane] = {}
+        self._eager_lanes = EagerLanes(
+            self._programs, self.storages, limits, self._per_request, self.device
+        )
         self._warmed = False
         check_forced(self._programs.values(), self.forced)
 
@@ -233,17 +237,22 @@ class Planner:
 
     def _plan(self, batch: ForwardBatch, *, pad_to: int | None, count: bool) -> PlanSet:
         start = time.perf_counter()
-        mode = self._validate(batch, device_reads=True)
-        pad_to = check_pad_to(pad_to, batch.bs, self.limits.max_batch, mode)
-        reqs = pad_to or max(batch.bs, 1)
-        sets = [self._plan_one(one, mode, reqs, pad_to) for one in batches_of(batch)]
-        if mode.stepped:
-            plans = PlanSet.stepped(sets, "eager", mode, reqs, batch.bs)
+        # a uniform host batch: the door's checks in one pass (``planner.eager_lane``)
+        plans = None if pad_to is not None or self.debug else self._eager_lanes.plan(batch)
+        if plans is not None:
+            mode, times = plans.mode, 1
         else:
-            plans = sets[0]
+            mode = self._validate(batch, device_reads=True)
+            pad_to = check_pad_to(pad_to, batch.bs, self.limits.max_batch, mode)
+            reqs = pad_to or max(batch.bs, 1)
+            sets = [self._plan_one(one, mode, reqs, pad_to) for one in batches_of(batch)]
+            plans = (
+                PlanSet.stepped(sets, "eager", mode, reqs, batch.bs) if mode.stepped else sets[0]
+            )
+            times = len(sets)
         if count:
             steps = self.program(mode).steps
-            self.stats.count_eager(mode, steps, len(sets), time.perf_counter() - start)
+            self.stats.count_eager(mode, steps, times, time.perf_counter() - start)
         return plans
 
     def _plan_one(
@@ -345,15 +354,7 @@ class Planner:
             return lane.plans
         mode = self._validate(batch, device_reads=self.debug)
         real = batch.bs
-        bs = max(real, 1) if bs is None else bs
-        bs = check_size("bs", bs, 1, self.limits.max_batch, "replay size out of range")
-        if real > bs:
-            raise BatchError(
-                "batch larger than the replayed size",
-                field="bs",
-                expected=f"<= {bs}",
-                actual=real,
-            )
+        bs = check_replay_size(bs, real, self.limits.max_batch)
         captured = self._captured_for(mode.plans_as, bs)
         captured.check_table(batch.req_to_token)
         batches = batches_of(batch) if mode.stepped else [batch]

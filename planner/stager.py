@@ -193,13 +193,8 @@ class Stager:
         total = size * n
         if self.static:  # fixed size: the ring's buffers as they are
             host, view, done = self.next_host(total)
-        elif self._ring:
-            host, view, done = self._next_cut(total)
-        elif into is not None:  # on the CPU the buffer is the plan's own memory
-            host, view, done = into[0], into[1][:total], None
-        else:  # ... so it is new per call where it is not recycled
-            whole = torch.empty(total + device_extra, dtype=torch.int32)
-            host, view, done = whole, whole.numpy()[:total], None
+        else:
+            host, view, done = self._fresh_host(total, device_extra, into)
         pending = []
         base = host.data_ptr()
         for r, batch in enumerate(batches):
@@ -222,17 +217,69 @@ class Stager:
             host_work(view, base)
         if self.static:
             dev = self.device_buf
-        elif done is None:
-            dev = host
-        elif into is not None:
-            dev = into[0]
-        else:  # the copy fills its first ``total`` elements; the device steps the rest
-            dev = torch.empty(total + device_extra, dtype=torch.int32, device=self.device)
+        else:
+            dev = self._fresh_device(host, done, total, device_extra, into)
         self.send(host, dev, done)
         views = [dev[r * size : (r + 1) * size] for r in range(n)] if n > 1 else [dev]
         for region, (counts, on_device) in zip(views, pending):
             _copy_on_device(region, on_device, counts)
         return views
+
+    def stage_fresh(
+        self,
+        screen: Callable[[int], bool],
+        batch: ForwardBatch,
+        ranges: Ranges,
+        *,
+        read_table: bool,
+        extra: int,
+        host_work: Callable[[np.ndarray, int], None] | None,
+        device_extra: int,
+        into: tuple[torch.Tensor, np.ndarray | None] | None,
+    ) -> torch.Tensor | None:
+        """The eager lane's :meth:`stage` of one host batch (``planner.eager_lane``):
+        ``screen(address)`` fills and checks the region, a bound compiled screen; None, with
+        nothing sent, where it refuses, and :meth:`stage` must run instead."""
+        total = self.region_size(extra)
+        host, view, done = self._fresh_host(total, device_extra, into)
+        base = host.data_ptr()
+        if not screen(base):
+            return None
+        if read_table:
+            self.layout.check_table(view, batch, ranges)
+        if host_work is not None:
+            host_work(view, base)
+        dev = self._fresh_device(host, done, total, device_extra, into)
+        self.send(host, dev, done)
+        return dev
+
+    def _fresh_host(
+        self, total: int, device_extra: int, into: tuple[torch.Tensor, np.ndarray | None] | None
+    ) -> tuple[torch.Tensor, np.ndarray, RingEvents | None]:
+        """Where a fresh plan's ``total`` staged elements are filled: the ring's next buffer
+        on a GPU; on the CPU the plan's own memory, recycled (``into``) or new."""
+        if self._ring:
+            return self._next_cut(total)
+        if into is not None:
+            return into[0], into[1][:total], None
+        whole = torch.empty(total + device_extra, dtype=torch.int32)
+        return whole, whole.numpy()[:total], None
+
+    def _fresh_device(
+        self,
+        host: torch.Tensor,
+        done: RingEvents | None,
+        total: int,
+        device_extra: int,
+        into: tuple[torch.Tensor, np.ndarray | None] | None,
+    ) -> torch.Tensor:
+        """A fresh plan's device buffer: the host one on the CPU, else the recycled one, else
+        new (the copy fills its first ``total`` elements; the device steps the rest)."""
+        if done is None:
+            return host
+        if into is not None:
+            return into[0]
+        return torch.empty(total + device_extra, dtype=torch.int32, device=self.device)
 
     def stage_screened(
         self, batch: ForwardBatch, reqs: int, tokens: int, ranges: Ranges

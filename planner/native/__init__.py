@@ -180,6 +180,12 @@ class MaxSum:
         self._fn(lengths.data_ptr(), n, _LENGTH_DTYPES[dtype], self._address)
         return self._out[0], self._out[1]
 
+    def int32(self, address: int, n: int) -> tuple[int, int]:
+        """``(max, sum)`` of ``n >= 1`` contiguous int32 host values at ``address``: for a
+        caller whose own checks made that certain (``planner.lane_door``)."""
+        self._fn(address, n, _LENGTH_DTYPES[torch.int32], self._address)
+        return self._out[0], self._out[1]
+
 
 @functools.cache
 def max_sum() -> MaxSum | None:
