@@ -8,13 +8,17 @@ inflates 2-3x on the GPU host. Here every piece is called alone, interleaved cal
 with the whole plan, its floors and the hand-written code (``time_paired``: the host's
 drift falls on all alike), so the table shows which pieces are worth a change.
 
-The pieces (nsa, decode, fresh tensors per plan): the door's checks; the batch's sizes
-(the lengths' max and sum, the dimensions); the storage look-ups; staging (the compiled
-screen's fill and checks, the host pass, the one device allocation, the one copy, the
-views, and what recycled memory costs instead of the last two, ``planner.fresh_pool``); the device steps the host pass left, as the plan runs them (a fused pair as one
-launch, ``planner.fusion``) and each alone; building the frozen plans. The floors: a ``torch.empty`` of the plan's buffer, an empty pinned
-``copy_`` of the staged size, one ``split_with_sizes`` of the buffer, and the hand-written
-eager path of ``planner_overhead`` (one tensor op or copy per field).
+The pieces (nsa, decode, fresh tensors per plan), as the general path makes them: the
+door's checks; the batch's sizes (the lengths' max and sum, the dimensions); the storage
+look-ups; staging (the compiled screen's fill and checks, the host pass, the one device
+allocation, the one copy, the views, and what recycled memory costs instead of the last
+two, ``planner.fresh_pool``); the device steps the host pass left, as the plan runs them
+(a fused pair as one launch, ``planner.fusion``) and each alone; building the frozen
+plans. Then what ``plan()`` runs for this batch, the eager lane (``planner.eager_lane``):
+its whole plan, its one-pass door and its staging. The floors: a ``torch.empty`` of the
+plan's buffer, an empty pinned ``copy_`` of the staged size, one ``split_with_sizes`` of
+the buffer, and the hand-written eager path of ``planner_overhead`` (one tensor op or copy
+per field).
 
     python3 -m benchmarks.eager_pieces --out $OUT/eager_pieces.json --plot $OUT/eager_pieces.png
 """
@@ -36,6 +40,7 @@ from benchmarks.seed_stack import batch_of, make_batch, make_table
 from planner import ForwardMode, Limits, Planner, device_copy
 from planner.dims import lengths_max_sum
 from planner.fusion import FusedSteps
+from planner.lane_door import host_sources, table_on
 from planner.materialise import run_steps
 from planner.plan_build import build_plans
 
@@ -108,6 +113,39 @@ def _staging_pieces(storage, batch, reqs, dims, ranges) -> dict[str, Callable[[i
     return pieces
 
 
+def _lane_pieces(planner: Planner, batch) -> dict[str, Callable[[int], Any]]:
+    """What the eager lane (``planner.eager_lane``, which ``plan()`` takes for this batch)
+    does in place of the door, the sizes and the general staging: its one-pass checks, the
+    lane's whole plan, and its staging through the bound screen."""
+    lanes = planner._eager_lanes
+    next_n = planner.program(_DECODE).next_n
+    if lanes.plan(batch) is None:
+        return {}
+    lane = lanes._lanes[(_DECODE, batch.bs)]
+    sources = host_sources(batch, next_n)
+    seq, real, pool_kind, pool, slot_kind, slot, pos_kind, pos = sources
+    table = batch.req_to_token
+    ranges = planner.storages.ranges(_DECODE, table)
+    bound = lane._bound_for(ranges)
+    max_len, kv_tokens = lane.max_sum.int32(seq.data_ptr(), real)
+    dims = planner.dims(_DECODE, real, max_len, real, kv_tokens)
+    seq_ptr = seq.data_ptr()
+
+    def screen(address: int) -> bool:
+        return bound.run(address, seq_ptr, pool_kind, pool, slot_kind, slot, pos_kind, pos, real)
+
+    return {
+        "eager lane: the whole plan (what plan() runs)": lambda i: lane.plan(batch, sources, table),
+        "  lane door (one pass: checks, kinds, addresses)": lambda i: (
+            host_sources(batch, next_n),
+            table_on(table, planner.device, planner.device.type == "cpu"),
+        ),
+        "  lane staging (bound screen, host pass, copy)": lambda i: lane.storage.prepare_screened(
+            screen, batch, real, dims, ranges, read_table=lane.read_table
+        ),
+    }
+
+
 _HAND = "hand-written eager"
 _GROWING = "plan() as a decode grows (+1 token a call)"
 _HAND_GROWING = "hand-written eager as a decode grows"
@@ -161,6 +199,7 @@ def _pieces(planner: Planner, batch, grown: list) -> dict[str, Callable[[int], A
         "build plans": lambda i: build_plans(program, tensors, handles, dims),
     }
     pieces.update(_staging_pieces(storage, batch, reqs, dims, ranges))
+    pieces.update(_lane_pieces(planner, batch))
     for run in schedule:
         if isinstance(run, FusedSteps) and run.first.provider.name == run.fusion.provider:
             name = f"  fused {run.first.key} + {run.second.key} ({run.fusion.provider})"
