@@ -75,3 +75,61 @@ def test_the_token_tables_own_kinds_and_strides_are_the_launchs(
     assert known_kinds(args) == tuple(_kinds(args, False))
     for big in (2**31, -1):  # a size the launch would key otherwise: worked out by it
         assert known_kinds((*args[:-1], big)) is None
+
+
+_BROKEN = {
+    "int64 slots": lambda t: (t[0].long(), *t[1:]),
+    "int16 pool": lambda t: (*t[:3], t[3].short(), t[4]),
+    "3-D table": lambda t: (t[0], t[1], t[2][None], *t[3:]),
+    "2-D lengths": lambda t: (*t[:4], t[4][None]),
+    "short lengths": lambda t: (*t[:4], t[4][:-1]),
+    "strided slots": lambda t: (torch.stack([t[0], t[0]], 2)[..., 0], *t[1:]),
+    "strided pool": lambda t: (*t[:3], torch.stack([t[3], t[3]], 1)[:, 0], t[4]),
+    "pages on meta": lambda t: (t[0], t[1].to("meta"), *t[2:]),
+    "no rows": lambda t: tuple(x[:0] for x in t[:2]) + (t[2],) + tuple(x[:0] for x in t[3:]),
+}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    reqs=st.integers(1, 5),
+    width=st.integers(0, 300),
+    n_pages=st.integers(0, 9),
+    ctx=st.integers(1, 300),
+    pool_dtype=st.sampled_from([torch.int32, torch.int64]),
+    page_size=st.integers(-1, 2**31) | st.just(True),
+    broken=st.sampled_from([None, *sorted(_BROKEN)]),
+)
+def test_the_one_pass_launch_is_the_three_calls_it_replaces(
+    reqs, width, n_pages, ctx, pool_dtype, page_size, broken
+):
+    """``plain_launch`` is ``_plainly_valid``, then ``launch_args(contiguous=True)`` and
+    ``known_kinds``, for non-empty tables; None wherever those would not all hold."""
+    from backends.common.token_table_triton import (
+        _plainly_valid,
+        known_kinds,
+        launch_args,
+        plain_launch,
+    )
+
+    i32 = torch.int32
+    tensors = (
+        torch.zeros(reqs, width, dtype=i32),
+        torch.zeros(reqs, n_pages, dtype=i32),
+        torch.zeros(reqs + 1, ctx, dtype=i32),
+        torch.zeros(reqs, dtype=pool_dtype),
+        torch.zeros(reqs, dtype=i32),
+    )
+    if broken is not None:
+        tensors = _BROKEN[broken](tensors)
+    got = plain_launch(*tensors, page_size)
+    plain = _plainly_valid(*tensors, page_size)
+    if not plain or tensors[0].shape[0] == 0 or (width == 0 and n_pages == 0):
+        assert got is None
+        return
+    grid, args, constexprs = launch_args(*tensors, page_size, contiguous=True)
+    assert got is not None
+    kinds, got_grid, got_args, got_constexprs = got
+    assert (got_grid, got_constexprs) == (grid, constexprs)
+    assert len(got_args) == len(args) and all(a is b or a == b for a, b in zip(got_args, args))
+    assert kinds == known_kinds(args)
