@@ -11,7 +11,7 @@ through ``ctypes``.
 It is taken only where it means exactly what ``copy_`` would: torch's own CUDA runtime
 (the global symbol; else the one runtime library mapped), the destination's device current.
 Anywhere else, and for good after a call that fails (with a notice), ``copy_`` runs.
-``FORWARD_PLANNER_RAW_COPY=0`` turns it off.
+``FORWARD_PLANNER_RAW_COPY=0`` turns it off (read at the first copy).
 
 A ring buffer is replaced only after the copy that last read it ran (``Stager.next_host``
 waits for that first), so the copy needs no guard from the pinned allocator either.
@@ -32,16 +32,20 @@ _HOST_TO_DEVICE = 1
 """``cudaMemcpyHostToDevice``."""
 _INT32_BYTES = 4
 
-_state = {"on": True}
+_state: dict[str, bool | None] = {"on": True, "env": None}
+"""``on``: no call failed; ``env``: what ``FORWARD_PLANNER_RAW_COPY`` said at the first
+copy (None: not read yet)."""
 
 
 def enabled() -> bool:
-    return _state["on"] and os.environ.get("FORWARD_PLANNER_RAW_COPY", "1") not in (
-        "0",
-        "false",
-        "no",
-        "off",
-    )
+    """Whether copies take the runtime's call. The environment is read once, at the first
+    copy: a lookup in ``os.environ`` costs 2-3 us of host time on the H200's host, an eager
+    plan's whole copy is 10."""
+    said = _state["env"]
+    if said is None:
+        value = os.environ.get("FORWARD_PLANNER_RAW_COPY", "1")
+        said = _state["env"] = value not in ("0", "false", "no", "off")
+    return bool(_state["on"] and said)
 
 
 @functools.lru_cache(maxsize=1)

@@ -35,6 +35,7 @@ def runtime(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 1234 + i, raising=False)
     monkeypatch.setitem(device_copy._state, "on", True)
+    monkeypatch.setitem(device_copy._state, "env", None)  # read again at the next copy
     monkeypatch.delenv("FORWARD_PLANNER_RAW_COPY", raising=False)
     return fake
 
@@ -66,6 +67,14 @@ def test_turned_off_by_the_environment(runtime, monkeypatch):
     src, dst = _buffers(runtime, 3, 3)
     device_copy.send(dst, src, 3, 0)
     assert runtime.calls == [] and dst.tolist() == [7, 8, 9]
+
+
+def test_the_environment_is_read_once_at_the_first_copy(runtime, monkeypatch):
+    src, dst = _buffers(runtime, 2, 2)
+    device_copy.send(dst, src, 2, 0)
+    monkeypatch.setenv("FORWARD_PLANNER_RAW_COPY", "0")  # too late: said at the first copy
+    device_copy.send(dst, src, 2, 0)
+    assert len(runtime.calls) == 2
 
 
 def test_a_failing_call_falls_back_once_and_for_good(runtime):
