@@ -129,10 +129,7 @@ def _lane_pieces(planner: Planner, batch) -> dict[str, Callable[[int], Any]]:
     bound = lane._bound_for(ranges)
     max_len, kv_tokens = lane.max_sum.int32(seq.data_ptr(), real)
     dims = planner.dims(_DECODE, real, max_len, real, kv_tokens)
-    seq_ptr = seq.data_ptr()
-
-    def screen(address: int) -> bool:
-        return bound.run(address, seq_ptr, pool_kind, pool, slot_kind, slot, pos_kind, pos, real)
+    call = (seq.data_ptr(), pool_kind, pool, slot_kind, slot, pos_kind, pos, real)
 
     return {
         "eager lane: the whole plan (what plan() runs)": lambda i: lane.plan(batch, sources, table),
@@ -140,8 +137,10 @@ def _lane_pieces(planner: Planner, batch) -> dict[str, Callable[[int], Any]]:
             host_sources(batch, next_n),
             table_on(table, planner.device, planner.device.type == "cpu"),
         ),
-        "  lane staging (bound screen, host pass, copy)": lambda i: lane.storage.prepare_screened(
-            screen, batch, real, dims, ranges, read_table=lane.read_table
+        "  lane staging (screen and host pass in one C call, copy)": lambda i: (
+            lane.storage.prepare_screened(
+                bound, call, batch, real, dims, ranges, read_table=lane.read_table
+            )
         ),
     }
 

@@ -173,17 +173,15 @@ class EagerLane:
             kv_tokens=kv_tokens,
         )
         ranges = self.storages.ranges(self.mode, table)
-        bound = self._bound_for(ranges)
-        seq_ptr = seq.data_ptr()
-
-        def screen(address: int) -> bool:
-            return bound.run(
-                address, seq_ptr, pool_kind, pool, slot_kind, slot, pos_kind, pos, real
-            )
-
         storage = self.storage
         prepared = storage.prepare_screened(
-            screen, batch, real, dims, ranges, read_table=self.read_table
+            self._bound_for(ranges),
+            (seq.data_ptr(), pool_kind, pool, slot_kind, slot, pos_kind, pos, real),
+            batch,
+            real,
+            dims,
+            ranges,
+            read_table=self.read_table,
         )
         if prepared is None:
             return None

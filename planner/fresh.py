@@ -19,6 +19,7 @@ from operator import itemgetter
 import numpy as np
 import torch
 
+from planner import native
 from planner.batch import ForwardBatch
 from planner.dims import dim_names, resolve_shape
 from planner.fresh_layout import Cuts, FreshLayout, Piece, StagedPart, contiguous_strides
@@ -28,6 +29,7 @@ from planner.host_pass import HostPass, HostPassFailed
 from planner.program import Key, Program, batch_reads
 from planner.stager import Stager
 from planner.staging import Ranges, Segment
+from planner.staging_screen import BoundScreen
 
 _LAYOUT_CACHE = 256
 """Layouts kept per storage; ragged batches vary in shape, so the cache is bounded."""
@@ -194,7 +196,8 @@ class FreshStorage:
 
     def prepare_screened(
         self,
-        screen: Callable[[int], bool],
+        screen: BoundScreen,
+        sources: tuple[int, ...],
         batch: ForwardBatch,
         reqs: int,
         dims: Mapping[str, int],
@@ -203,21 +206,22 @@ class FreshStorage:
         read_table: bool,
     ) -> tuple[dict[Key, torch.Tensor], frozenset] | None:
         """:meth:`prepare` for the eager lane (``planner.eager_lane``): ``screen`` fills and
-        checks the staged inputs of a host batch in one call. None, with nothing sent, where
-        the screen refuses the batch or a host twin fails: :meth:`prepare` then runs, and
-        names what is wrong or retires the twin."""
+        checks a host batch's staged inputs from ``sources`` (what ``BoundScreen.pack``
+        takes), in the same C call as the compiled host pass where there is one. None, with
+        nothing sent, where the screen refuses the batch or a host twin fails:
+        :meth:`prepare` then runs, and names what is wrong or retires the twin."""
         host_pass = self._live_pass()
         layout = self._layout(dims, reqs, host_pass)
         part = layout.part
         kept = self.pool.take(layout)
+        fill = _fill(screen, screen.pack(*sources), part, host_pass, reqs, dims["tokens"])
         try:
             staged = self.stager.stage_fresh(
-                screen,
+                fill,
                 batch,
                 ranges,
                 read_table=read_table,
                 extra=part.staged_size - self.stager.layout.size,
-                host_work=_host_work(part, host_pass, reqs, dims["tokens"]),
                 device_extra=layout.device_extra,
                 into=None if kept is None else (kept.buffer, kept.host),
             )
@@ -261,6 +265,40 @@ def _host_work(
             host_pass.run(view, part.host, reqs, tokens)
 
     return work
+
+
+def _fill(
+    screen: BoundScreen,
+    args: int,
+    part: StagedPart,
+    host_pass: HostPass | None,
+    reqs: int,
+    tokens: int,
+) -> Callable[[np.ndarray, int], bool]:
+    """The eager lane's fill of a region at ``address`` (``view`` its numpy): the bound
+    screen over the packed ``args``, then the host pass, in one C call where the pass is
+    compiled (``native.screen_and_pass``); False where the screen refused."""
+    both = native.screen_and_pass() if host_pass is not None and part.native else None
+    if both is not None:
+        records, steps = part.native.address, len(part.native.records)
+
+        def fill(view: np.ndarray, address: int) -> bool:
+            status = both(address, args, records, steps)
+            if status > 0:  # a compiled twin declined: numpy rewrites every output
+                host_pass.run(view, part.host, reqs, tokens)
+            return status >= 0
+
+        return fill
+    fn, work = screen.fn, _host_work(part, host_pass, reqs, tokens)
+
+    def fill(view: np.ndarray, address: int) -> bool:
+        if fn(address, args) != 0:
+            return False
+        if work is not None:
+            work(view, address)
+        return True
+
+    return fill
 
 
 def _done(host_pass: HostPass | None) -> frozenset:

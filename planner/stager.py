@@ -227,28 +227,25 @@ class Stager:
 
     def stage_fresh(
         self,
-        screen: Callable[[int], bool],
+        fill: Callable[[np.ndarray, int], bool],
         batch: ForwardBatch,
         ranges: Ranges,
         *,
         read_table: bool,
         extra: int,
-        host_work: Callable[[np.ndarray, int], None] | None,
         device_extra: int,
         into: tuple[torch.Tensor, np.ndarray | None] | None,
     ) -> torch.Tensor | None:
         """The eager lane's :meth:`stage` of one host batch (``planner.eager_lane``):
-        ``screen(address)`` fills and checks the region, a bound compiled screen; None, with
-        nothing sent, where it refuses, and :meth:`stage` must run instead."""
+        ``fill(view, address)`` fills and checks the region and runs the host pass (a bound
+        compiled screen); None, with nothing sent, where it refuses, and :meth:`stage` must
+        run instead."""
         total = self.region_size(extra)
         host, view, done = self._fresh_host(total, device_extra, into)
-        base = host.data_ptr()
-        if not screen(base):
+        if not fill(view, host.data_ptr()):
             return None
         if read_table:
             self.layout.check_table(view, batch, ranges)
-        if host_work is not None:
-            host_work(view, base)
         dev = self._fresh_device(host, done, total, device_extra, into)
         self.send(host, dev, done)
         return dev

@@ -184,9 +184,8 @@ class BoundScreen:
             self._args, 0, address, count, K_I32, K_CONST, *([0] * 12), next_n, *screen._scratch
         )
 
-    def run(
+    def pack(
         self,
-        host_address: int,
         seq: int,
         pool_kind: int,
         pool: int,
@@ -195,10 +194,10 @@ class BoundScreen:
         pos_kind: int,
         pos: int,
         real: int,
-    ) -> bool:
-        """Fill and check one region at ``host_address`` from host sources (int32 lengths at
-        ``seq``; kinds ``K_I32`` / ``K_I64`` / ``K_DERIVED``): whether it passed. When it did
-        not, the region may hold part of a fill, which the general path rewrites."""
+    ) -> int:
+        """Pack one batch's host sources (int32 lengths at ``seq``; kinds ``K_I32`` /
+        ``K_I64`` / ``K_DERIVED``) into the arguments; their address, for
+        ``fp_stage_screen`` or a call that runs it first (``native.screen_and_pass``)."""
         n = self._n
         _PER_CALL.pack_into(
             self._args,
@@ -216,4 +215,22 @@ class BoundScreen:
             real,
             real * n,
         )
-        return self.fn(host_address, self._address) == 0
+        return self._address
+
+    def run(
+        self,
+        host_address: int,
+        seq: int,
+        pool_kind: int,
+        pool: int,
+        slot_kind: int,
+        slot: int,
+        pos_kind: int,
+        pos: int,
+        real: int,
+    ) -> bool:
+        """Fill and check one region at ``host_address`` from the host sources :meth:`pack`
+        takes: whether it passed. When it did not, the region may hold part of a fill,
+        which the general path rewrites."""
+        address = self.pack(seq, pool_kind, pool, slot_kind, slot, pos_kind, pos, real)
+        return self.fn(host_address, address) == 0

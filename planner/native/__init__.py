@@ -1,7 +1,8 @@
 """Compiled screens for the planner's hot paths, built from C with the system's compiler.
 
 Three live here: the staging screen, the eager host pass's runner (``host_pass.c``, over
-the twins backends compile against ``twin.h``) and the lengths' max and sum; backends
+the twins backends compile against ``twin.h``; with the screen in front, in one call) and
+the lengths' max and sum; backends
 build their own C (FlashInfer's host arrays, the host twins) through :func:`load`.
 
 Why: a replay's staging (write five inputs and their padding into the pinned buffer,
@@ -133,6 +134,8 @@ def library() -> ctypes.CDLL | None:
     lib.fp_twin_record_size.argtypes = []
     lib.fp_max_sum.restype = None
     lib.fp_max_sum.argtypes = [_I64, _I64, _I64, _I64]
+    lib.fp_screen_and_pass.restype = _I64
+    lib.fp_screen_and_pass.argtypes = [_I64, _I64, _I64, _I64]
     return lib
 
 
@@ -158,6 +161,18 @@ def host_pass_runner():
         )
         return None
     return lib.fp_host_pass
+
+
+@functools.cache
+def screen_and_pass():
+    """``fp_screen_and_pass(host, args, program, steps)`` as a ctypes function, or None:
+    the staging screen then a compiled host pass in one call (-1: the screen refused, else
+    the pass's answer, 0 when every twin wrote its output). None also where the host pass
+    runner is unavailable."""
+    lib = library()
+    if lib is None or host_pass_runner() is None:
+        return None
+    return lib.fp_screen_and_pass
 
 
 class MaxSum:

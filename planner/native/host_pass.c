@@ -13,6 +13,18 @@ int64_t fp_host_pass(int64_t buf, int64_t program, int64_t steps) {
     return 0;
 }
 
+/* The staging screen, then the host pass, in one call: what an eager plan's staging does
+ * between the fill and the copy (each ctypes call costs a few microseconds of Python).
+ * Answers -1 when the screen refused the batch (the pass did not run), else fp_host_pass's
+ * answer. */
+int fp_stage_screen(int32_t *host, const int64_t *a);
+
+int64_t fp_screen_and_pass(int64_t host, int64_t args, int64_t program, int64_t steps) {
+    if (fp_stage_screen((int32_t *)(intptr_t)host, (const int64_t *)(intptr_t)args) != 0)
+        return -1;
+    return fp_host_pass(host, program, steps);
+}
+
 /* The longest and the total of n lengths (int32, or int64 when wide), into out[0] and out[1]:
  * what an eager plan's dimensions need before anything is staged, as numpy's max() and
  * sum() give them (the int64 sum wrapping as numpy's does). */

@@ -130,8 +130,15 @@ def test_the_compiled_host_pass_takes_every_eager_plan(setup, mode, monkeypatch)
     if mode not in planner.modes:
         pytest.skip(f"{setup} does not plan {mode.value}")
     took = []
-    run = NativePass.run
+    run, both = NativePass.run, native.screen_and_pass()
     monkeypatch.setattr(NativePass, "run", lambda self, at: took.append(run(self, at)) or took[-1])
+
+    def screened(host, args, program, steps):  # the eager lane's: the screen, then the pass
+        status = both(host, args, program, steps)
+        took.append(status == 0)
+        return status
+
+    monkeypatch.setattr(native, "screen_and_pass", lambda: screened)
     for batch in _eager_batches(setup, mode, random.Random(4)):
         planner.plan(batch)
     assert took and all(took), f"compiled pass declined {took.count(False)} of {len(took)}"
@@ -140,10 +147,19 @@ def test_the_compiled_host_pass_takes_every_eager_plan(setup, mode, monkeypatch)
 def test_a_declined_compiled_pass_leaves_the_plan_to_numpy(monkeypatch):
     backends, options = SETUPS["paged+nsa"]
     monkeypatch.setattr(NativePass, "run", lambda self, at: False)
+    screen = native.stage_screen()
+    declined = []
+
+    def screen_then_decline(host, args, program, steps):  # the eager lane's combined call
+        declined.append(1)
+        return -1 if screen(host, args) else 1
+
+    monkeypatch.setattr(native, "screen_and_pass", lambda: screen_then_decline)
     on = _planner(backends, options)
     off = _planner(backends, options, eager_on_host=False)
     for batch in _eager_batches("paged+nsa", ForwardMode.DECODE, random.Random(6)):
         assert not diff_plans(on.plan(batch), off.plan(batch))
+    assert declined, "the eager lane's combined call was not exercised"
 
 
 def test_a_failing_twin_is_retired_once_and_the_plan_redone_on_the_device(monkeypatch):
