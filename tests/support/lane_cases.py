@@ -113,6 +113,9 @@ HOSTILE = {
         b, req_to_token=t.as_strided(t.shape, (1, t.shape[0]))
     ),
     "a narrower table": lambda b, t: dataclasses.replace(b, req_to_token=t[:, :-64]),
+    "a narrower copy of the table": lambda b, t: dataclasses.replace(
+        b, req_to_token=t[:, : t.shape[1] // 4].contiguous()
+    ),
     "next_n off": lambda b, t: dataclasses.replace(b, next_n=b.next_n + 1),
     "extend lengths given": lambda b, t: dataclasses.replace(
         b, extend_lens_cpu=torch.full_like(b.seq_lens_cpu, b.next_n)
