@@ -7,7 +7,6 @@ the lane too."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import random
 import warnings
@@ -16,10 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner import ForwardMode, PlanError, native, notices
+from planner import ForwardMode, PlanError, notices
 from planner.compare import diff_plans
-from planner.ops import get_op
-from tests.support.faults import runtime_warnings
+from tests.support.faults import break_host_twin, runtime_warnings
 from tests.support.growing_decode import growing, small_planner
 from tests.support.lane_cases import BS, CASES, HOSTILE
 
@@ -136,15 +134,7 @@ def test_a_host_twin_that_fails_in_the_lane_is_retired_by_the_general_path(monke
     retires the twin for good, and computes its field on the device; later batches take
     the lane without it. The plans are a device-only planner's throughout."""
     monkeypatch.setattr(notices, "_SAID", set())  # said once per process: said here
-    monkeypatch.setattr(native, "host_pass_runner", lambda: None)  # numpy twins alone
-    op = get_op("cumsum_with_zero")
-    calls = []
-
-    def broken(out, *args, **params):
-        calls.append(1)
-        raise FloatingPointError("twin bug")
-
-    monkeypatch.setitem(op.providers, "numpy", dataclasses.replace(op.host, fn=broken))
+    calls = break_host_twin(monkeypatch)  # numpy twins alone, one that raises
     setup, mode = CASES["nsa+paged decode"]
     fast, reference = setup.planner(), setup.planner(eager_on_host=False)
     rng = random.Random(8)

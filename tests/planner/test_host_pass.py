@@ -13,11 +13,10 @@ import torch
 from planner import ForwardMode, Limits, Planner, ProviderError, native
 from planner.compare import diff_plans
 from planner.host_pass import NativePass
-from planner.ops import get_op
 from tests.planner.test_extend_modes import TABLE as EXTEND_TABLE
 from tests.planner.test_extend_modes import extend_batch
 from tests.support.batches import make_pool, random_batch
-from tests.support.faults import runtime_warnings
+from tests.support.faults import break_host_twin, runtime_warnings
 
 MAX_BATCH, MAX_CTX, PAGE = 6, 256, 64
 TABLE = make_pool(2 * MAX_BATCH + 1, MAX_CTX, PAGE, seed=3)
@@ -164,15 +163,7 @@ def test_a_declined_compiled_pass_leaves_the_plan_to_numpy(monkeypatch):
 
 def test_a_failing_twin_is_retired_once_and_the_plan_redone_on_the_device(monkeypatch):
     backends, options = SETUPS["paged+nsa"]
-    monkeypatch.setattr(native, "host_pass_runner", lambda: None)  # numpy twins alone
-    op = get_op("cumsum_with_zero")
-    calls = []
-
-    def broken(out, *args, **params):
-        calls.append(1)
-        raise FloatingPointError("twin bug")
-
-    monkeypatch.setitem(op.providers, "numpy", dataclasses.replace(op.host, fn=broken))
+    calls = break_host_twin(monkeypatch)  # numpy twins alone, one that raises
     planner, reference = (
         _planner(backends, options),
         _planner(backends, options, eager_on_host=False),
