@@ -112,11 +112,6 @@ def token_table(
     page_size = params[1]["page_size"]
     if page_input is not slots:
         raise ValueError("the fused page table must read the slots this launch writes")
-    if slots.is_cuda:
-        launch = plain_launch(slots, pages, req_to_token, req_pool_indices, seq_lens, page_size)
-        if launch is not None:  # the usual case: checked, and the launch worked out, at once
-            _token_table.launch_as(*launch)
-            return
     plain = _plainly_valid(slots, pages, req_to_token, req_pool_indices, seq_lens, page_size)
     if not plain:
         # the references' own checks name what is wrong (and accept what the test above
@@ -131,61 +126,6 @@ def token_table(
         slots, pages, req_to_token, req_pool_indices, seq_lens, page_size, contiguous=plain
     )
     _token_table.launch_as(known_kinds(args) if plain else None, grid, args, constexprs)
-
-
-def plain_launch(
-    slots: torch.Tensor,
-    pages: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_size: int,
-) -> tuple[tuple, tuple[int, int], tuple, dict[str, int]] | None:
-    """``(kinds, grid, args, constexprs)`` of the direct launch where ``_plainly_valid``
-    holds, the tables are not empty and every size fits 32 bits: its checks,
-    ``launch_args(contiguous=True)`` and ``known_kinds`` in one pass, each shape read once
-    (the three calls cost a launch's worth on a GPU host). None for anything else: the
-    general path then checks and launches."""
-    if not (
-        slots.dtype is _I32
-        and pages.dtype is _I32
-        and req_to_token.dtype is _I32
-        and seq_lens.dtype is _I32
-        and req_pool_indices.dtype in _INDEX
-        and type(page_size) is int
-        and 1 <= page_size <= ref._I32_MAX
-        and slots.ndim == pages.ndim == req_to_token.ndim == 2
-        and req_pool_indices.ndim == seq_lens.ndim == 1
-    ):
-        return None
-    shapes = (slots.shape, pages.shape, req_to_token.shape, req_pool_indices.shape, seq_lens.shape)
-    (reqs, width), (page_rows, n_pages), (_, ctx), (pools,), (lens,) = shapes
-    if not (
-        reqs == page_rows == pools == lens
-        and reqs
-        and (width or n_pages)
-        and max(width, n_pages, ctx, reqs) <= ref._I32_MAX
-        and slots.is_contiguous()
-        and pages.is_contiguous()
-        and req_to_token.is_contiguous()
-        and seq_lens.is_contiguous()
-        and req_pool_indices.is_contiguous()
-    ):
-        return None
-    device = slots.device
-    if not (
-        pages.device == device
-        and req_to_token.device == device
-        and seq_lens.device == device
-        and req_pool_indices.device == device
-    ):
-        return None
-    block, page_block = block_size(width), block_size(n_pages)
-    grid = (max(-(-width // block), -(-n_pages // page_block)), reqs)
-    args = (slots, pages, req_to_token, req_pool_indices, seq_lens, width, ctx, n_pages, page_size)
-    args += (width, n_pages, ctx)
-    kinds = (_I32, _I32, _I32, req_pool_indices.dtype, _I32, *[32] * 7)
-    return kinds, grid, args, {"BLOCK": block, "PAGE_BLOCK": page_block}
 
 
 def known_kinds(args: tuple) -> tuple | None:
