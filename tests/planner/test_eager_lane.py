@@ -19,7 +19,7 @@ from planner import ForwardMode, PlanError, notices
 from planner.compare import diff_plans
 from tests.support.faults import break_host_twin, runtime_warnings
 from tests.support.growing_decode import growing, small_planner
-from tests.support.lane_cases import BS, CASES, HOSTILE
+from tests.support.lane_cases import BS, CASES, HOSTILE, hostile_batches
 
 
 def _without_lane(planner):
@@ -66,14 +66,10 @@ def _same(fast, plain, batch) -> bool:
 def test_a_planner_with_the_lane_plans_as_one_without(case, hostile):
     """Every hostile change, at every batch size, with positions given and left out."""
     setup, fast, plain, mode = _pair(case)
-    n = fast.tokens_per_request(mode)
-    for bs in range(1, BS + 1):
-        for seed, positions in enumerate((True, False)):
-            rng = random.Random(1000 * bs + seed)
-            batch = setup.batch(rng, bs=bs, next_n=n, mode=mode, positions=positions)
-            taken = _same(fast, plain, HOSTILE[hostile](batch, setup.table))
-            if hostile == "valid":
-                assert taken, "a valid host batch must take the lane"
+    for batch in hostile_batches(setup, mode, fast.tokens_per_request(mode), hostile):
+        taken = _same(fast, plain, batch)
+        if hostile == "valid":
+            assert taken, "a valid host batch must take the lane"
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

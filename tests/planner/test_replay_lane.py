@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from planner import ForwardMode, PlanError
 from planner.materialise import run_steps
 from planner.replay_lane import ReplayLane
-from tests.support.lane_cases import BS, CASES, DECODE, HOSTILE
+from tests.support.lane_cases import BS, CASES, DECODE, HOSTILE, hostile_batches
 
 
 @functools.cache
@@ -63,12 +63,8 @@ def _same(case, batch, size) -> None:
 def test_a_planner_with_lanes_behaves_as_one_without(case, hostile):
     """Every hostile change, at every batch size, with positions given and left out."""
     setup, fast, _, mode = _pair(case)
-    n = fast.tokens_per_request(mode)
-    for bs in range(1, BS + 1):
-        for seed, positions in enumerate((True, False)):
-            rng = random.Random(1000 * bs + seed)
-            batch = setup.batch(rng, bs=bs, next_n=n, mode=mode, positions=positions)
-            _same(case, HOSTILE[hostile](batch, setup.table), BS)
+    for batch in hostile_batches(setup, mode, fast.tokens_per_request(mode), hostile):
+        _same(case, batch, BS)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -5,6 +5,7 @@ one of them, so both lanes are held to one list."""
 from __future__ import annotations
 
 import dataclasses
+import random
 from types import SimpleNamespace
 
 import torch
@@ -137,3 +138,13 @@ HOSTILE = {
     ),
     "not a ForwardBatch": lambda b, t: SimpleNamespace(**{f: getattr(b, f) for f in b.__slots__}),
 }
+
+
+def hostile_batches(setup: PlannerSetup, mode: ForwardMode, next_n: int, hostile: str):
+    """``HOSTILE[hostile]`` applied to a random batch of every size up to ``BS``, with
+    positions given and left out: what both lanes' tests compare with the general path."""
+    for bs in range(1, BS + 1):
+        for seed, positions in enumerate((True, False)):
+            rng = random.Random(1000 * bs + seed)
+            batch = setup.batch(rng, bs=bs, next_n=next_n, mode=mode, positions=positions)
+            yield HOSTILE[hostile](batch, setup.table)
