@@ -161,7 +161,8 @@ class EagerLane:
         """The plan of a batch whose door checks ``sources`` passed; None where the screen
         refuses it (or a host twin fails), with nothing sent."""
         seq, real, pool_kind, pool, slot_kind, slot, pos_kind, pos = sources
-        max_len, kv_tokens = self.max_sum.int32(seq.data_ptr(), real)
+        seq_ptr = seq.data_ptr()
+        max_len, kv_tokens = self.max_sum.int32(seq_ptr, real)
         program = self.program
         dims = batch_dims(
             program,
@@ -176,7 +177,7 @@ class EagerLane:
         storage = self.storage
         prepared = storage.prepare_screened(
             self._bound_for(ranges),
-            (seq.data_ptr(), pool_kind, pool, slot_kind, slot, pos_kind, pos, real),
+            (seq_ptr, pool_kind, pool, slot_kind, slot, pos_kind, pos, real),
             batch,
             real,
             dims,

@@ -278,7 +278,8 @@ def _fill(
     """The eager lane's fill of a region at ``address`` (``view`` its numpy): the bound
     screen over the packed ``args``, then the host pass, in one C call where the pass is
     compiled (``native.screen_and_pass``); False where the screen refused."""
-    both = native.screen_and_pass() if host_pass is not None and part.native else None
+    compiled = host_pass is not None and part.native is not None
+    both = native.screen_and_pass() if compiled else None
     if both is not None:
         records, steps = part.native.address, len(part.native.records)
 
