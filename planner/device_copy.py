@@ -70,6 +70,13 @@ def _memcpy_async() -> Callable[..., int] | None:
     return fn
 
 
+def memcpy_address() -> int | None:
+    """The address of torch's ``cudaMemcpyAsync`` where copies take the runtime's call (for
+    the eager lane's C submission, ``planner.lane_submit``), else None."""
+    fn = _memcpy_async() if enabled() else None
+    return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
+
 def _loaded_cudart() -> str | None:
     """The path of the one CUDA runtime library mapped into this process, or None."""
     try:

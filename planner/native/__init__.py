@@ -1,9 +1,9 @@
 """Compiled screens for the planner's hot paths, built from C with the system's compiler.
 
-Three live here: the staging screen, the eager host pass's runner (``host_pass.c``, over
-the twins backends compile against ``twin.h``; with the screen in front, in one call) and
-the lengths' max and sum; backends
-build their own C (FlashInfer's host arrays, the host twins) through :func:`load`.
+Four live here: the staging screen, the eager host pass's runner (``host_pass.c``, over
+the twins backends compile against ``twin.h``; with the screen in front, in one call), the
+lengths' max and sum, and the eager lane's whole submission (``lane_submit.c``: the screen,
+the pass, the copy and the launches); backends build their own C (FlashInfer's host arrays, the host twins) through :func:`load`.
 
 Why: a replay's staging (write five inputs and their padding into the pinned buffer,
 range-check them, look for a repeated KV slot or request, compare positions with the
@@ -36,7 +36,7 @@ import torch
 
 from planner.notices import warn_once
 
-SOURCES = ("stage_screen.c", "host_pass.c")
+SOURCES = ("stage_screen.c", "host_pass.c", "lane_submit.c")
 HEADERS = ("twin.h",)
 """Headers every build may include (``-I`` this directory): in every library's hash."""
 _HERE = Path(__file__).resolve().parent
@@ -44,6 +44,9 @@ _I64 = ctypes.c_int64
 _LENGTH_DTYPES = {torch.int32: 0, torch.int64: 1}
 TWIN_RECORD = 15
 """int64s per step of a compiled host pass (``R_SIZE`` in ``twin.h``; checked at load)."""
+LANE_HEADS = (6, 7, 64)
+"""int64s before a submission record's launches, before a launch's parameters, and the most
+parameters a launch takes (``S_HEAD``, ``L_HEAD``, ``MAX_PARAMS`` in ``lane_submit.c``)."""
 _OWN_SOURCES = tuple(_HERE / source for source in SOURCES)
 
 
@@ -136,6 +139,11 @@ def library() -> ctypes.CDLL | None:
     lib.fp_max_sum.argtypes = [_I64, _I64, _I64, _I64]
     lib.fp_screen_and_pass.restype = _I64
     lib.fp_screen_and_pass.argtypes = [_I64, _I64, _I64, _I64]
+    lib.fp_lane_submit.restype = _I64
+    lib.fp_lane_submit.argtypes = [_I64] * 6
+    for name in ("fp_lane_record_head", "fp_lane_launch_head", "fp_lane_max_params"):
+        getattr(lib, name).restype = _I64
+        getattr(lib, name).argtypes = []
     return lib
 
 
@@ -173,6 +181,22 @@ def screen_and_pass():
     if lib is None or host_pass_runner() is None:
         return None
     return lib.fp_screen_and_pass
+
+
+@functools.cache
+def lane_submit():
+    """``fp_lane_submit(record, host, args, device, stream, table)`` as a ctypes function,
+    or None: the eager lane's screen, host pass, copy and launches in one call
+    (``planner.lane_submit`` packs its record). None also where the built library's record
+    layout is not the one Python packs (said once)."""
+    lib = library()
+    if lib is None or host_pass_runner() is None:
+        return None
+    heads = (lib.fp_lane_record_head(), lib.fp_lane_launch_head(), lib.fp_lane_max_params())
+    if heads != LANE_HEADS:
+        warn_once(f"forward-planner: lane_submit.c records are {heads}, not {LANE_HEADS}")
+        return None
+    return lib.fp_lane_submit
 
 
 class MaxSum:
