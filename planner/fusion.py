@@ -17,12 +17,13 @@ one: inside a graph a launch costs no host time.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from planner.errors import PlanError
+from planner.kernel_launch import KernelLaunch
 from planner.notices import warn_once
 from planner.ops import MetadataOp
 from planner.program import Key, Step
@@ -36,6 +37,15 @@ FusedFn = Callable[
     None,
 ]
 """``fn(outs, args, params)``: both steps' outputs, inputs and parameters, in order."""
+LaunchOf = Callable[
+    [
+        tuple[torch.Tensor, torch.Tensor],
+        tuple[Sequence[Any], Sequence[Any]],
+        tuple[Mapping[str, Any], Mapping[str, Any]],
+    ],
+    KernelLaunch | None,
+]
+"""``launch_of(outs, args, params)``: the launch ``fn`` would make of them, or None."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,9 @@ class Fusion:
     second: str
     provider: str
     fn: FusedFn
+    launch_of: LaunchOf | None = None
+    """The launch ``fn`` would make, as a ``KernelLaunch`` (``planner.kernel_launch``), or
+    None where it cannot say: for the eager lane's C submission of a layout it plans again."""
 
     @property
     def ops(self) -> tuple[str, str]:
@@ -55,8 +68,11 @@ class Fusion:
 _FUSIONS: dict[tuple[str, str], Fusion] = {}
 
 
-def fused(first: MetadataOp, second: MetadataOp, provider: str) -> Callable[[FusedFn], FusedFn]:
-    """Decorator registering ``fn`` as ``provider``'s one launch of ``first`` then ``second``."""
+def fused(
+    first: MetadataOp, second: MetadataOp, provider: str, *, launch_of: LaunchOf | None = None
+) -> Callable[[FusedFn], FusedFn]:
+    """Decorator registering ``fn`` as ``provider``'s one launch of ``first`` then ``second``
+    (``launch_of``: the launch it makes, taking the same arguments; see ``Fusion``)."""
 
     def register(fn: FusedFn) -> FusedFn:
         for op in (first, second):
@@ -65,7 +81,7 @@ def fused(first: MetadataOp, second: MetadataOp, provider: str) -> Callable[[Fus
         key = (first.name, second.name)
         if key in _FUSIONS:
             raise ValueError(f"ops {key} already have a fusion")
-        _FUSIONS[key] = Fusion(first.name, second.name, provider, fn)
+        _FUSIONS[key] = Fusion(first.name, second.name, provider, fn, launch_of)
         return fn
 
     return register
@@ -87,18 +103,41 @@ class FusedSteps:
         """The last output it writes, where ``run_steps`` looks (it returns no handle)."""
         return self.second.output
 
-    def run(self, tensors: Mapping[Key, torch.Tensor], *, static: bool) -> None:
-        first, second, fusion = self.first, self.second, self.fusion
-        name = fusion.provider
-        if (
-            first.chain.current.name != name
-            or second.chain.current.name != name
-            or fusion.ops in self.retired
-        ):
-            self._one_by_one(tensors, static)
-            return
+    def active(self) -> bool:
+        """Whether the fused launch runs: both steps still hold its provider, and it has not
+        failed."""
+        name, fusion = self.fusion.provider, self.fusion
+        return (
+            self.first.chain.current.name == name
+            and self.second.chain.current.name == name
+            and fusion.ops not in self.retired
+        )
+
+    def _operands(self, tensors: Mapping[Key, torch.Tensor]) -> tuple[tuple, tuple]:
+        first, second = self.first, self.second
         outs = (tensors[first.output], tensors[second.output])
         args = ([tensors[k] for k in first.input_keys], [tensors[k] for k in second.input_keys])
+        return outs, args
+
+    def prepared(self, tensors: Mapping[Key, torch.Tensor]) -> KernelLaunch | None:
+        """The fused launch over ``tensors`` as the fusion says it (``Fusion.launch_of``),
+        live only while the fusion stays :meth:`active`; None where it cannot be said."""
+        launch_of = self.fusion.launch_of
+        if launch_of is None or not self.active():
+            return None
+        outs, args = self._operands(tensors)
+        launch = launch_of(outs, args, (self.first.params, self.second.params))
+        if launch is None:
+            return None
+        own = launch.live
+        return replace(launch, live=lambda: self.active() and own())
+
+    def run(self, tensors: Mapping[Key, torch.Tensor], *, static: bool) -> None:
+        first, second, fusion = self.first, self.second, self.fusion
+        if not self.active():
+            self._one_by_one(tensors, static)
+            return
+        outs, args = self._operands(tensors)
         try:
             fusion.fn(outs, args, (first.params, second.params))
         except PlanError:
@@ -106,7 +145,7 @@ class FusedSteps:
         except Exception as exc:
             self.retired.add(fusion.ops)
             warn_once(
-                f"{first.key} + {second.key}: the fused {name!r} launch failed "
+                f"{first.key} + {second.key}: the fused {fusion.provider!r} launch failed "
                 f"({type(exc).__name__}: {exc}); running the two steps one by one from now on"
             )
             self._one_by_one(tensors, static)

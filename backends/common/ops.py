@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from backends.common import torch_ref as ref
 from backends.common import triton_kernels as tri
-from backends.common.token_table_triton import token_table
+from backends.common.token_table_triton import token_table, token_table_launch
 from planner.fusion import fused
 from planner.ops import metadata_op
 
@@ -58,4 +58,4 @@ with_providers(
 )
 
 # Eager plans run the token table's two steps as one launch where both chose Triton.
-fused(gather_token_slots, page_table, "triton")(token_table)
+fused(gather_token_slots, page_table, "triton", launch_of=token_table_launch)(token_table)

@@ -21,6 +21,7 @@ import torch
 
 from backends.common import torch_ref as ref
 from backends.common.triton_kernels import LazyKernel, _require, block_size, tl
+from planner.kernel_launch import KernelLaunch
 
 
 def _token_table_kernel(
@@ -126,6 +127,30 @@ def token_table(
         slots, pages, req_to_token, req_pool_indices, seq_lens, page_size, contiguous=plain
     )
     _token_table.launch_as(known_kinds(args) if plain else None, grid, args, constexprs)
+
+
+def token_table_launch(
+    outs: tuple[torch.Tensor, torch.Tensor],
+    args: tuple[tuple, tuple],
+    params: tuple[Mapping[str, Any], Mapping[str, Any]],
+) -> KernelLaunch | None:
+    """The launch :func:`token_table` makes of these arguments, once compiled (``Fusion``'s
+    ``launch_of``); None for any case it does not launch directly and plainly: CPU or
+    empty tables, arguments the plain check does not pass, a size needing 64 bits."""
+    slots, pages = outs
+    (req_to_token, req_pool_indices, seq_lens), (page_input,) = args
+    page_size = params[1]["page_size"]
+    if page_input is not slots or slots.device.type != "cuda":
+        return None
+    if not _plainly_valid(slots, pages, req_to_token, req_pool_indices, seq_lens, page_size):
+        return None
+    if slots.shape[0] == 0 or (slots.shape[1] == 0 and pages.shape[1] == 0):
+        return None
+    grid, largs, constexprs = launch_args(
+        slots, pages, req_to_token, req_pool_indices, seq_lens, page_size, contiguous=True
+    )
+    kinds = known_kinds(largs)
+    return None if kinds is None else _token_table.prepared(kinds, grid, largs, constexprs)
 
 
 def known_kinds(args: tuple) -> tuple | None:
