@@ -137,7 +137,7 @@ def _lane_pieces(planner: Planner, batch) -> dict[str, Callable[[int], Any]]:
             host_sources(batch, next_n),
             table_on(table, planner.device, planner.device.type == "cpu"),
         ),
-        "  lane staging (screen and host pass in one C call, copy)": lambda i: (
+        "  lane staging (screen, host pass, copy; the launch too once a layout has its record)": lambda i: (
             lane.storage.prepare_screened(
                 bound, call, batch, real, dims, ranges, read_table=lane.read_table
             )

@@ -28,7 +28,7 @@ from planner import native
 from planner.batch import ForwardBatch, ForwardMode
 from planner.lane_door import HostSources, host_sources, table_on
 from planner.limits import Limits
-from planner.materialise import batch_dims, run_steps
+from planner.materialise import batch_dims, bind_batch, run_steps
 from planner.plan_build import build_plans
 from planner.planset import PlanSet
 from planner.program import Program
@@ -186,7 +186,13 @@ class EagerLane:
         )
         if prepared is None:
             return None
-        tensors, done = prepared
-        schedule, inputs = storage.schedule(done), storage.batch_inputs(done)
-        handles = run_steps(schedule, tensors, batch, False, inputs=inputs)
+        tensors, done, launched, pending = prepared
+        inputs = storage.batch_inputs(done)
+        if launched:  # the device steps were queued with the copy (planner.lane_submit)
+            bind_batch(tensors, batch, inputs)
+            handles = {}
+        else:
+            handles = run_steps(storage.schedule(done), tensors, batch, False, inputs=inputs)
+            if pending is not None:
+                storage.learn(tensors, table, pending)
         return PlanSet(build_plans(program, tensors, handles, dims), "eager", self.mode, real, real)

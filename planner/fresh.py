@@ -19,18 +19,21 @@ from operator import itemgetter
 import numpy as np
 import torch
 
-from planner import native
+from planner import lane_submit, native
 from planner.batch import ForwardBatch
 from planner.dims import dim_names, resolve_shape
 from planner.fresh_layout import Cuts, FreshLayout, Piece, StagedPart, contiguous_strides
 from planner.fresh_pool import FreshPool, Recycled
 from planner.fusion import Runnable, fuse_steps
 from planner.host_pass import HostPass, HostPassFailed
+from planner.lane_submit import LaneSubmits
 from planner.program import Key, Program, batch_reads
 from planner.stager import Stager
 from planner.staging import Ranges, Segment
 from planner.staging_screen import BoundScreen
 
+Pending = tuple[FreshLayout, Ranges, torch.Tensor]
+"""What :meth:`FreshStorage.learn` takes: a layout, its table's ranges, the plan's buffer."""
 _LAYOUT_CACHE = 256
 """Layouts kept per storage; ragged batches vary in shape, so the cache is bounded."""
 _ALIGN_BYTES = 256
@@ -57,6 +60,8 @@ class FreshStorage:
         self.host_pass = host_pass
         self.pool = FreshPool(stager.device, program.aliases)
         """Memory of dropped plans, taken back with its views (``planner.fresh_pool``)."""
+        self.submits = LaneSubmits()
+        """The eager lane's records of the layouts it plans again (``planner.lane_submit``)."""
         self._layouts: dict[tuple, FreshLayout] = {}
         self._staged: dict[tuple, StagedPart] = {}
         # Only the batch tensors the device steps read are bound: with the host pass on,
@@ -204,32 +209,87 @@ class FreshStorage:
         ranges: Ranges,
         *,
         read_table: bool,
-    ) -> tuple[dict[Key, torch.Tensor], frozenset] | None:
+    ) -> tuple[dict[Key, torch.Tensor], frozenset, bool, Pending | None] | None:
         """:meth:`prepare` for the eager lane (``planner.eager_lane``): ``screen`` fills and
         checks a host batch's staged inputs from ``sources`` (what ``BoundScreen.pack``
-        takes), in the same C call as the compiled host pass where there is one. None, with
-        nothing sent, where the screen refuses the batch or a host twin fails:
+        takes), in the same C call as the compiled host pass where there is one, and, where
+        this layout has a record (``planner.lane_submit``), as the copy and the device
+        steps' launches. The tensors, the outputs computed, whether the steps were launched,
+        and what :meth:`learn` takes once the caller ran them (None: nothing to learn).
+        None, with nothing sent, where the screen refuses the batch or a host twin fails:
         :meth:`prepare` then runs, and names what is wrong or retires the twin."""
         host_pass = self._live_pass()
         layout = self._layout(dims, reqs, host_pass)
         part = layout.part
         kept = self.pool.take(layout)
-        fill = _fill(screen, screen.pack(*sources), part, host_pass, reqs, dims["tokens"])
+        args = screen.pack(*sources)
+        into = None if kept is None else (kept.buffer, kept.host)
+        extra = part.staged_size - self.stager.layout.size
+        submits = None if read_table or not self.stager.on_current_device() else self.submits
+        submit = None if submits is None else submits.ready(layout, ranges)
+        if submit is not None:
+            redo = None
+            if host_pass is not None:
+
+                def redo(view: np.ndarray) -> None:
+                    host_pass.run(view, part.host, reqs, dims["tokens"])
+
+            out = self.stager.submit_fresh(
+                submit,
+                args,
+                batch.req_to_token.data_ptr(),
+                redo,
+                extra=extra,
+                device_extra=layout.device_extra,
+                into=into,
+            )
+            if out is None:
+                return None
+            submits.used += out[1]
+            return self._tensors(layout, out[0], kept), _done(host_pass), out[1], None
+        fill = _fill(screen, args, part, host_pass, reqs, dims["tokens"])
         try:
             staged = self.stager.stage_fresh(
                 fill,
                 batch,
                 ranges,
                 read_table=read_table,
-                extra=part.staged_size - self.stager.layout.size,
+                extra=extra,
                 device_extra=layout.device_extra,
-                into=None if kept is None else (kept.buffer, kept.host),
+                into=into,
             )
         except HostPassFailed:
             return None
         if staged is None:
             return None
-        return self._tensors(layout, staged, kept), _done(host_pass)
+        wanted = submits is not None and submits.wanted(layout, ranges)
+        pending = (layout, ranges, staged) if wanted else None
+        return self._tensors(layout, staged, kept), _done(host_pass), False, pending
+
+    def learn(
+        self, tensors: Mapping[Key, torch.Tensor], table: torch.Tensor, pending: Pending
+    ) -> None:
+        """Make the record of a layout from its plan that went the Python way (``pending``
+        from :meth:`prepare_screened`; its device steps ran): every step's launch as it
+        says it (``prepared``), where each one can; else the layout keeps the Python way."""
+        layout, ranges, staged = pending
+        part, host_pass = layout.part, self._live_pass()
+        compiled = None
+        if host_pass is not None:
+            if part.native is None:
+                self.submits.keep(layout, ranges, None)
+                return
+            compiled = (part.native.address, len(part.native.records))
+        launches = []
+        for runnable in self.schedule(_done(host_pass)):
+            prepared = getattr(runnable, "prepared", None)
+            launch = None if prepared is None else prepared(tensors)
+            if launch is None:
+                self.submits.keep(layout, ranges, None)
+                return
+            launches.append(launch)
+        size = self.stager.region_size(part.staged_size - self.stager.layout.size)
+        self.submits.keep(layout, ranges, lane_submit.pack(launches, staged, table, size, compiled))
 
     def _live_pass(self) -> HostPass | None:
         """The host pass, unless one of its twins failed (it is then retired for good)."""

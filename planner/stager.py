@@ -24,6 +24,7 @@ import torch
 from planner import device_copy
 from planner.batch import ForwardBatch
 from planner.errors import BatchError
+from planner.lane_submit import COPY_FAILED, LAUNCH_FAILED, REFUSED, SUBMITTED, LaneSubmit, failed
 from planner.ring_events import GROUP, RingEvents
 from planner.staging import Ranges, Segment, StagingLayout, real_counts
 from planner.staging_pull import PulledRing
@@ -250,6 +251,49 @@ class Stager:
         self.send(host, dev, done)
         return dev
 
+    def submit_fresh(
+        self,
+        submit: LaneSubmit,
+        args: int,
+        table: int,
+        redo: Callable[[np.ndarray], None] | None,
+        *,
+        extra: int,
+        device_extra: int,
+        into: tuple[torch.Tensor, np.ndarray | None] | None,
+    ) -> tuple[torch.Tensor, bool] | None:
+        """:meth:`stage_fresh` and the device steps in one C call (``planner.lane_submit``,
+        CUDA only): the device buffer, and whether the steps were launched; None, with
+        nothing sent, where the screen refuses. Where a host twin declines (``redo`` then
+        rewrites the pass in numpy) or a CUDA call fails, the copy is made here and the
+        steps are left to the caller."""
+        host, view, done = self._fresh_host(self.region_size(extra), device_extra, into)
+        dev = self._fresh_device(host, done, host.shape[0], device_extra, into)
+        device = done.device_index
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        status = submit(host.data_ptr(), args, dev.data_ptr(), stream, table)
+        if status == SUBMITTED:
+            self._sent(done)
+            return dev, True
+        if status == REFUSED:
+            return None
+        if status > 0:
+            redo(view)
+        if status == LAUNCH_FAILED:
+            failed(status)
+            self._sent(done)  # the copy is queued
+            return dev, False
+        if status == COPY_FAILED:
+            failed(status)
+        self.send(host, dev, done)
+        return dev, False
+
+    def on_current_device(self) -> bool:
+        """Whether this stager copies to a CUDA device that is the current one (what a copy
+        or launch queued on the current stream needs)."""
+        events = self._events
+        return events is not None and torch._C._cuda_getDevice() == events.device_index
+
     def _fresh_host(
         self, total: int, device_extra: int, into: tuple[torch.Tensor, np.ndarray | None] | None
     ) -> tuple[torch.Tensor, np.ndarray, RingEvents | None]:
@@ -306,6 +350,11 @@ class Stager:
                 (dev if dev.shape[0] == n else dev[:n]).copy_(host)
         else:
             device_copy.send(dev, host, host.shape[0], done.device_index)
+        self._sent(done)
+
+    def _sent(self, done: RingEvents | None) -> None:
+        """What follows a queued copy: the ring's event, the count, the pull told."""
+        if done is not None:
             done.after_copy(self.copies)
         self.copies += 1
         if self.pull is not None:  # sent already: the graph's pull leaves the buffer alone
