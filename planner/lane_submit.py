@@ -35,7 +35,7 @@ P_VALUE32, P_VALUE64, P_DEVICE, P_TABLE = 0, 1, 2, 3
 SUBMITTED, REFUSED, COPY_FAILED, LAUNCH_FAILED = 0, -1, -2, -3
 """What ``fp_lane_submit`` answers (a positive answer: that host twin declined)."""
 _KEPT = 64
-"""Layouts a storage keeps records (or their first sighting) for."""
+"""Layouts a storage keeps records for, and first sightings it keeps (each apart)."""
 
 _state = {"on": True}
 """False after a submission's CUDA call failed: every plan then goes the Python way."""
@@ -145,12 +145,17 @@ def _inside(tensor: torch.Tensor, base: torch.Tensor) -> bool:
 
 
 class LaneSubmits:
-    """A storage's records, by layout and token table ranges (see the module docstring)."""
+    """A storage's records, by layout and token table ranges (see the module docstring).
+
+    Layouts seen once are noted apart from the records: a growing decode notes a new one
+    every step, and clearing those notes when they fill up must not drop the records of
+    the layouts that do come back."""
 
     def __init__(self) -> None:
         self.used = 0
         """Plans submitted by a record (tests and reports read it)."""
-        self._kept: dict[tuple[int, int], tuple[object, object, LaneSubmit | bool | None]] = {}
+        self._seen: dict[tuple[int, int], tuple[object, object]] = {}
+        self._kept: dict[tuple[int, int], tuple[object, object, LaneSubmit | None]] = {}
 
     def ready(self, layout: object, ranges: object) -> LaneSubmit | None:
         """The record of ``layout`` with ``ranges``, where there is one and it may be used."""
@@ -158,20 +163,26 @@ class LaneSubmits:
         if kept is None or kept[0] is not layout or kept[1] is not ranges:
             return None
         submit = kept[2]
-        return submit if submit.__class__ is LaneSubmit and submit.live() else None
+        return submit if submit is not None and submit.live() else None
 
     def wanted(self, layout: object, ranges: object) -> bool:
         """Whether a plan of ``layout`` that went the Python way should make its record: on
-        the layout's second such plan (the first is only noted)."""
+        the layout's second such plan (the first is only noted), and once only."""
         key = (id(layout), id(ranges))
         kept = self._kept.get(key)
-        if kept is None or kept[0] is not layout or kept[1] is not ranges:
-            if len(self._kept) >= _KEPT:
-                self._kept.clear()
-            self._kept[key] = (layout, ranges, True)  # seen once
-            return False
-        return kept[2] is True
+        if kept is not None and kept[0] is layout and kept[1] is ranges:
+            return False  # made already (or could not be)
+        seen = self._seen.get(key)
+        if seen is not None and seen[0] is layout and seen[1] is ranges:
+            del self._seen[key]
+            return True
+        if len(self._seen) >= _KEPT:
+            self._seen.clear()
+        self._seen[key] = (layout, ranges)
+        return False
 
     def keep(self, layout: object, ranges: object, submit: LaneSubmit | None) -> None:
         """``submit`` (None: none can be made; not tried again) for ``layout``."""
+        if len(self._kept) >= _KEPT:
+            self._kept.clear()
         self._kept[(id(layout), id(ranges))] = (layout, ranges, submit)

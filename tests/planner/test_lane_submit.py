@@ -25,6 +25,7 @@ from planner.lane_submit import (
     P_VALUE64,
     REFUSED,
     SUBMITTED,
+    LaneSubmit,
     LaneSubmits,
     _param,
 )
@@ -217,3 +218,18 @@ def test_a_layout_gets_its_record_on_its_second_plan_only():
     assert not submits.wanted(layout, ranges) and submits.ready(layout, ranges) is None
     other = object()
     assert not submits.wanted(other, ranges) and submits.ready(other, ranges) is None
+
+
+def test_layouts_seen_once_do_not_push_out_the_records_of_those_that_come_back():
+    """A growing decode notes a new layout every step; the one planned again keeps its
+    record however many go by."""
+    submits, ranges, layout = LaneSubmits(), object(), object()
+    submits.wanted(layout, ranges)
+    assert submits.wanted(layout, ranges)
+    record = object.__new__(LaneSubmit)  # stands for a made record
+    submits.keep(layout, ranges, record)
+    passing = [object() for _ in range(500)]  # kept alive: ids are not reused
+    for other in passing:
+        assert not submits.wanted(other, ranges)
+    assert submits._kept[(id(layout), id(ranges))][2] is record
+    assert len(submits._seen) <= 64
