@@ -234,15 +234,18 @@ class FreshStorage:
                 def redo(view: np.ndarray) -> None:
                     host_pass.run(view, part.host, reqs, dims["tokens"])
 
-            out = self.stager.submit_fresh(
-                submit,
-                args,
-                batch.req_to_token.data_ptr(),
-                redo,
-                extra=extra,
-                device_extra=layout.device_extra,
-                into=into,
-            )
+            try:
+                out = self.stager.submit_fresh(
+                    submit,
+                    args,
+                    batch.req_to_token.data_ptr(),
+                    redo,
+                    extra=extra,
+                    device_extra=layout.device_extra,
+                    into=into,
+                )
+            except HostPassFailed:  # raised by the numpy pass, before anything was sent
+                return None
             if out is None:
                 return None
             submits.used += out[1]

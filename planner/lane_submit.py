@@ -44,21 +44,28 @@ _state = {"on": True}
 class LaneSubmit:
     """One layout's record, and what must still hold for it at each plan."""
 
-    __slots__ = ("record", "address", "fn", "launches")
+    __slots__ = ("record", "address", "fn", "checks", "functions")
 
     def __init__(self, record: ctypes.Array, fn, launches: Sequence[KernelLaunch]) -> None:
         self.record = record
         self.address = ctypes.addressof(record)
         self.fn = fn
-        self.launches = tuple(launches)
+        # Only the checks and what tests and reports read are kept: the launches' tensors
+        # are views of one plan's memory, which a reference would keep from ever being
+        # recycled (``planner.fresh_pool`` counts them).
+        self.checks = tuple(launch.live for launch in launches)
+        self.functions = tuple(
+            (launch.function, tuple(size for _, size in launch.params)) for launch in launches
+        )
+        """Per launch: its function and its parameters' sizes."""
 
     def live(self) -> bool:
         """Whether this plan may be submitted so: no call failed, and every launch's own
         check holds (a profiler's launch hook set since, say)."""
         if not _state["on"]:
             return False
-        for launch in self.launches:  # noqa: SIM110 (a generator's cost, per plan)
-            if not launch.live():
+        for check in self.checks:  # noqa: SIM110 (a generator's cost, per plan)
+            if not check():
                 return False
         return True
 

@@ -15,7 +15,7 @@ import torch
 
 from planner import ForwardMode, lane_submit, notices
 from planner.compare import diff_plans
-from planner.kernel_launch import matches_driver
+from planner.kernel_launch import param_sizes
 from tests.support.faults import runtime_warnings
 from tests.support.growing_decode import MAX_CTX, TABLE, decode, growing, small_planner
 
@@ -67,8 +67,8 @@ def test_the_driver_confirms_the_fused_launch_it_records():
         fast.plan(_one_layout(rng, 4, 100, table))
     kept = [entry[2] for entry in _submits(fast, 4)._kept.values()]
     assert len(kept) == 1 and kept[0].__class__ is lane_submit.LaneSubmit
-    (launch,) = kept[0].launches
-    assert matches_driver(launch) and launch.live()
+    ((function, sizes),) = kept[0].functions
+    assert param_sizes(function) == sizes and kept[0].live()
 
 
 def test_a_growing_decode_makes_no_records_and_plans_alike():
@@ -115,6 +115,37 @@ def test_a_failed_launch_is_said_once_and_the_plan_finishes_the_python_way(monke
     said = [m for m in runtime_warnings(caught) if "from C failed" in m]
     assert len(said) == 1 and not lane_submit._state["on"]
     assert _submits(fast, 4).used == 1  # the failed one is not counted; none after it
+
+
+def _tensors_in(obj, depth: int = 5) -> list:
+    """Tensors reachable from ``obj`` through containers, slots, dataclass fields and
+    closures."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth == 0:
+        return []
+    if isinstance(obj, (tuple, list)):
+        items = list(obj)
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    elif callable(obj) and getattr(obj, "__closure__", None):
+        items = [cell.cell_contents for cell in obj.__closure__]
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    else:
+        items = [getattr(obj, n) for n in getattr(type(obj), "__slots__", ()) if hasattr(obj, n)]
+    return [t for item in items for t in _tensors_in(item, depth - 1)]
+
+
+def test_a_record_holds_no_plans_memory():
+    """A record keeps offsets, not the tensors it was made from: a reference to one plan's
+    views would keep that memory from ever being recycled."""
+    fast, _ = _pair()
+    table, rng = TABLE.cuda(), random.Random(6)
+    for _ in range(2):  # the second plan makes the record
+        fast.plan(_one_layout(rng, 4, 70, table))
+    (submit,) = [e[2] for e in _submits(fast, 4)._kept.values()]
+    assert submit is not None and _tensors_in(submit) == []
 
 
 def test_the_raw_copy_turned_off_keeps_the_python_way(monkeypatch):
