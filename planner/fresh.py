@@ -188,7 +188,7 @@ class FreshStorage:
                 ranges,
                 read_device=read_device,
                 read_table=read_table,
-                extra=part.staged_size - self.stager.layout.size,
+                extra=self._extra(part),
                 host_work=_host_work(part, host_pass, reqs, dims["tokens"]),
                 device_extra=layout.device_extra,
                 into=None if kept is None else (kept.buffer, kept.host),
@@ -224,7 +224,7 @@ class FreshStorage:
         kept = self.pool.take(layout)
         args = screen.pack(*sources)
         into = None if kept is None else (kept.buffer, kept.host)
-        extra = part.staged_size - self.stager.layout.size
+        extra = self._extra(part)
         submits = None if read_table or not self.stager.on_current_device() else self.submits
         submit = None if submits is None else submits.ready(layout, ranges)
         if submit is not None:
@@ -291,8 +291,12 @@ class FreshStorage:
                 self.submits.keep(layout, ranges, None)
                 return
             launches.append(launch)
-        size = self.stager.region_size(part.staged_size - self.stager.layout.size)
+        size = self.stager.region_size(self._extra(part))
         self.submits.keep(layout, ranges, lane_submit.pack(launches, staged, table, size, compiled))
+
+    def _extra(self, part: StagedPart) -> int:
+        """Elements ``part`` stages after the inputs' layout: the host pass's outputs."""
+        return part.staged_size - self.stager.layout.size
 
     def _live_pass(self) -> HostPass | None:
         """The host pass, unless one of its twins failed (it is then retired for good)."""

@@ -101,6 +101,27 @@ def _plainly_valid(slots, pages, req_to_token, req_pool_indices, seq_lens, page_
     )
 
 
+def _operands(outs: tuple, args: tuple, params: tuple) -> tuple:
+    """``planner.fusion``'s arguments unpacked: the slots, the page table, the token table,
+    the request indices, the lengths, the page size and the page table's input."""
+    slots, pages = outs
+    (req_to_token, req_pool_indices, seq_lens), (page_input,) = args
+    return (
+        slots,
+        pages,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        params[1]["page_size"],
+        page_input,
+    )
+
+
+def _empty(slots: torch.Tensor, pages: torch.Tensor) -> bool:
+    """Whether there is nothing to write (no rows, or rows of no columns in either table)."""
+    return slots.shape[0] == 0 or (slots.shape[1] == 0 and pages.shape[1] == 0)
+
+
 def token_table(
     outs: tuple[torch.Tensor, torch.Tensor],
     args: tuple[tuple, tuple],
@@ -108,9 +129,9 @@ def token_table(
 ) -> None:
     """``planner.fusion``'s call: ``outs`` the slots and the page table, ``args`` and
     ``params`` each step's own (the page table's one input is the slots)."""
-    slots, pages = outs
-    (req_to_token, req_pool_indices, seq_lens), (page_input,) = args
-    page_size = params[1]["page_size"]
+    slots, pages, req_to_token, req_pool_indices, seq_lens, page_size, page_input = _operands(
+        outs, args, params
+    )
     if page_input is not slots:
         raise ValueError("the fused page table must read the slots this launch writes")
     plain = _plainly_valid(slots, pages, req_to_token, req_pool_indices, seq_lens, page_size)
@@ -121,7 +142,7 @@ def token_table(
         ref.check_page_table_from_slots(pages, slots, page_size)
     if slots.device.type != "cuda":
         _require(slots.device)  # the interpreter's CPU tensors, or a refusal
-    if slots.shape[0] == 0 or (slots.shape[1] == 0 and pages.shape[1] == 0):
+    if _empty(slots, pages):
         return
     grid, args, constexprs = launch_args(
         slots, pages, req_to_token, req_pool_indices, seq_lens, page_size, contiguous=plain
@@ -137,14 +158,12 @@ def token_table_launch(
     """The launch :func:`token_table` makes of these arguments, once compiled (``Fusion``'s
     ``launch_of``); None for any case it does not launch directly and plainly: CPU or
     empty tables, arguments the plain check does not pass, a size needing 64 bits."""
-    slots, pages = outs
-    (req_to_token, req_pool_indices, seq_lens), (page_input,) = args
-    page_size = params[1]["page_size"]
-    if page_input is not slots or slots.device.type != "cuda":
+    slots, pages, req_to_token, req_pool_indices, seq_lens, page_size, page_input = _operands(
+        outs, args, params
+    )
+    if page_input is not slots or slots.device.type != "cuda" or _empty(slots, pages):
         return None
     if not _plainly_valid(slots, pages, req_to_token, req_pool_indices, seq_lens, page_size):
-        return None
-    if slots.shape[0] == 0 or (slots.shape[1] == 0 and pages.shape[1] == 0):
         return None
     grid, largs, constexprs = launch_args(
         slots, pages, req_to_token, req_pool_indices, seq_lens, page_size, contiguous=True
