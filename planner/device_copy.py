@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from collections.abc import Callable, Iterable
 
 import torch
 
+from planner.env_switch import switch_on
 from planner.notices import warn_once
 
 _HOST_TO_DEVICE = 1
@@ -41,11 +41,7 @@ def enabled() -> bool:
     """Whether copies take the runtime's call. The environment is read once, at the first
     copy: a lookup in ``os.environ`` costs 2-3 us of host time on the H200's host, an eager
     plan's whole copy is 10."""
-    said = _state["env"]
-    if said is None:
-        value = os.environ.get("FORWARD_PLANNER_RAW_COPY", "1")
-        said = _state["env"] = value not in ("0", "false", "no", "off")
-    return bool(_state["on"] and said)
+    return bool(_state["on"]) and switch_on(_state, "FORWARD_PLANNER_RAW_COPY")
 
 
 @functools.lru_cache(maxsize=1)

@@ -225,7 +225,8 @@ class FreshStorage:
         args = screen.pack(*sources)
         into = None if kept is None else (kept.buffer, kept.host)
         extra = self._extra(part)
-        submits = None if read_table or not self.stager.on_current_device() else self.submits
+        on = not read_table and lane_submit.enabled() and self.stager.on_current_device()
+        submits = self.submits if on else None
         submit = None if submits is None else submits.ready(layout, ranges)
         if submit is not None:
             redo = None

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from planner import device_copy, native
+from planner.env_switch import switch_on
 from planner.kernel_launch import KernelLaunch, launch_address, matches_driver
 from planner.notices import warn_once
 
@@ -37,8 +38,15 @@ SUBMITTED, REFUSED, COPY_FAILED, LAUNCH_FAILED = 0, -1, -2, -3
 _KEPT = 64
 """Layouts a storage keeps records for, and first sightings it keeps (each apart)."""
 
-_state = {"on": True}
-"""False after a submission's CUDA call failed: every plan then goes the Python way."""
+_state: dict[str, bool | None] = {"on": True, "env": None}
+"""``on``: False after a submission's CUDA call failed (every plan then goes the Python
+way); ``env``: what ``FORWARD_PLANNER_LANE_SUBMIT`` said at the first plan (None: not read)."""
+
+
+def enabled() -> bool:
+    """Whether the eager lane may submit from C: no call failed, and
+    ``FORWARD_PLANNER_LANE_SUBMIT`` is not 0 (read at the first plan)."""
+    return bool(_state["on"]) and switch_on(_state, "FORWARD_PLANNER_LANE_SUBMIT")
 
 
 class LaneSubmit:
@@ -62,7 +70,7 @@ class LaneSubmit:
     def live(self) -> bool:
         """Whether this plan may be submitted so: no call failed, and every launch's own
         check holds (a profiler's launch hook set since, say)."""
-        if not _state["on"]:
+        if not enabled():
             return False
         for check in self.checks:  # noqa: SIM110 (a generator's cost, per plan)
             if not check():
@@ -98,7 +106,7 @@ def pack(
     confirm, more parameters than the C takes)."""
     fn = native.lane_submit()
     copy, launch = device_copy.memcpy_address(), launch_address()
-    if fn is None or copy is None or launch is None or not _state["on"]:
+    if fn is None or copy is None or launch is None or not enabled():
         return None
     values = [copy, launch, *(host_pass or (0, 0)), copy_elements * 4, len(launches)]
     _, launch_head, max_params = native.LANE_HEADS

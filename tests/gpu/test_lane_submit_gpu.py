@@ -148,10 +148,12 @@ def test_a_record_holds_no_plans_memory():
     assert submit is not None and _tensors_in(submit) == []
 
 
-def test_the_raw_copy_turned_off_keeps_the_python_way(monkeypatch):
+@pytest.mark.parametrize("switch", ["raw copy", "lane submit"])
+def test_a_switch_turned_off_keeps_the_python_way(monkeypatch, switch):
     from planner import device_copy
 
-    monkeypatch.setitem(device_copy._state, "env", False)
+    state = device_copy._state if switch == "raw copy" else lane_submit._state
+    monkeypatch.setitem(state, "env", False)
     fast, plain = _pair()
     table, rng = TABLE.cuda(), random.Random(4)
     for _ in range(4):

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from planner import ForwardMode, native
+from planner import ForwardMode, lane_submit, native
 from planner.lane_door import host_sources
 from planner.lane_submit import (
     COPY_FAILED,
@@ -233,3 +233,16 @@ def test_layouts_seen_once_do_not_push_out_the_records_of_those_that_come_back()
         assert not submits.wanted(other, ranges)
     assert submits._kept[(id(layout), id(ranges))][2] is record
     assert len(submits._seen) <= 64
+
+
+@pytest.mark.parametrize(("value", "on"), [("0", False), ("off", False), ("1", True), (None, True)])
+def test_the_environment_switch_is_read_once(monkeypatch, value, on):
+    monkeypatch.setitem(lane_submit._state, "env", None)
+    monkeypatch.setitem(lane_submit._state, "on", True)
+    if value is None:
+        monkeypatch.delenv("FORWARD_PLANNER_LANE_SUBMIT", raising=False)
+    else:
+        monkeypatch.setenv("FORWARD_PLANNER_LANE_SUBMIT", value)
+    assert lane_submit.enabled() is on
+    monkeypatch.setenv("FORWARD_PLANNER_LANE_SUBMIT", "1" if not on else "0")
+    assert lane_submit.enabled() is on  # not read again
