@@ -68,10 +68,8 @@ class LaneSubmit:
         """Per launch: its function and its parameters' sizes."""
 
     def live(self) -> bool:
-        """Whether this plan may be submitted so: no call failed, and every launch's own
-        check holds (a profiler's launch hook set since, say)."""
-        if not enabled():
-            return False
+        """Whether every launch's own check holds (a profiler's launch hook set since, say);
+        the caller has asked :func:`enabled` already, once per plan."""
         for check in self.checks:  # noqa: SIM110 (a generator's cost, per plan)
             if not check():
                 return False
