@@ -22,7 +22,7 @@ import torch.distributed as dist
 from distributed.agree import RankMismatch, check_equal
 from distributed.group import DistContext
 from planner.batch import ForwardBatch, ForwardMode
-from planner.compare import plan_digests
+from planner.debug import plan_digests
 from planner.schema import Plan
 
 SIGNATURE = ("step", "mode", "bs", "max_len", "tokens")

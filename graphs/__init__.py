@@ -2,7 +2,8 @@
 
 ``GraphRunner`` captures the model step per batch size (``capture_ladder``),
 largest first into one pool, and replays it after the planner refreshed the
-plans in place; ``EmulatedGraph`` stands in for ``torch.cuda.CUDAGraph`` so
+plans in place (``PulledTransport``: its graphs pull the staged inputs themselves, so a
+replay makes no CUDA call); ``EmulatedGraph`` stands in for ``torch.cuda.CUDAGraph`` so
 every phase and all padding logic are tested without a GPU.
 """
 
@@ -20,6 +21,7 @@ from graphs.runner import (
     GraphWarning,
 )
 from graphs.sizes import capture_ladder, default_capture_ladder
+from graphs.staging_pull import PulledTransport
 from graphs.stats import GraphStats
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "GraphStats",
     "GraphWarning",
     "InputSpec",
+    "PulledTransport",
     "StaticInputs",
     "capture_ladder",
     "default_capture_ladder",

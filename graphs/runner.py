@@ -30,7 +30,8 @@ from graphs.sizes import capture_ladder
 from graphs.stats import GraphStats
 from planner.batch import ForwardBatch, ForwardMode
 from planner.errors import BatchError, ConfigError, ReplayError
-from planner.planner import Planner, PlanSet
+from planner.planner import Planner
+from planner.plans import PlanSet
 
 Forward = Callable[[dict[str, torch.Tensor], PlanSet], Any]
 """``forward(inputs, plans) -> Tensor | dict[str, Tensor]``: one model step over the plans."""
@@ -279,7 +280,7 @@ class GraphRunner:
         self.inputs.fill_checked(inputs, reqs, rows, entry.bs, entry.rows)  # checked above
         t2 = time.perf_counter()
         entry.graph.replay()
-        self.planner.graph_launched()  # staged in the graph: the next replay is the next step
+        self.planner.graph_launched()  # a graph that pulls its inputs: the next replay is the next step
         t3 = time.perf_counter()
         if self.planner.debug:
             self.planner.verify(batch, plans)

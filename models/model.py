@@ -37,7 +37,7 @@ from models.layers.norm import RMSNorm
 from models.layers.residual import add_rms_norm
 from models.layers.rope import rope_cos_sin, yarn_attention_factor, yarn_inv_freq
 from planner.errors import ConfigError, PlanError
-from planner.planset import PlanSet
+from planner.plans import PlanSet
 from planner.schema import Plan
 
 FORMAT = "forward-planner/dsv32"

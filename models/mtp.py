@@ -39,7 +39,7 @@ from models.layers.norm import RMSNorm
 from models.layers.rope import rope_cos_sin
 from models.model import Block, DSV32Model
 from planner.errors import PlanError
-from planner.planset import PlanSet
+from planner.plans import PlanSet
 from planner.schema import Plan
 
 

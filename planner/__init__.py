@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     )
     from planner.limits import Limits
     from planner.ops import MetadataOp, get_op, metadata_op
-    from planner.planner import Planner, PlanSet
+    from planner.planner import Planner
+    from planner.plans import PlanSet
     from planner.registry import all_backends, get_backend
     from planner.schema import PAD_DERIVED, Plan, Setting, Tensor, scalar_field, tensor_field
 
@@ -39,7 +40,7 @@ _EXPORTS = {
     "MetadataOp": "planner.ops:MetadataOp",
     "Plan": "planner.schema:Plan",
     "PlanError": "planner.errors:PlanError",
-    "PlanSet": "planner.planner:PlanSet",
+    "PlanSet": "planner.plans:PlanSet",
     "PlanWriteError": "planner.errors:PlanWriteError",
     "Planner": "planner.planner:Planner",
     "ProviderError": "planner.errors:ProviderError",

@@ -7,6 +7,7 @@ is diagnosable from the message alone, before any kernel has run.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 
@@ -64,3 +65,17 @@ class ConfigError(PlanError):
 
 class DumpError(PlanError):
     """A plan dump that is missing, truncated or corrupt."""
+
+
+_SAID: set[str] = set()
+
+
+def warn_once(message: str, *, stacklevel: int = 3) -> None:
+    """Warn with ``RuntimeWarning`` the first time ``message`` is said in this process.
+
+    A provider that fails or a library that does not import changes what runs for the rest
+    of the process: saying so every batch would drown the log, saying nothing would hide it.
+    """
+    if message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)

@@ -18,17 +18,16 @@ checks each twin against the device provider, on every batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from planner import native
-from planner.dims import resolve_shape
-from planner.notices import warn_once
+from planner.errors import warn_once
 from planner.ops import ProviderFn
 from planner.program import Key, Program, Step
+from planner.schema import resolve_shape
 from planner.staging import Segment
 
 ALIGN = 64
@@ -57,22 +56,6 @@ class Placement:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class NativePass:
-    """One layout's host pass compiled: a record per step (``planner/native/twin.h``), run
-    in one C call. A screen in front of :meth:`HostPass.run`, like the staging screen: the
-    numpy twins run whenever it declines, so it can cost speed, never correctness."""
-
-    records: np.ndarray
-    address: int
-    """``records``' own (kept: ``ndarray.ctypes`` costs microseconds a call)."""
-    runner: Callable[[int, int, int], int]
-
-    def run(self, buffer_address: int) -> bool:
-        """Every step into the staging buffer at ``buffer_address``; False if one declined."""
-        return self.runner(buffer_address, self.address, len(self.records)) == 0
 
 
 class HostPass:
@@ -120,39 +103,6 @@ class HostPass:
             out.append(Placement(step.output, offset, shape))
             offset += math.prod(shape)
         return tuple(out), offset
-
-    def native_pass(
-        self, placements: tuple[Placement, ...], reqs: int, tokens: int
-    ) -> NativePass | None:
-        """The pass for these placements as one compiled program, or None where a step has
-        no compiled twin, its parameters cannot be packed, or there is no compiler."""
-        runner = native.host_pass_runner()
-        if runner is None:
-            return None
-        records = np.zeros((len(self.steps), native.TWIN_RECORD), dtype=np.int64)
-        for row, (step, _), place, reads in zip(records, self.steps, placements, self._reads):
-            twin = step.chain.op.native
-            if twin is None or len(place.shape) > 2 or len(reads) > 3:
-                return None
-            fn = native.twin_address(twin.source, twin.symbol)
-            try:
-                params = twin.pack(**step.params)
-            except TypeError:  # parameters the twin does not take: numpy says so, by raising
-                return None
-            if fn is None or params is None or len(params) > 4:
-                return None
-            shape = (*place.shape, 1, 1)
-            row[:5] = (fn, place.offset, len(place.shape), shape[0], shape[1])
-            for k, r in enumerate(reads):
-                if isinstance(r, int):
-                    made = placements[r]
-                    if len(made.shape) != 1:  # numpy would see its shape; C only its length
-                        return None
-                    row[5 + 2 * k : 7 + 2 * k] = (made.offset, made.numel)
-                else:
-                    row[5 + 2 * k : 7 + 2 * k] = (r.offset, tokens if r.per_token else reqs)
-            row[11 : 11 + len(params)] = params
-        return NativePass(records, records.ctypes.data, runner)
 
     def run(
         self,

@@ -5,19 +5,23 @@ implements the same semantics (``torch`` is the exact reference and always
 exists; ``triton``, ``deep_gemm``, ``flashinfer`` where they apply), writes
 into the output buffer it is given, and declares whether it may run inside
 a CUDA graph (device work only, no host sync) or needs the host.
+
+Each step of a planner runs its op through a :class:`ProviderChain`: a JIT compile error
+or a broken optional install shows up on the first call, not at import, and serving must
+go on with the next best provider for that op (same graph safety, so where the step runs
+does not change), say so once, and never try the failed one again. The torch reference is
+never replaced (its failure is a bug to surface), nor a provider the config forced.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from planner.errors import ProviderError, SchemaError
-from planner.notices import warn_once
+from planner.errors import PlanError, ProviderError, SchemaError, warn_once
 from planner.registry import load_backends
 
 if TYPE_CHECKING:
@@ -64,21 +68,6 @@ class Provider:
             return False
 
 
-PackFn = Callable[..., "tuple[int, ...] | None"]
-"""``pack(**params)``: a step's parameters as at most four ints for its compiled twin, or
-None where the compiled twin cannot reproduce numpy for them (the numpy twin runs)."""
-
-
-@dataclass(frozen=True)
-class NativeTwin:
-    """A host twin's compiled form: ``symbol`` in the C file ``source``, written against
-    ``planner/native/twin.h``, so an eager plan's whole host pass is one C call."""
-
-    source: Path
-    symbol: str
-    pack: PackFn
-
-
 @dataclass
 class MetadataOp:
     """A named op and its providers; ``torch`` must be among them."""
@@ -89,8 +78,6 @@ class MetadataOp:
     identity: Callable[[Mapping[str, Any]], bool] | None = None
     """``identity(params)``: True when the op returns its first input unchanged for these
     params (rows repeated once): the planner then shares that input instead of running it."""
-    native: NativeTwin | None = None
-    """The host twin's compiled form, if it has one (``native_twin``)."""
 
     def provider(
         self,
@@ -123,18 +110,6 @@ class MetadataOp:
         """Decorator registering ``fn(out, *inputs, **params)`` over numpy arrays as the op's
         host twin: it must write exactly what the torch reference writes (tests hold it to that)."""
         return self.provider(HOST)
-
-    def native_twin(self, source: Path, symbol: str) -> Callable[[PackFn], PackFn]:
-        """Decorator registering the host twin's compiled form, ``symbol`` in ``source``;
-        the decorated function packs a step's parameters for it (see ``PackFn``)."""
-
-        def register(pack: PackFn) -> PackFn:
-            if self.native is not None:
-                raise SchemaError(f"op {self.name!r} already has a compiled host twin")
-            self.native = NativeTwin(source, symbol, pack)
-            return pack
-
-        return register
 
     @property
     def host(self) -> Provider | None:
@@ -222,3 +197,58 @@ def all_ops() -> Mapping[str, MetadataOp]:
 
 def iter_ops() -> Iterator[MetadataOp]:
     yield from all_ops().values()
+
+
+class ProviderChain:
+    """The provider an op runs with in one planner, and the ones it may fall back to."""
+
+    def __init__(self, op: MetadataOp, device: torch.device, forced: str | None) -> None:
+        self.op = op
+        self.device = device
+        self.forced = forced
+        self.current: Provider = op.select(device, forced)
+        self.retired: set[str] = set()
+
+    def call(
+        self, key: str, out: torch.Tensor, args: Sequence[Any], params: Mapping[str, Any]
+    ) -> Any:
+        """Run the current provider and return what it returns (a host op's handle, or None).
+
+        On failure the provider is retired and the next best runs on the same
+        inputs; providers write every element of ``out``, so a retry over a
+        half-written output is exact.
+        """
+        while True:
+            provider = self.current
+            try:
+                return provider.fn(out, *args, **params)
+            except PlanError:
+                raise
+            except Exception as exc:
+                if provider.name == "torch":
+                    raise
+                if self.forced is not None:
+                    raise ProviderError(
+                        f"forced provider failed: {exc!r}", field=key, actual=provider.name
+                    ) from exc
+                self._retire(provider, exc)
+
+    def _retire(self, failed: Provider, exc: Exception) -> None:
+        self.retired.add(failed.name)
+        usable = [
+            p
+            for p in self.op.providers.values()
+            if p.name not in self.retired
+            and not p.host
+            and p.graph_safe == failed.graph_safe
+            and p.is_available(self.device)
+        ]
+        if not usable:
+            raise ProviderError(
+                f"every provider failed, the last with {exc!r}", field=self.op.name
+            ) from exc
+        self.current = min(usable, key=lambda p: (p.rank, p.name))
+        warn_once(
+            f"{self.op.name}: provider {failed.name!r} failed ({type(exc).__name__}: {exc}); "
+            f"using {self.current.name!r} from now on"
+        )

@@ -1,59 +1,235 @@
 """The planner: every backend's metadata, computed once per batch, in three phases.
 
 - ``plan(batch)``: eager. Fresh tensors, full validation, frozen plans.
-- ``capture(bs)``: plans whose tensors are views of static max-size
-  buffers, filled from a valid dummy batch; ``record(bs)`` then runs the
-  graph-safe ops inside the caller's CUDA graph, once, before the layers.
-- ``replay(batch)``: stage raw inputs (one pinned buffer, one copy), run host
-  ops, and hand back the very plan objects of the capture (``staging_in_graph``:
-  the graph pulls the pinned buffer itself; ``graph_launched()`` follows its launch).
+- ``capture(bs)``: plans whose tensors are views of static max-size buffers, filled from a
+  valid dummy batch; ``record(bs)`` then runs the graph-safe ops inside the caller's CUDA
+  graph, once, before the layers.
+- ``replay(batch)``: stage raw inputs (one host buffer, one transfer), run host ops, and
+  hand back the very plan objects of the capture.
 
-All three go through :func:`planner.materialise.materialise`; this module
-only says which storage and which steps each phase uses, and keeps the
-captured plans. Layers receive a :class:`PlanSet` and only read it. Whatever
-the number of layers, each op runs once per batch; ``stats`` counts it.
+All three go through :func:`materialise` (stage, lay out, run steps); a phase only says
+which storage and which steps it uses. Debug mode runs the same replay and then proves its
+plans equal a fresh eager plan (:meth:`Planner.verify`). Layers receive a :class:`PlanSet`
+and only read it; whatever the number of layers, each op runs once per batch (``stats``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from planner.batch import ForwardBatch, ForwardMode
-from planner.captured import CapturedBatch, capture_steps, dummy_batch
+from planner.batch import (
+    BATCH,
+    BATCH_TABLES,
+    HOST_INPUTS,
+    ForwardBatch,
+    ForwardMode,
+    batches_of,
+)
+from planner.checks import (
+    check_capture,
+    check_pad_to,
+    check_replay_size,
+    check_size,
+    validate_batch,
+)
 from planner.debug import MismatchHook, check_replay, debug_from_env, guard
-from planner.dims import lengths_max_sum
-from planner.door import check_capture, check_pad_to, check_replay_size, check_size, validate_batch
-from planner.eager_lane import EagerLanes
-from planner.errors import BatchError, ReplayError, SchemaError
-from planner.fallback import ProviderChain
+from planner.errors import BatchError, ConfigError, ReplayError, SchemaError
 from planner.limits import Limits
-from planner.materialise import batch_dims, bind_batch, materialise, materialise_all
-from planner.ops import get_op
-from planner.options import check_forced, check_options, check_staging_in_graph
-from planner.plan_build import build_plans
-from planner.planset import PlannerStats, PlanSet
-from planner.program import Program, build_program, warm_up
-from planner.replay_lane import ReplayLane, lane_for
+from planner.ops import ProviderChain, get_op
+from planner.plans import PlannerStats, PlanSet, build_plans
+from planner.program import (
+    Program,
+    Step,
+    batch_dims,
+    build_program,
+    check_forced,
+    check_options,
+    warm_up,
+)
+from planner.registry import check_serves, schemas_by_mode
 from planner.schema import Plan
-from planner.schema_sets import check_serves, schemas_by_mode
-from planner.staging_pull import PulledRing
-from planner.stepped import batches_of
-from planner.storages import Storages
+from planner.staging import Ranges, TransportFactory
+from planner.storage import Storage, Storages, Tensors
+
+Handles = dict[tuple[str, str], Any]
+"""What host ops returned, by the ``(backend, field)`` they produced: plans carry it."""
+
+
+def materialise(
+    storages: Sequence[Storage],
+    batches: Sequence[ForwardBatch],
+    reqs: int,
+    dims: Mapping[str, int],
+    ranges: Ranges,
+    steps: Sequence[Step] | None,
+    *,
+    read_device: bool,
+    read_table: bool,
+    now: bool = True,
+) -> list[tuple[Tensors, Handles]]:
+    """The one path from a batch to plan tensors, in every phase: stage the inputs, lay out
+    the fields, run ``steps`` (None: every step the eager host pass left); per batch, its
+    tensors and the handles host ops returned.
+
+    ``storages`` is one fresh storage (eager: one batch), or a static mode's storages (one
+    per step of ``batches``, sharing one stager: one transfer moves every step's inputs).
+    ``now``: the staged inputs are read before any graph runs (see ``Transport.host``)."""
+    first = storages[0]
+    if first.static:
+        regions = first.stager.stage(
+            batches,
+            reqs,
+            dims["tokens"],
+            ranges,
+            read_device=read_device,
+            read_table=read_table,
+            now=now,
+        )
+        staged = [(s.tensors(r, reqs, dims), frozenset()) for s, r in zip(storages, regions)]
+    else:
+        staged = [
+            first.stage(
+                batches[0], reqs, dims, ranges, read_device=read_device, read_table=read_table
+            )
+        ]
+    out = []
+    for storage, batch, (tensors, done) in zip(storages, batches, staged):
+        if steps is None:
+            run, reads = storage.device_steps(done), storage.batch_inputs(done)
+        else:
+            run, reads = steps, None
+        out.append((tensors, run_steps(run, tensors, batch, static=storage.static, names=reads)))
+    return out
+
+
+def run_steps(
+    steps: Sequence[Step],
+    tensors: Tensors,
+    batch: ForwardBatch,
+    *,
+    static: bool,
+    names: Iterable[str] | None = None,
+) -> Handles:
+    """Run ``steps`` over ``tensors``; the handles host ops returned. ``names``: the batch
+    tensors the steps read, where the caller knows (else all)."""
+    if steps:  # a replay whose ops are all in the graph runs none here
+        bind_batch(tensors, batch, names)
+    handles = {}
+    for step in steps:
+        handle = step.run(tensors, static=static)
+        if handle is not None:
+            handles[step.output] = handle
+    return handles
+
+
+def bind_batch(tensors: Tensors, batch: ForwardBatch, names: Iterable[str] | None = None) -> None:
+    """The batch's own tensors that ops read in place (the token table, the host lengths):
+    ``names`` of them, or all (an implied ``extend_lens_cpu`` is a new tensor per batch)."""
+    for name in BATCH_TABLES if names is None else BATCH_TABLES.intersection(names):
+        tensors[(BATCH, name)] = getattr(batch, name)
+    for name in HOST_INPUTS if names is None else HOST_INPUTS.intersection(names):
+        tensors[(BATCH, name)] = batch.host_input(name)
+
+
+def lengths_max_sum(lengths: torch.Tensor, empty_max: int) -> tuple[int, int]:
+    """The longest and the total of a batch's host KV lengths, which size an eager plan;
+    ``(empty_max, 1)`` for an empty batch."""
+    lens = lengths.numpy()
+    if not lens.size:
+        return empty_max, 1
+    return int(lens.max()), int(lens.sum())
+
+
+@dataclass
+class CapturedStep:
+    """The plans of one captured (mode, size), or of one step of a stepped one: the tensors
+    a graph reads, where they were, and the batch they were made from."""
+
+    plans: PlanSet
+    tensors: Tensors
+    handles: Handles
+    dummy: ForwardBatch
+    named: list[tuple[str, torch.Tensor]]
+    """Every plan tensor with its ``backend.field``."""
+    pointers: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.pointers = [t.data_ptr() for _, t in self.named]
+        self._tensors = [t for _, t in self.named]
+
+    def check_unmoved(self, handles: Handles) -> None:
+        """The plans a graph reads must still be where capture put them, and host ops must
+        have returned the handles they returned at capture: one list comparison in the
+        usual case, the field looked for only when something moved."""
+        for key, handle in handles.items():
+            if handle is not self.handles.get(key):
+                raise ReplayError(
+                    "host op returned another handle than at capture", field=".".join(key)
+                )
+        if [t.data_ptr() for t in self._tensors] == self.pointers:
+            return
+        for (key, tensor), ptr in zip(self.named, self.pointers):
+            if tensor.data_ptr() != ptr:
+                raise ReplayError(
+                    "plan tensor moved since capture",
+                    field=key,
+                    expected=hex(ptr),
+                    actual=hex(tensor.data_ptr()),
+                )
+
+
+@dataclass
+class CapturedBatch:
+    """What a capture of one (mode, size) keeps for its replays: the plan set the graph
+    reads, each step's tensors, and what every replay of the size needs, resolved once."""
+
+    plans: PlanSet
+    steps: list[CapturedStep]
+    storages: list[Storage]
+    dims: dict[str, int]
+    ranges: Ranges
+    host_steps: tuple[Step, ...]
+    """The steps a replay runs on the host (host ops, and with ``ops_in_graph=False`` all)."""
+    table: torch.Tensor
+    program_steps: tuple[Step, ...]
+    """Every step of the mode's program (what the stats count per replay)."""
+    reads_staged: bool
+    """A host step reads the staged inputs on the device (a device op run outside the graph,
+    or a host op reading a field's values, not only binding its address): a replay's inputs
+    must then reach the device before the graph runs."""
+    recorded: bool = False
+    """``record`` ran since the capture (an emulated graph's capture runs it too)."""
+
+    def check_table(self, table: torch.Tensor) -> None:
+        """The graph reads the token table it was captured with: the same memory and shape."""
+        mine = self.table
+        if table.data_ptr() != mine.data_ptr() or table.shape != mine.shape:
+            raise ReplayError(
+                "req_to_token is not the table the graph was captured with (moved or reallocated)",
+                field="req_to_token",
+                expected=(hex(mine.data_ptr()), tuple(mine.shape)),
+                actual=(hex(table.data_ptr()), tuple(table.shape)),
+            )
+
+    def check_unmoved(self, results: list[tuple[Tensors, Handles]]) -> None:
+        for step, (_, handles) in zip(self.steps, results):
+            step.check_unmoved(handles)
 
 
 class Planner:
     """Plans every backend's metadata for each batch; see the module docstring.
 
-    ``on_mismatch(batch, replayed, eager)`` is called in debug mode before a
-    replay that differs from eager is raised (dumps use it to keep both).
-    ``eager_on_host`` lets eager plans run ops' host twins (``planner.host_pass``).
-    ``staging_in_graph`` has the captured graphs pull each replay's inputs out of pinned
-    memory themselves, so a replay makes no CUDA call (``planner.staging_pull``).
+    ``on_mismatch(batch, replayed, eager)`` is called in debug mode before a replay that
+    differs from eager is raised (dumps use it to keep both). ``eager_on_host`` lets eager
+    plans run ops' host twins (``planner.host_pass``). ``transport`` makes each captured
+    mode's :class:`~planner.staging.Transport` (default: the one copy; a graph runner may
+    have its graphs pull the staged inputs themselves, ``graphs.PulledTransport``).
     """
 
     def __init__(
@@ -67,11 +243,18 @@ class Planner:
         ops_in_graph: bool = True,
         on_mismatch: MismatchHook | None = None,
         eager_on_host: bool = True,
-        staging_in_graph: bool = False,
+        transport: TransportFactory | None = None,
     ) -> None:
         if not backends:
             raise SchemaError("a planner needs at least one backend", field="backends")
-        check_staging_in_graph(staging_in_graph, ops_in_graph)
+        if getattr(transport, "in_graph", False) and not ops_in_graph:
+            raise ConfigError(
+                "a transport that stages inside the graph needs ops_in_graph: ops run "
+                "outside the graph would read the staged inputs before the graph moved them",
+                field="transport",
+                expected="ops_in_graph=True",
+                actual="ops_in_graph=False",
+            )
         self.limits = limits
         self.device = limits.torch_device
         self.schemas_by_mode = schemas_by_mode(backends)
@@ -102,22 +285,19 @@ class Planner:
         }
         idle = {ForwardMode.IDLE} if ForwardMode.DECODE in self._programs else set()
         self._modes = frozenset(self._programs) | idle
-        self.staging_in_graph = staging_in_graph
         self.storages = Storages(
             self._programs,
             limits,
             self.device,
             eager_on_host=eager_on_host,
-            staging_in_graph=staging_in_graph,
+            transport=transport,
         )
-        self._pulled: PulledRing | None = None
-        """The ring the last replay staged into, where the graphs pull (its launch next)."""
+        self.staging = "copy" if transport is None else getattr(transport, "name", "custom")
+        """How captured plans' inputs reach the device (the transport's name), for reports."""
         self.storages.check_budget()  # before any static buffer is allocated
         self._captured: dict[tuple[ForwardMode, int], CapturedBatch] = {}
-        self._lanes: dict[tuple[ForwardMode, int], ReplayLane] = {}
-        self._eager_lanes = EagerLanes(
-            self._programs, self.storages, limits, self._per_request, self.device
-        )
+        self._last: CapturedBatch | None = None
+        """The capture the last replay staged into (its graph's launch comes next)."""
         self._warmed = False
         check_forced(self._programs.values(), self.forced)
 
@@ -136,7 +316,7 @@ class Planner:
     def program(self, mode: ForwardMode) -> Program:
         """The ordered steps for ``mode`` (built once, at construction); idle plans as decode,
         each step of a draft decode too."""
-        mode = (mode if type(mode) is ForwardMode else ForwardMode(mode)).plans_as  # 1 us less
+        mode = ForwardMode(mode).plans_as
         program = self._programs.get(mode)
         if program is None:
             draft = mode is ForwardMode.DRAFT_DECODE and ForwardMode.DECODE in self._programs
@@ -163,14 +343,14 @@ class Planner:
         self, needs: Mapping[str, type[Plan] | tuple[type[Plan], ...]], *, who: str = "the model"
     ) -> None:
         """Refuse a consumer whose layers read plans this planner does not make (at engine
-        build, so layers read typed fields with no per-step guard); see ``schema_sets``."""
+        build, so layers read typed fields with no per-step guard)."""
         check_serves(self.schemas_by_mode, needs, who)
 
     def warm_up(self) -> None:
         """Run every chosen provider's warm-up hook once, before any graph is captured.
 
-        Marked done before the hooks run: a failing warm-up is reported once (the
-        caller drops what it was capturing), not retried for every size.
+        Marked done before the hooks run: a failing warm-up is reported once (the caller
+        drops what it was capturing), not retried for every size.
         """
         if not self._warmed:
             self._warmed = True
@@ -190,8 +370,8 @@ class Planner:
     ) -> dict[str, int]:
         """Values of the symbolic dimensions for a batch of ``reqs`` requests.
 
-        ``tokens`` defaults to the uniform ``reqs * next_n`` and ``kv_tokens``
-        to ``reqs * max_len`` (what static buffers hold).
+        ``tokens`` defaults to the uniform ``reqs * next_n`` and ``kv_tokens`` to
+        ``reqs * max_len`` (what static buffers hold).
         """
         program = self.program(mode)
         return batch_dims(
@@ -219,40 +399,32 @@ class Planner:
             next_n=self._per_request,
             device_reads=device_reads,
         )
-        if mode not in self.modes:
+        if mode not in self._modes:
             self.program(mode)  # raises, naming the modes this planner plans
         return mode
 
     # ---- eager ----------------------------------------------------------------------------
 
     def plan(self, batch: ForwardBatch, *, pad_to: int | None = None) -> PlanSet:
-        """Eager plans in tensors of their own (``planner.fresh_pool`` recycles unread memory).
+        """Eager plans in tensors of their own.
 
-        ``pad_to`` plans the batch padded to that many requests at the static
-        shapes a captured plan has: what a replay of that size must equal. An
-        idle batch is planned as one padding request, so kernels never see an
-        empty batch (deep_gemm cannot compile one).
+        ``pad_to`` plans the batch padded to that many requests at the static shapes a
+        captured plan has: what a replay of that size must equal. An idle batch is planned
+        as one padding request, so kernels never see an empty batch (deep_gemm cannot
+        compile one).
         """
         return self._plan(batch, pad_to=pad_to, count=True)
 
     def _plan(self, batch: ForwardBatch, *, pad_to: int | None, count: bool) -> PlanSet:
         start = time.perf_counter()
-        # a uniform host batch: the door's checks in one pass (``planner.eager_lane``)
-        plans = None if pad_to is not None or self.debug else self._eager_lanes.plan(batch)
-        if plans is not None:
-            mode, times = plans.mode, 1
-        else:
-            mode = self._validate(batch, device_reads=True)
-            pad_to = check_pad_to(pad_to, batch.bs, self.limits.max_batch, mode)
-            reqs = pad_to or max(batch.bs, 1)
-            sets = [self._plan_one(one, mode, reqs, pad_to) for one in batches_of(batch)]
-            plans = (
-                PlanSet.stepped(sets, "eager", mode, reqs, batch.bs) if mode.stepped else sets[0]
-            )
-            times = len(sets)
+        mode = self._validate(batch, device_reads=True)
+        pad_to = check_pad_to(pad_to, batch.bs, self.limits.max_batch, mode)
+        reqs = pad_to or max(batch.bs, 1)
+        sets = [self._plan_one(one, mode, reqs, pad_to) for one in batches_of(batch)]
+        plans = PlanSet.stepped(sets, "eager", mode, reqs, batch.bs) if mode.stepped else sets[0]
         if count:
             steps = self.program(mode).steps
-            self.stats.count_eager(mode, steps, times, time.perf_counter() - start)
+            self.stats.count_eager(mode, steps, len(sets), time.perf_counter() - start)
         return plans
 
     def _plan_one(
@@ -271,23 +443,35 @@ class Planner:
         storage = self.storages.fresh(planned, reqs)
         # The token table is read on the host for free; on a GPU only in debug mode (a sync).
         table_read = self.debug or not batch.req_to_token.is_cuda
-        args = (storage, batch, reqs, dims, ranges, program.steps)
-        tensors, handles = materialise(*args, read_device=True, read_table=table_read)
+        ((tensors, handles),) = materialise(
+            [storage], [batch], reqs, dims, ranges, None, read_device=True, read_table=table_read
+        )
         return PlanSet(build_plans(program, tensors, handles, dims), "eager", mode, reqs, batch.bs)
 
     # ---- capture --------------------------------------------------------------------------
 
     def dummy_batch(self, bs: int, mode: ForwardMode, req_to_token: torch.Tensor) -> ForwardBatch:
-        """A valid batch of ``bs`` requests at the shortest legal length, all on the null request."""
-        return dummy_batch(bs, mode, self.tokens_per_request(mode), req_to_token)
+        """What a capture runs its ops on: ``bs`` requests of the shortest legal length, all on
+        the null request (row 0 of the token table, slot 0), so nothing real is read or
+        written. A draft extend accepts all ``next_n`` tokens of each."""
+        n = self.tokens_per_request(mode)
+        return ForwardBatch(
+            seq_lens_cpu=torch.full((bs,), n, dtype=torch.int32),
+            req_pool_indices=torch.zeros(bs, dtype=torch.int32),
+            req_to_token=req_to_token,
+            out_cache_loc=torch.zeros(bs * n, dtype=torch.int32),
+            mode=mode,
+            next_n=n,
+            extend_lens_cpu=torch.full((bs,), n, dtype=torch.int32) if mode.padded_rows else None,
+        )
 
     def capture(
         self, bs: int, mode: ForwardMode = ForwardMode.DECODE, *, req_to_token: torch.Tensor
     ) -> PlanSet:
         """Plans over static buffers for batches padded to ``bs``, filled from a dummy batch.
 
-        Every op runs once here (warming up JIT kernels before the graph is
-        captured). Call :meth:`record` inside the graph capture, before the layers.
+        Every op runs once here (warming up JIT kernels before the graph is captured). Call
+        :meth:`record` inside the graph capture, before the layers.
         """
         mode = ForwardMode(mode)
         bs = check_capture(mode, bs, self.limits.max_batch)
@@ -298,34 +482,53 @@ class Planner:
         batches = batches_of(dummy)
         storages = self.storages.static(mode, len(batches))
         ranges = self.storages.ranges(mode, req_to_token)
-        results = materialise_all(
+        results = materialise(
             storages, batches, bs, dims, ranges, program.steps, read_device=True, read_table=True
         )
-        captured = capture_steps(program, mode, bs, batches, results, dims, req_to_token)
-        captured.keep(storages, dims, ranges, program.steps)
-        self._captured[(mode, bs)] = captured
-        n = self.tokens_per_request(mode)
-        if lane := ReplayLane.for_capture(captured, mode, n, self.device):
-            self._lanes[(mode, bs)] = lane
+        steps, sets = [], []
+        for batch, (tensors, handles) in zip(batches, results):
+            plans = PlanSet(build_plans(program, tensors, handles, dims), "capture", mode, bs, bs)
+            named = [(f"{b}.{n}", t) for b, p in plans.items() for n, t in p.tensors().items()]
+            steps.append(CapturedStep(plans, tensors, handles, batch, named))
+            sets.append(plans)
+        top = PlanSet.stepped(sets, "capture", mode, bs, bs) if mode.stepped else sets[0]
+        host_steps = tuple(step for step in program.steps if not step.in_graph)
+        reads_staged = any(
+            step.chain.current.graph_safe
+            or any(who != BATCH and name not in step.spec.binds for who, name in step.input_keys)
+            for step in host_steps
+        )
+        self._captured[(mode, bs)] = CapturedBatch(
+            top,
+            steps,
+            storages,
+            dims,
+            ranges,
+            host_steps,
+            req_to_token,
+            program.steps,
+            reads_staged,
+        )
         self.stats.batches["capture"] += 1
-        return captured.plans
+        return top
 
     def captured_batch_sizes(self, mode: ForwardMode = ForwardMode.DECODE) -> list[int]:
         """Sizes :meth:`capture` has made plans for in ``mode``, ascending."""
         return sorted(bs for m, bs in self._captured if m is ForwardMode(mode))
 
     def record(self, bs: int, mode: ForwardMode = ForwardMode.DECODE) -> None:
-        """Run the graph-safe ops on the static views; call inside graph capture, before the layers."""
+        """Run the graph-safe ops on the static views; call inside graph capture, before the
+        layers. First what the transport records (a graph that pulls its inputs itself)."""
         mode = ForwardMode(mode).plans_as  # an idle batch's graph is decode's
         captured = self._captured_for(
             mode, check_size("bs", bs, 1, self.limits.max_batch, "size out of range")
         )
-        captured.pull_unless_capturing(self.device)  # first: the ops below read what it pulls
+        stager = captured.storages[0].stager
+        stager.transport.record(stager.device_buf, first=not captured.recorded)
+        captured.recorded = True
         in_graph = [step for step in self.program(mode).steps if step.in_graph]
         for each in captured.steps:  # a stepped mode: every step's ops, in one graph
-            bind_batch(each.tensors, each.dummy)
-            for step in in_graph:
-                step.run(each.tensors, static=True)
+            run_steps(in_graph, each.tensors, each.dummy, static=True)
 
     def _captured_for(self, mode: ForwardMode, bs: int) -> CapturedBatch:
         captured = self._captured.get((mode, bs))
@@ -341,47 +544,56 @@ class Planner:
     # ---- replay ---------------------------------------------------------------------------
 
     def replay(self, batch: ForwardBatch, bs: int | None = None) -> PlanSet:
-        """Refresh the captured plans of size ``bs`` in place for ``batch``; return those same objects.
+        """Refresh the captured plans of size ``bs`` in place for ``batch``; return those same
+        objects.
 
-        Ops recorded in the graph run when the caller replays it; host ops
-        (and, with ``ops_in_graph=False``, all ops) run here.
+        Ops recorded in the graph run when the caller replays it; host ops (and, with
+        ``ops_in_graph=False``, all ops) run here. Debug mode takes this same path, and also
+        reads device-resident inputs and the token table to check them.
         """
         start = time.perf_counter()
-        lane = lane_for(self._lanes, batch, bs)
-        if lane is not None and not self.debug and lane.run(batch):
-            self._pulled = lane.stager.pull
-            self.stats.count_replay(lane.mode, lane.steps, time.perf_counter() - start)
-            return lane.plans
         mode = self._validate(batch, device_reads=self.debug)
         real = batch.bs
         bs = check_replay_size(bs, real, self.limits.max_batch)
         captured = self._captured_for(mode.plans_as, bs)
         captured.check_table(batch.req_to_token)
         batches = batches_of(batch) if mode.stepped else [batch]
-        captured.refresh(batch, batches, bs, debug=self.debug)
-        self._pulled = captured.storages[0].stager.pull
+        results = materialise(
+            captured.storages,
+            batches,
+            bs,
+            captured.dims,
+            captured.ranges,
+            captured.host_steps,
+            read_device=self.debug,
+            read_table=self.debug,
+            now=captured.reads_staged,
+        )
+        captured.check_unmoved(results)
+        self._last = captured
         captured.plans.mark("replay", mode, real)
-        self.stats.record_steps(mode, captured.program_steps, len(batches))
-        self.stats.batches["replay"] += 1
-        self.stats.host_seconds["replay"] += time.perf_counter() - start
+        self.stats.count_replay(
+            mode, captured.program_steps, len(batches), time.perf_counter() - start
+        )
         return captured.plans
 
     def graph_launched(self) -> None:
-        """The last :meth:`replay`'s graph was launched (``staging_in_graph``: call it after
-        each such launch; else it does nothing). A launch declared twice is refused."""
-        if not self.staging_in_graph:
-            return
-        if self._pulled is None:
+        """The last :meth:`replay`'s graph was launched: its transport is told (a graph that
+        pulls its inputs itself ties each replay to one launch; a copy needs nothing)."""
+        last = self._last
+        if last is None:
+            if self.storages.transport is None:
+                return
             raise ReplayError("graph_launched() before any replay()", field="graph_launched")
-        self._pulled.launched()
+        last.storages[0].stager.transport.launched()
 
     # ---- debug ----------------------------------------------------------------------------
 
     def verify(self, batch: ForwardBatch, plans: PlanSet) -> None:
         """Debug check after a replay: the replayed plans equal a fresh eager plan, bit for bit.
 
-        Call after the graph has replayed (so graph-recorded ops have run).
-        Also checks that padding rows hold the schemas' pad values.
+        Call after the graph has replayed (so graph-recorded ops have run). Also checks that
+        padding rows hold the schemas' pad values.
         """
         eager = self._plan(batch, pad_to=plans.reqs, count=False)
         program = self.program(plans.mode)

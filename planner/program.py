@@ -3,8 +3,15 @@
 Built once per (planner, mode); each batch then only walks the list. This
 is where a schema's mistakes (unknown op, cycle, missing setting, a dimension
 that would make static buffers non-contiguous) surface, at start-up. Each
-step runs its op through a :class:`~planner.fallback.ProviderChain`, so a
+step runs its op through a :class:`~planner.ops.ProviderChain`, so a
 provider that fails at run time is replaced right there, for good.
+
+A backend's settings come from the planner's limits, then the schema's ``defaults``,
+then the user's options. An option no schema reads would be silently ignored, so it is
+refused at planner build, with the names that would have been read. So is an option that
+would override a limit (``{"page_size": 16}`` under ``Limits(page_size=64)`` would size the
+page table by one and fill it by the other) or a dimension the planner derives per batch
+(``max_len``), and an option whose type is not its default's (``"2048"`` for ``topk``).
 """
 
 from __future__ import annotations
@@ -24,11 +31,19 @@ from planner.batch import (
     ForwardBatch,
     ForwardMode,
 )
-from planner.dims import dim_names, parse_dim
-from planner.errors import SchemaError
-from planner.fallback import ProviderChain
-from planner.ops import Provider
-from planner.schema import BATCH_DIMS, PAD_DERIVED, Plan, TensorSpec, resolve_setting
+from planner.errors import ConfigError, SchemaError
+from planner.limits import Limits
+from planner.ops import Provider, ProviderChain
+from planner.schema import (
+    BATCH_DIMS,
+    PAD_DERIVED,
+    Plan,
+    Setting,
+    TensorSpec,
+    dim_names,
+    parse_dim,
+    resolve_setting,
+)
 
 Key = tuple[str, str]
 """Where a tensor lives in a batch's table: ``(backend, field)``, or ``(BATCH, name)``."""
@@ -368,3 +383,151 @@ def warm_up(programs: Iterable[Program], limits: Any, device: torch.device) -> N
             if provider.warmup is not None and key not in seen:
                 seen.add(key)
                 provider.warmup(limits, step.params, device)
+
+
+DERIVED_DIMS = frozenset(
+    {"reqs", "rows", "tokens", "kv_tokens", "max_len", "pages", "req_pages", "sms"}
+)
+"""The dimensions :func:`batch_dims` derives from each batch and the limits: never options."""
+
+
+def batch_dims(
+    program: Program,
+    page_size: int,
+    num_sms: int,
+    *,
+    reqs: int,
+    max_len: int,
+    tokens: int,
+    kv_tokens: int,
+) -> dict:
+    """Values of the symbolic dimensions for ``reqs`` requests of at most ``max_len`` KV tokens,
+    ``tokens`` query tokens and ``kv_tokens`` KV tokens in all."""
+    dims = dict(program.setting_dims)
+    pages = -(-max_len // page_size)
+    dims.update(
+        reqs=reqs,
+        rows=tokens,
+        tokens=tokens,
+        kernel_reqs=tokens // int(program.settings.get("kernel_next_n", 1)),
+        kv_tokens=kv_tokens,
+        max_len=max_len,
+        pages=pages,
+        req_pages=reqs * pages,
+        sms=num_sms,
+        next_n=program.next_n,
+    )
+    for backend, cls in program.schemas.items():
+        extra = cls.derived_dims(dims, program.backend_settings[backend])
+        if not extra.keys().isdisjoint(dims):
+            clash = set(extra) & set(dims)
+            raise SchemaError(
+                "a derived dimension takes a name already in use",
+                field=f"{backend}.derived_dims",
+                actual=sorted(clash),
+            )
+        dims.update(extra)
+    return dims
+
+
+def known_options(plan_cls: type[Plan]) -> set[str]:
+    """Settings a backend reads: its defaults and every Setting its fields name."""
+    names = set(getattr(plan_cls, "defaults", {}))
+    for spec in plan_cls.tensor_specs.values():
+        for value in (*spec.params.values(), spec.pad):
+            if isinstance(value, Setting):
+                names.add(value.name)
+    names |= {spec.value for spec in plan_cls.scalar_specs.values()}
+    return names
+
+
+def check_options(
+    by_mode: Mapping[Any, Mapping[str, type[Plan]]], options: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Options per planned backend, every key one of its schemas reads; a copy.
+
+    ``by_mode`` is each mode's schema per backend: one backend's options serve
+    all its schemas (the same top-k in decode and extend).
+    """
+    schemas: dict[str, list[type[Plan]]] = {}
+    for per_backend in by_mode.values():
+        for backend, cls in per_backend.items():
+            if cls not in schemas.setdefault(backend, []):
+                schemas[backend].append(cls)
+    unknown = set(options) - set(schemas)
+    if unknown:
+        raise SchemaError(
+            "options for backends not planned",
+            field="options",
+            expected=sorted(schemas),
+            actual=sorted(unknown),
+        )
+    out = {k: dict(v) for k, v in options.items()}
+    for backend, given in out.items():
+        _check_not_derived(backend, given)
+        known = set().union(*(known_options(cls) for cls in schemas[backend]))
+        known -= set(Limits.model_fields) | DERIVED_DIMS
+        unread = sorted(set(given) - known)
+        if unread:
+            raise SchemaError(
+                "unknown backend option",
+                field=f"{backend}.{unread[0]}",
+                expected=sorted(known),
+                actual=unread,
+            )
+        for cls in schemas[backend]:
+            _check_types(backend, given, getattr(cls, "defaults", {}))
+    return out
+
+
+def _check_not_derived(backend: str, given: Mapping[str, Any]) -> None:
+    """Limits and per-batch dimensions are the planner's: an option may not set them."""
+    for key, value in given.items():
+        if key in Limits.model_fields:
+            raise ConfigError(
+                f"{key} is a planner limit, not a backend option: set it in "
+                f"Limits({key}=...), which sizes the buffers and checks the batches",
+                field=f"{backend}.{key}",
+                actual=value,
+            )
+        if key in DERIVED_DIMS:
+            raise ConfigError(
+                f"{key} is derived from each batch and the limits, not a backend option",
+                field=f"{backend}.{key}",
+                actual=value,
+            )
+
+
+def _check_types(backend: str, given: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
+    """Each option has its default's type (an int where the default is a float is fine; a
+    bool is never an int); an option whose default is None takes anything."""
+    for key, value in given.items():
+        if key not in defaults or defaults[key] is None:
+            continue
+        want = type(defaults[key])
+        ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise ConfigError(
+                "backend option of the wrong type",
+                field=f"{backend}.{key}",
+                expected=want.__name__,
+                actual=f"{value!r} ({type(value).__name__})",
+            )
+
+
+def check_forced(programs: Iterable[Program], forced: Mapping[str, str]) -> None:
+    """A provider override must name an op, or a ``backend.field``, that some program runs."""
+    known = set()
+    for program in programs:
+        for step in program.steps:
+            known |= {step.key, step.op_name}
+    unknown = set(forced) - known
+    if unknown:
+        raise SchemaError(
+            "provider override for an op no planned field uses",
+            field="providers",
+            expected=sorted(known),
+            actual=sorted(unknown),
+        )

@@ -10,15 +10,21 @@ so the core names none of them. Loading an entry point imports its module,
 whose ``Plan`` subclass registers itself; importing a backend package
 directly registers it just the same. Broken entry points are reported once
 and skipped: one bad plugin must not take the planner down.
+
+A backend may register one schema per set of modes (NSA: one for uniform decode batches,
+one for ragged extend batches). A planner built from backend names takes all of each
+backend's schemas, from classes just those (:func:`schemas_by_mode`); an engine checks
+once, at build, that its model's layers are typed with what comes out (:func:`check_serves`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Any
 
-from planner.errors import SchemaError
-from planner.notices import warn_once
+from planner.batch import ForwardMode
+from planner.errors import SchemaError, warn_once
 
 PlanClass = type[Any]
 """A ``planner.schema.Plan`` subclass. Named loosely on purpose: the schema module registers
@@ -133,3 +139,61 @@ def load_errors() -> dict[str, str]:
     """Entry points that failed to load, with the reason."""
     load_backends()
     return dict(_load_errors)
+
+
+SchemasByMode = dict[ForwardMode, dict[str, PlanClass]]
+
+
+def schemas_by_mode(
+    backends: Sequence[str | PlanClass],
+) -> dict[ForwardMode, dict[str, PlanClass]]:
+    """Each mode's schema per backend: a name brings all its schemas, a class just itself."""
+    out: dict[ForwardMode, dict[str, PlanClass]] = {}
+    for item in backends:
+        classes = backend_plans(item) if isinstance(item, str) else [item]
+        for cls in classes:
+            for mode in cls.modes:
+                if mode is ForwardMode.IDLE:
+                    continue  # idle batches run decode's program, every row padding
+                taken = out.setdefault(mode, {}).get(cls.backend)
+                if taken is not None and taken is not cls:
+                    raise SchemaError(
+                        f"two schemas of backend {cls.backend!r} plan mode {mode.value}",
+                        field="backends",
+                        actual=[taken.__name__, cls.__name__],
+                    )
+                out[mode][cls.backend] = cls
+    return out
+
+
+def check_serves(
+    by_mode: Mapping[ForwardMode, Mapping[str, PlanClass]],
+    needs: Mapping[str, PlanClass | tuple[PlanClass, ...]],
+    who: str,
+) -> None:
+    """Every schema planned for a backend ``needs`` names, in any mode, is one it accepts.
+
+    ``needs`` maps a backend to the plan classes (or bases) the consumer's layers
+    are typed with.
+    """
+    for backend, wanted in needs.items():
+        accepted = wanted if isinstance(wanted, tuple) else (wanted,)
+        planned = {
+            mode: schemas[backend] for mode, schemas in by_mode.items() if backend in schemas
+        }
+        if not planned:
+            raise SchemaError(
+                f"{who} reads a plan this planner does not make",
+                field=backend,
+                expected=sorted({b for schemas in by_mode.values() for b in schemas}),
+            )
+        for mode, cls in planned.items():
+            if not issubclass(cls, accepted):
+                names = " or ".join(c.__name__ for c in accepted)
+                raise SchemaError(
+                    f"{who} reads {names}, but the planner makes {cls.__name__} "
+                    f"for mode {mode.value}",
+                    field=backend,
+                    expected=names,
+                    actual=cls.__name__,
+                )

@@ -5,11 +5,17 @@ with :func:`tensor_field` (dtype, symbolic shape, pad value, producer) and every
 host scalar with :func:`scalar_field`. The planner derives everything else from
 these declarations: the op DAG, static buffer sizes, what gets staged from the
 batch, what padding rows must hold. Nothing about metadata lives in layers.
+
+Shapes are symbolic (``("reqs", "pages")``) because the same field has two sizes: the
+batch's own in an eager plan, and the static maximum in a captured one. A dimension is an
+int, a name, or ``name+int`` / ``name-int`` (``"reqs+1"``, ``"sms+1"``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar
 
@@ -17,9 +23,58 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 from planner.batch import BATCH_TABLES, DECODE_MODES, HOST_INPUTS, ForwardMode
-from planner.dims import DimExpr, dim_names, parse_dim
 from planner.errors import SchemaError
 from planner.registry import register_backend
+
+DimExpr = int | str
+
+_EXPR = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:([+-])\s*(\d+))?\s*$")
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_dim(expr: DimExpr) -> tuple[str | None, int]:
+    """Split a dimension expression into (name, offset); a literal has no name."""
+    if isinstance(expr, bool):
+        raise SchemaError("dimension must be an int or a name", expected="int|str", actual=expr)
+    if isinstance(expr, int):
+        if expr < 0:
+            raise SchemaError("dimension literal is negative", expected=">= 0", actual=expr)
+        return None, expr
+    match = _EXPR.match(expr)
+    if match is None:
+        raise SchemaError(
+            "cannot parse dimension", expected="'name', 'name+N' or 'name-N'", actual=expr
+        )
+    name, sign, number = match.groups()
+    offset = int(number) if number else 0
+    return name, -offset if sign == "-" else offset
+
+
+def dim_names(shape: Sequence[DimExpr]) -> set[str]:
+    """The symbolic names a shape depends on."""
+    return {name for name, _ in map(parse_dim, shape) if name is not None}
+
+
+def resolve_shape(
+    shape: Sequence[DimExpr], dims: Mapping[str, int], *, field: str = "?"
+) -> tuple[int, ...]:
+    """Numbers for a symbolic shape, given the values of its names."""
+    out = []
+    for expr in shape:
+        name, offset = parse_dim(expr)
+        if name is None:
+            out.append(offset)
+            continue
+        if name not in dims:
+            raise SchemaError(
+                f"shape uses unknown dimension {name!r}", field=field, expected=sorted(dims)
+            )
+        size = dims[name] + offset
+        if size < 0:
+            raise SchemaError("dimension resolves negative", field=field, actual=(expr, size))
+        out.append(size)
+    return tuple(out)
+
 
 Tensor = Annotated[torch.Tensor, WithJsonSchema({"type": "object", "title": "Tensor"})]
 """Annotation for tensor fields of a plan (a torch tensor, described in JSON Schema)."""

@@ -1,36 +1,39 @@
 """Raw batch inputs, staged into one host buffer, range-checked once and moved with one copy.
 
-Per-request or per-token inputs (lengths, pool rows, positions, cache
-locations) are small; sending each with its own host-to-device copy costs a
-launch and a driver call apiece. They are written side by side into one int32
-host buffer, padding rows included, checked against their limits in one
-vectorised pass (the only value-range check the planner has), and copied in
-one transfer.
+Per-request or per-token inputs (lengths, pool rows, positions, cache locations) are small;
+sending each with its own host-to-device copy costs a launch and a driver call apiece. They
+are written side by side into one int32 host buffer, padding rows included, checked against
+their limits in one vectorised pass (the only value-range check the planner has), and moved
+to the device in one transfer, the same way in every phase.
 
-This module lays the buffer out and checks it; ``planner.stager`` moves it,
-the same way in every phase.
+How the filled host buffer reaches the device is a :class:`Transport`: by default
+:class:`CopyTransport`, one asynchronous copy out of a ring of pinned buffers, each refilled
+only once the copy out of it has run (waiting for it otherwise would make the host wait for
+the GPU work queued before it, a hidden synchronisation). A graph runner may stage another
+way, e.g. have the captured graph pull the buffer itself (``graphs.staging_pull``): the
+planner calls the transport's :meth:`~Transport.record` inside the capture, before any op.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from planner.batch import SOURCES, ForwardBatch, implied_positions
-from planner.door import check_table_width
-from planner.errors import BatchError
-from planner.staging_screen import StageScreen
-from planner.value_checks import (
+from planner.checks import (
     ElementBounds,
     all_distinct,
     check_positions,
     check_table_entries,
+    check_table_width,
     check_unique,
     uniform_positions,
 )
+from planner.errors import BatchError
 
 _FIELD_OF_SOURCE = {"seq_lens": "seq_lens_cpu", "extend_lens": "extend_lens_cpu"}
 _NONE: frozenset = frozenset()
@@ -143,35 +146,27 @@ class StagingLayout:
         )
         """What ``fill`` reads of each segment, unpacked once, with the batch attribute its
         source is read from (None: derived, or written as a constant)."""
-        capacity = max((seg.capacity for seg in self._order), default=1)
-        self.screen = StageScreen.for_layout(self._order, capacity)
-        """The compiled fill-and-check (``planner.staging_screen``), or None without one."""
 
     def fill_checked(
         self,
         host: np.ndarray,
-        address: int,
         batch: ForwardBatch,
         reqs: int,
         tokens: int,
         ranges: Ranges,
         *,
         read_device: bool,
-        counts: tuple[int, int],
+        read_table: bool,
     ) -> list[tuple[Segment, torch.Tensor]]:
-        """:meth:`fill` then :meth:`check`, through the compiled screen where it takes the
-        batch (``address`` is ``host``'s); the Python path otherwise, and whenever the
-        screen refuses, so a refusal always names its field."""
-        if self.screen is not None:
-            on_device = self.screen.run(
-                address, batch, reqs, tokens, ranges, read_device=read_device
-            )
-            if on_device is not None:
-                return on_device
+        """:meth:`fill`, :meth:`check` and (``read_table``) :meth:`check_table` of one
+        batch's region; the device-resident inputs left for after the copy."""
+        counts = real_counts(batch)
         on_device = self.fill(
             host, batch, reqs, tokens, ranges, read_device=read_device, counts=counts
         )
         self.check(host, batch, ranges, on_device, counts)
+        if read_table:
+            self.check_table(host, batch, ranges)
         return on_device
 
     def _bounds_for(
@@ -383,3 +378,211 @@ def _fits_int32(source: str, values: np.ndarray, ranges: Ranges) -> None:
             expected=f"[{lo}, {hi}]",
             actual=low if low < _INT32[0] else high,
         )
+
+
+class Transport(Protocol):
+    """How a stager's filled host buffer reaches its device buffer (see the module docstring).
+
+    The planner asks for a host buffer, fills and checks it, then sends it; inside a graph
+    capture it calls :meth:`record` before any op, and after each graph launch of a replay
+    :meth:`launched`. ``name`` says which transport it is, for reports.
+    """
+
+    name: str
+
+    def host(self, size: int, *, now: bool) -> tuple[torch.Tensor, np.ndarray]:
+        """A host buffer of ``size`` int32 elements, free to fill, and its numpy view.
+        ``now``: what is sent is read before any graph runs (a capture's ops, a host op of a
+        replay that reads the staged inputs), so it must reach the device at :meth:`send`."""
+        ...
+
+    def send(self, host: torch.Tensor, dev: torch.Tensor, size: int, *, now: bool) -> None:
+        """The first ``size`` elements of ``host`` (the buffer :meth:`host` gave) into ``dev``."""
+        ...
+
+    def record(self, dev: torch.Tensor, *, first: bool) -> None:
+        """Called by ``Planner.record`` before the graph's ops: what the graph itself does to
+        stage into ``dev``. ``first``: the call of the capture (an emulated graph runs its
+        body at capture too, and at every replay)."""
+        ...
+
+    def launched(self) -> None:
+        """The graph of the last replay staged through this transport was launched."""
+        ...
+
+
+RING = 8
+"""Pinned host buffers a copy transport cycles through: a step fills one while the copies of
+the last few may still be queued behind their graphs, so a fill never waits on a recent one."""
+_CUTS_KEPT = 32
+"""Sizes whose slices a copy transport keeps per buffer (eager batches vary in size)."""
+
+
+class CopyTransport:
+    """The one host-to-device copy of a staged buffer, out of a ring of pinned buffers on CUDA.
+
+    Each buffer is refilled only once the copy out of it ran (its event, recorded after the
+    copy, is waited on before the refill: by then, ``RING`` copies later, long done). On the
+    CPU there is nothing to wait for: one plain buffer, copied only where the destination is
+    another tensor. One transport serves a planner's every stager: buffers grow on demand.
+    """
+
+    name = "copy"
+
+    def __init__(self, device: torch.device) -> None:
+        self.pinned = device.type == "cuda"
+        self.device = device
+        self._slots = RING if self.pinned else 1
+        self._buffers: list[tuple[torch.Tensor, np.ndarray, dict]] = []
+        """Made on first use: a planner built for a device may never stage (tests build CUDA
+        planners without a GPU to check their choices)."""
+        self._events: list[torch.cuda.Event] = []
+        self._pending = [False] * self._slots
+        """Per buffer: a copy out of it was queued and not yet waited for."""
+        self._slot = 0
+        self.copies = 0
+
+    def _buffer(self, size: int) -> tuple[torch.Tensor, np.ndarray, dict]:
+        host = torch.zeros(size, dtype=torch.int32, pin_memory=self.pinned)
+        return host, host.numpy(), {}
+
+    def host(self, size: int, *, now: bool = True) -> tuple[torch.Tensor, np.ndarray]:
+        if not self._buffers:
+            self._buffers = [self._buffer(max(size, 64)) for _ in range(self._slots)]
+            self._events = [torch.cuda.Event() for _ in range(self._slots)] if self.pinned else []
+        slot = self._slot
+        if self._pending[slot]:  # the copy out of this buffer, RING sends ago
+            self._events[slot].synchronize()
+            self._pending[slot] = False
+        buf, view, cuts = self._buffers[slot]
+        if buf.shape[0] < size:
+            buf, view, cuts = self._buffers[slot] = self._buffer(max(size, 2 * buf.shape[0]))
+        cut = cuts.get(size)
+        if cut is None:  # a slice costs microseconds on a GPU host, and sizes repeat
+            if len(cuts) >= _CUTS_KEPT:
+                cuts.clear()
+            cut = cuts[size] = (buf[:size], view[:size])
+        return cut
+
+    def send(self, host: torch.Tensor, dev: torch.Tensor, size: int, *, now: bool = True) -> None:
+        if dev.shape[0] != size:
+            dev = dev[:size]
+        if self.pinned:
+            dev.copy_(host, non_blocking=True)
+            # on the stream the copy went to: the current one of the buffer's device
+            self._events[self._slot].record(torch.cuda.current_stream(dev.device))
+            self._pending[self._slot] = True
+            self._slot = (self._slot + 1) % RING
+        elif dev is not host:
+            dev.copy_(host)
+        self.copies += 1
+
+    def record(self, dev: torch.Tensor, *, first: bool) -> None:
+        """The copy happens before the graph's launch: nothing to record in it."""
+
+    def launched(self) -> None:
+        """Nothing follows a launch: the copy was made at the replay."""
+
+
+TransportFactory = Callable[[int, torch.device, str], Transport]
+"""``factory(words, device, mode)``: the transport of one mode's static stager, whose
+device buffer holds ``words`` int32 elements (``graphs.PulledTransport`` is one)."""
+
+
+class Stager:
+    """Stages batches into one device buffer with one transfer; see the module docstring.
+
+    A static stager (capture and replay) owns a device buffer for the planner's life;
+    ``regions`` batches share it side by side (a draft decode's steps), each filled and
+    checked in its own region, all sent at once. A fresh one (eager plans) stages into a
+    new device buffer per plan, with room for ``device_extra`` elements after the staged
+    ones (the plan's int32 fields computed on the device: one allocation per plan); on
+    the CPU that buffer is the host buffer itself.
+    """
+
+    def __init__(
+        self,
+        layout: StagingLayout,
+        device: torch.device,
+        transport: Transport,
+        *,
+        static: bool,
+        regions: int = 1,
+    ) -> None:
+        self.layout = layout
+        self.device = device
+        self.transport = transport
+        self.static = static
+        self.regions = regions
+        self.size = max(layout.size, 1)
+        """int32 elements of one batch's inputs (a region)."""
+        self.device_buf = (
+            torch.zeros(self.size * regions, dtype=torch.int32, device=device) if static else None
+        )
+
+    def stage(
+        self,
+        batches: Sequence[ForwardBatch],
+        reqs: int,
+        tokens: int,
+        ranges: Ranges,
+        *,
+        read_device: bool,
+        read_table: bool = False,
+        now: bool = True,
+        extra: int = 0,
+        host_work: Callable[[np.ndarray], None] | None = None,
+        device_extra: int = 0,
+    ) -> list[torch.Tensor]:
+        """Fill and check each batch's region, ``host_work(view)`` (a fresh plan's host pass,
+        writing its outputs in the ``extra`` elements after the inputs), one transfer, then
+        the device-resident inputs; the device region of each batch.
+
+        ``read_device`` reads device-resident inputs to stage and check them (eager plans and
+        debug mode), else they are copied on the device after the transfer; ``read_table``
+        also checks the token table entries the plans read (``planner.checks``); ``now``:
+        the device buffer is read before any graph runs (see :meth:`Transport.host`)."""
+        n = len(batches)
+        if n > self.regions and self.static:
+            raise BatchError(
+                "more batches than staging regions", field="steps", expected=self.regions, actual=n
+            )
+        size = self.size + extra if n == 1 else self.size
+        total = size * n
+        fresh_on_host = not self.static and self.device.type == "cpu"
+        if fresh_on_host:  # the plan's own memory, filled in place
+            host = torch.empty(total + device_extra, dtype=torch.int32)
+            view = host.numpy()[:total]
+        else:
+            host, view = self.transport.host(total, now=now)
+        pending = []
+        for r, batch in enumerate(batches):
+            region = view[r * size : (r + 1) * size] if n > 1 else view
+            pending.append(
+                self.layout.fill_checked(
+                    region,
+                    batch,
+                    reqs,
+                    tokens,
+                    ranges,
+                    read_device=read_device,
+                    read_table=read_table,
+                )
+            )
+        if host_work is not None:
+            host_work(view)
+        if self.static:
+            dev = self.device_buf
+        elif fresh_on_host:
+            dev = host
+        else:
+            dev = torch.empty(total + device_extra, dtype=torch.int32, device=self.device)
+        if dev is not host:
+            self.transport.send(host, dev, total, now=now)
+        views = [dev[r * size : (r + 1) * size] for r in range(n)] if n > 1 else [dev]
+        for region, batch, on_device in zip(views, batches, pending):
+            if on_device:
+                counts = real_counts(batch)
+                for seg, tensor in on_device:
+                    region[seg.offset : seg.offset + counts[seg.per_token]].copy_(tensor)
+        return views

@@ -20,14 +20,15 @@ from collections.abc import Callable, Container, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from planner.compare import diff_plans
-from planner.dumps import INDEX, dump_plans, fsync_dir, write_synced
+from planner.debug import diff_plans
 from planner.errors import ConfigError, DumpError
+from serving.dumps import INDEX, dump_plans, fsync_dir, write_synced
 from serving.outputs import env_count
 
 if TYPE_CHECKING:
     from planner.batch import ForwardBatch
-    from planner.planner import Planner, PlanSet
+    from planner.planner import Planner
+from planner.plans import PlanSet
 
 logger = logging.getLogger(__name__)
 

@@ -16,19 +16,19 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from graphs import GraphRunner
+from graphs import GraphRunner, PulledTransport
 from models.kv_cache import PagedKVCache, RequestPool
 from models.model import DSV32Model
 from planner.batch import ForwardBatch, ForwardMode
 from planner.errors import ConfigError
 from planner.limits import Limits
 from planner.planner import Planner
-from planner.planset import PlanSet
+from planner.plans import PlanSet
 from serving.dump_ring import DumpRing, MismatchDumper
 from serving.model_setup import build_model, kv_pages, model_config, resolve_device
 from serving.plan_setup import kernel_name, plan_schemas
 from serving.requests import Request, make_workload
-from serving.run_config import RunConfig
+from serving.run_config import PlannerSection, RunConfig
 from serving.samples import Samples
 from serving.scheduler import Scheduler
 from serving.speculative import Speculation
@@ -115,7 +115,7 @@ class DecodeEngine:
             providers=p.providers,
             debug=p.debug or None,
             ops_in_graph=p.ops_in_graph,
-            staging_in_graph=p.ops_in_graph if p.staging_in_graph == "auto" else p.staging_in_graph,
+            transport=PulledTransport if _stages_in_graph(p) else None,
             on_mismatch=None if dumps is None else MismatchDumper(dumps.directory / "mismatches"),
         )
         self.planner.check_serves(needs)
@@ -341,3 +341,9 @@ class DecodeEngine:
         bar.close()
         result.wall_seconds = time.perf_counter() - start
         return result
+
+
+def _stages_in_graph(p: PlannerSection) -> bool:
+    """Whether the captured graphs pull each replay's staged inputs themselves
+    (``planner.staging_in_graph``; ``auto``: whenever the ops run in the graph)."""
+    return p.ops_in_graph if p.staging_in_graph == "auto" else bool(p.staging_in_graph)

@@ -43,7 +43,7 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         "device": str(engine.device),
         "layers": engine.model_config.num_hidden_layers,
         "sparse_mla_kernel": engine.mla_kernel,
-        "staging": "graph" if engine.planner.staging_in_graph else "copy",
+        "staging": engine.planner.staging,
         "requests_finished": result.finished,
         "generated_tokens": generated,
         "wall_seconds": result.wall_seconds,

@@ -32,7 +32,7 @@ from models.model import DSV32Model
 from models.mtp import MTPDraft
 from planner.batch import ForwardBatch, ForwardMode
 from planner.planner import Planner
-from planner.planset import PlanSet
+from planner.plans import PlanSet
 from serving.accept import accept_greedy
 from serving.ngram import NgramDraft
 from serving.requests import Request

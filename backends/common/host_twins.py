@@ -10,70 +10,15 @@ Each twin writes exactly what its torch reference writes, int32 wrapping
 included (tests compare them on random inputs). The planner hands them arrays
 laid out to the plan's spec, so they repeat none of the references' argument
 checks. Ops that read device data (the token table) have no twin.
-
-Each twin also has a compiled form in ``host_twins.c`` (one C call runs a plan's whole
-host pass, where numpy costs a few microseconds a call); the functions registered with
-``native_twin`` pack a step's parameters for it, or decline them.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from backends.common import ops, ragged_ops
-from planner.native import int32_params
 
 I32 = np.int32
-_C = Path(__file__).resolve().with_suffix(".c")
-
-
-def _no_params() -> tuple[int, ...]:
-    return ()
-
-
-def _page_size(page_size: int) -> tuple[int, ...] | None:
-    return int32_params(page_size, low=1)
-
-
-def _pad(pad: int) -> tuple[int, ...] | None:
-    return int32_params(pad)
-
-
-for _op, _symbol, _pack in (
-    (ops.cumsum_with_zero, "cumsum_with_zero", _no_params),
-    (ragged_ops.token_request, "token_request", _pad),
-    (ragged_ops.token_positions, "token_positions", _no_params),
-    (ragged_ops.token_causal_lengths, "token_causal_lengths", _no_params),
-    (ragged_ops.token_kv_ranges, "token_kv_ranges", _no_params),
-    (ragged_ops.last_token_rows, "last_token_rows", _no_params),
-    (ragged_ops.slot_pages, "slot_pages", _page_size),
-):
-    _op.native_twin(_C, f"fp_twin_{_symbol}")(_pack)
-del _op, _symbol, _pack
-
-
-@ops.clamp.native_twin(_C, "fp_twin_clamp")
-def _clamp_params(lo: int | None, hi: int | None) -> tuple[int, ...] | None:
-    if int32_params(*(bound for bound in (lo, hi) if bound is not None)) is None:
-        return None
-    return (int(lo is not None), lo or 0, int(hi is not None), hi or 0)
-
-
-@ops.uniform_offsets.native_twin(_C, "fp_twin_uniform_offsets")
-def _step(step: int) -> tuple[int, ...] | None:
-    return int32_params(step)
-
-
-@ops.causal_lengths.native_twin(_C, "fp_twin_causal_lengths")
-def _next_n(next_n: int) -> tuple[int, ...] | None:
-    return int32_params(next_n, low=1)
-
-
-@ragged_ops.token_topk_lengths.native_twin(_C, "fp_twin_token_topk_lengths")
-def _topk(topk: int) -> tuple[int, ...] | None:
-    return int32_params(topk)
 
 
 @ops.cumsum_with_zero.host_twin()

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from backends.common import torch_ref as ref
 from backends.common import triton_kernels as tri
-from backends.common.token_table_triton import token_table, token_table_launch
-from planner.fusion import fused
 from planner.ops import metadata_op
 
 triton_usable = tri.triton_available
@@ -56,6 +54,3 @@ with_providers(
         (causal_lengths, ref.causal_lengths, tri.causal_lengths),
     ]
 )
-
-# Eager plans run the token table's two steps as one launch where both chose Triton.
-fused(gather_token_slots, page_table, "triton", launch_of=token_table_launch)(token_table)

@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-from planner.kernel_launch import KernelLaunch
-
 try:
     import triton
 except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
@@ -125,29 +123,12 @@ class LazyKernel:
         order. Once a specialisation has been compiled, later launches of it call the
         compiled kernel's launcher directly on the current stream; under the interpreter,
         with launch hooks set, or for an argument it cannot key, Triton's run launches."""
-        self.launch_as(None, grid, args, constexprs)
-
-    def launch_as(
-        self,
-        kinds: tuple | None,
-        grid: tuple[int, ...],
-        args: tuple,
-        constexprs: dict[str, Any],
-    ) -> None:
-        """:meth:`launch`, given the arguments' kinds (``_arg_kind`` of each: a tensor's
-        dtype, an int's width) where the caller's own checks made them certain, which saves
-        working them out per launch; None works them out. A wrong kind would call another
-        specialisation's code: give them only where a test holds them to ``_kinds``."""
         if not _direct_launch_ok() or not 1 <= len(grid) <= 3:
             self[grid](*args, **constexprs)
             return
         device = _current_device()
-        if kinds is None:
-            kinds = _kinds(args, self._aligned)
-            if None in kinds:
-                self[grid](*args, **constexprs)
-                return
-        if self._params[len(args) :] != tuple(constexprs):
+        kinds = _kinds(args, self._aligned)
+        if None in kinds or self._params[len(args) :] != tuple(constexprs):
             self[grid](*args, **constexprs)
             return
         key = (device, *kinds, *constexprs.values())
@@ -158,73 +139,12 @@ class LazyKernel:
                 return  # no compiled kernel handed back (a Triton that compiles elsewhere)
             if len(self._compiled) >= _FAST_KEPT:
                 self._compiled.clear()
-            self._compiled[key] = (
-                compiled.run,
-                compiled.function,
-                compiled.packed_metadata,
-                getattr(compiled, "metadata", None),
-            )
+            self._compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
             return
-        run, function, metadata, _ = fast
+        run, function, metadata = fast
         stream = torch._C._cuda_getCurrentRawStream(device)
-        values = constexprs.values()
         gx, gy, gz = (*grid, 1, 1)[:3]
-        run(gx, gy, gz, stream, function, metadata, None, None, None, *args, *values)
-
-    def prepared(
-        self, kinds: tuple, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any]
-    ) -> KernelLaunch | None:
-        """The launch :meth:`launch_as` makes of these arguments as a ``KernelLaunch`` (for the
-        eager lane's C submission, ``planner.lane_submit``), once that specialisation has
-        been compiled and launched; None where it has not, or where the compiled kernel
-        asks for more than a plain launch (scratch memory, clusters, programmatic launch,
-        a cooperative grid) or an argument is not a tensor or a 32-bit int. The driver's
-        own account of the parameters is checked against these before any use."""
-        if not _direct_launch_ok() or not 1 <= len(grid) <= 3 or len(kinds) != len(args):
-            return None
-        if self._params[len(args) :] != tuple(constexprs):
-            return None
-        fast = self._compiled.get((_current_device(), *kinds, *constexprs.values()))
-        meta = None if fast is None else fast[3]
-        if meta is None or not _plain_metadata(meta):
-            return None
-        params = []
-        for value, kind in zip(args, kinds):
-            if isinstance(value, torch.Tensor):
-                params.append((value, 8))
-            elif type(value) is int and kind == 32:
-                params.append((value, 4))
-            else:
-                return None
-        # Triton's launcher passes its scratch pointers last, null where their sizes are 0
-        extra = sum(hasattr(meta, name) for name in _SCRATCH)
-        params += [(0, 8)] * extra
-        gx, gy, gz = (*grid, 1, 1)[:3]
-        return KernelLaunch(
-            fast[1],
-            (gx, gy, gz),
-            32 * meta.num_warps,
-            meta.shared,
-            tuple(params),
-            _direct_launch_ok,
-        )
-
-
-_SCRATCH = ("global_scratch_size", "profile_scratch_size")
-"""The compiled kernel's scratch memory, each passed as a trailing pointer parameter."""
-
-
-def _plain_metadata(meta: Any) -> bool:
-    """Whether a compiled kernel launches with nothing but its grid, block and shared
-    memory: one CTA per program, no scratch, no programmatic or cooperative launch."""
-    return (
-        getattr(meta, "num_ctas", 1) == 1
-        and not getattr(meta, "launch_pdl", False)
-        and not getattr(meta, "launch_cooperative_grid", False)
-        and all(getattr(meta, name, 0) == 0 for name in _SCRATCH)
-        and isinstance(getattr(meta, "num_warps", None), int)
-        and isinstance(getattr(meta, "shared", None), int)
-    )
+        run(gx, gy, gz, stream, function, metadata, None, None, None, *args, *constexprs.values())
 
 
 def _current_device() -> int:

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from backends.common.triton_kernels import triton_available
-from backends.nsa.ops import HOST_TWINS_C
 from backends.nsa.sparse_mla_plan import (
     DEFAULT_CONFIG,
     sparse_mla_num_splits,
@@ -28,7 +27,6 @@ from backends.nsa.sparse_mla_plan import (
     split_plan_triton,
 )
 from planner.errors import SchemaError
-from planner.native import int32_params
 from planner.ops import metadata_op
 from planner.schema import Setting, scalar_field, tensor_field
 
@@ -66,13 +64,6 @@ def _split_numpy(out: np.ndarray, topk_lens: np.ndarray, *, topk: int, block_n: 
     rows = topk_lens.shape[0]
     table = out.reshape(rows, out.shape[0] // max(rows, 1))
     split_plan_numpy(table, topk_lens, topk=topk, block_n=block_n)
-
-
-@sparse_mla_split_plan.native_twin(HOST_TWINS_C, "fp_twin_sparse_mla_split_plan")
-def _split_params(*, topk: int, block_n: int) -> tuple[int, ...] | None:
-    lengths = int32_params(topk, low=0)
-    tile = int32_params(block_n, low=1)
-    return None if lengths is None or tile is None else (*lengths, *tile)
 
 
 @lru_cache(maxsize=4096)

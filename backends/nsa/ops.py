@@ -9,7 +9,6 @@ captured), from lengths that are never zero.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,17 +18,9 @@ from backends.deepgemm import BLOCK_KV, paged_mqa_schedule_into, schedule_numpy
 from backends.deepgemm import _native as native
 from planner.errors import SchemaError
 from planner.limits import Limits
-from planner.native import int32_params
 from planner.ops import metadata_op
 
 I32 = torch.int32
-HOST_TWINS_C = Path(__file__).resolve().with_name("host_twins.c")
-"""The compiled forms of this package's host twins (the schedule, the split table)."""
-_LAYOUT_CODES = {"0.1.0": 0, "new": 1}
-_OTHER_LAYOUT = 2
-"""How ``host_twins.c`` names the schedule layouts: any other name is placed as "new"
-without its clamp or end row, as ``schedule_numpy`` does."""
-
 paged_mqa_schedule = metadata_op(
     "paged_mqa_schedule",
     "deep_gemm's paged MQA logits SM schedule [num_sms+1, 2] from per-row KV lengths [reqs*next_n].",
@@ -51,17 +42,6 @@ def _schedule_numpy(
     out: np.ndarray, kv_lens: np.ndarray, next_n: int, block_kv: int, num_sms: int, layout: str
 ) -> None:
     schedule_numpy(out, kv_lens.reshape(-1, next_n)[:, -1], num_sms, layout)
-
-
-@paged_mqa_schedule.native_twin(HOST_TWINS_C, "fp_twin_paged_mqa_schedule")
-def _schedule_params(
-    next_n: int, block_kv: int, num_sms: int, layout: str
-) -> tuple[int, ...] | None:
-    # block_kv does not change the schedule (its units are 256 tokens whatever the block)
-    counts = int32_params(next_n, num_sms, low=1)
-    if counts is None or not isinstance(layout, str):
-        return None
-    return (*counts, _LAYOUT_CODES.get(layout, _OTHER_LAYOUT))
 
 
 def _deep_gemm_usable(device: torch.device) -> bool:

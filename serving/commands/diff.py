@@ -17,8 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from planner.compare import diff_plans
-from planner.dumps import DumpedPlan, LoadedDump, json_value, load_dump
+from planner.debug import diff_plans
 from planner.errors import PlanError
 from serving.commands.dump_text import (
     batch_text,
@@ -28,6 +27,7 @@ from serving.commands.dump_text import (
     make_console,
     shape_text,
 )
+from serving.dumps import DumpedPlan, LoadedDump, json_value, load_dump
 
 MAX_ROWS_LISTED = 64
 """Differing rows named in a diff; the count is always exact."""

@@ -10,7 +10,7 @@ from typing import Any, TextIO
 import torch
 from rich.console import Console
 
-from planner.dumps import FieldRecord, LoadedDump, json_value
+from serving.dumps import FieldRecord, LoadedDump, json_value
 
 
 def make_console(out: TextIO) -> Console:

@@ -13,7 +13,6 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from planner.dumps import INDEX, LoadedDump, load_dump
 from planner.errors import PlanError
 from serving.commands.dump_list import list_dumps, render_listing
 from serving.commands.dump_text import (
@@ -26,6 +25,7 @@ from serving.commands.dump_text import (
     summary_text,
     tensor_values,
 )
+from serving.dumps import INDEX, LoadedDump, load_dump
 
 Selection = list[tuple[str, str]]
 """``(backend, name)`` pairs: tensor fields, or scalars."""

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
+from graphs.staging_pull import SLOTS
 from planner import ForwardMode
-from planner.staging_pull import SLOTS
 from tests.gpu.test_graphs_gpu import DECODE, VERIFY, _check_step, _setup
 
 pytestmark = [

@@ -20,6 +20,7 @@ from graphs import (
     GraphOutputError,
     GraphRunner,
     GraphWarning,
+    PulledTransport,
     capture_ladder,
     is_capturing,
 )
@@ -202,7 +203,7 @@ def test_host_ops_path_equals_eager(ops_in_graph):
 def test_staging_in_the_graph_equals_eager():
     """The graph pulls its inputs itself: every step's outputs are still eager's, and each
     replayed step was pulled once (decode and verify each keep their own ring)."""
-    runner, _, twin, ref, sched = _setup(seed=5, planner_kw={"staging_in_graph": True})
+    runner, _, twin, ref, sched = _setup(seed=5, planner_kw={"transport": PulledTransport})
     rng = random.Random(5)
     for _ in range(300):
         batch, inputs = sched.batch(rng.randint(1, 8), rng.choice([DECODE, VERIFY]))
@@ -211,7 +212,7 @@ def test_staging_in_the_graph_equals_eager():
         )
     pulled = {}
     for (mode, _), captured in runner.planner._captured.items():
-        pulled[mode] = captured.storages[0].stager.pull.seq
+        pulled[mode] = captured.storages[0].stager.transport.ring.seq
     replays = {m: 0 for m in (DECODE.value, VERIFY.value)}
     for (mode, _), count in runner.stats.replays.items():
         replays[mode] += count

@@ -49,8 +49,8 @@ from planner import (
     Tensor,
     tensor_field,
 )
-from planner.dumps import INDEX, dump_plans, load_dump
 from planner.registry import get_backend
+from serving.dumps import INDEX, dump_plans, load_dump
 from tests.support import REPO
 from tests.support.catalogue import (
     KV_SLOTS,

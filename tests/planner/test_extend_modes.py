@@ -17,7 +17,7 @@ import torch
 
 from backends.nsa.extend_ops import ROW_ALIGN
 from planner import BatchError, ForwardBatch, ForwardMode, Limits, PlanError, Planner
-from planner.compare import diff_plans, padding_violations
+from planner.debug import diff_plans, padding_violations
 from planner.program import Step
 from tests.support.batches import make_pool, random_batch
 

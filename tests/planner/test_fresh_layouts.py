@@ -1,35 +1,18 @@
 """Eager plans' layouts in a real decode loop: every step's lengths grow by one, so the
-longest request (and with it the token slots' width) changes every step, while what the
-host pass writes and where does not. The part that depends only on the latter is laid
-out (and its host pass compiled) once; the rest per shape, and the plans stay the plans
-a planner that never saw an earlier batch makes."""
+longest request (and with it the token slots' width) changes every step. A layout is kept
+per set of the dimensions its shapes name, and the plans stay the plans a planner that
+never saw an earlier batch makes."""
 
 from __future__ import annotations
 
 import pytest
 
 from planner import ForwardMode
-from planner.compare import diff_plans
+from planner.debug import diff_plans
 from planner.errors import SchemaError
-from planner.host_pass import HostPass
 from tests.support.growing_decode import decode as _decode
 from tests.support.growing_decode import growing as _growing
 from tests.support.growing_decode import small_planner as _planner
-
-
-def test_a_growing_decode_compiles_its_host_pass_once(monkeypatch):
-    planner = _planner()
-    made = []
-    original = HostPass.native_pass
-
-    def counting(self, *args, **kwargs):
-        made.append(args)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(HostPass, "native_pass", counting)
-    for batch in _growing(12):
-        planner.plan(batch)
-    assert len(made) == 1
 
 
 def test_growing_plans_equal_a_fresh_planners():
@@ -47,7 +30,6 @@ def test_a_layout_follows_only_the_dimensions_its_shapes_name():
     assert len(storage._layouts) == 1
     planner.plan(_decode([101, 60, 30]))  # a longer request: wider token slots
     assert len(storage._layouts) == 2
-    assert len(storage._staged) == 1
 
 
 def test_a_growing_batch_of_other_sizes_and_modes_stays_exact():

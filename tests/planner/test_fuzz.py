@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from planner import ForwardBatch, ForwardMode, Limits, Planner, PlanSet
-from planner.compare import diff_plans, padding_violations
-from planner.dims import parse_dim
+from planner.debug import diff_plans, padding_violations
+from planner.schema import parse_dim
 from tests.support.batches import make_pool
 
 PAGE, MAX_CTX, MAX_BATCH, NEXT_N = 64, 320, 12, 2

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from planner import ForwardBatch, ForwardMode, Limits, Planner, PlanSet
-from planner.compare import diff_plans, padding_violations
-from planner.dims import parse_dim
+from planner.debug import diff_plans, padding_violations
+from planner.schema import parse_dim
 from tests.support.batches import make_pool
 from tests.support.spec_batches import draft_decode_batch, draft_extend_batch, verify_batch
 

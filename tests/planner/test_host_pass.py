@@ -10,9 +10,8 @@ import warnings
 import pytest
 import torch
 
-from planner import ForwardMode, Limits, Planner, ProviderError, native
-from planner.compare import diff_plans
-from planner.host_pass import NativePass
+from planner import ForwardMode, Limits, Planner, ProviderError
+from planner.debug import diff_plans
 from tests.planner.test_extend_modes import TABLE as EXTEND_TABLE
 from tests.planner.test_extend_modes import extend_batch
 from tests.support.batches import make_pool, random_batch
@@ -115,50 +114,6 @@ def _eager_batches(setup: str, mode: ForwardMode, rng: random.Random):
         random_batch(rng, TABLE, max_batch=MAX_BATCH, max_context=MAX_CTX, next_n=2, mode=mode)
         for _ in range(6)
     ]
-
-
-@pytest.mark.skipif(native.host_pass_runner() is None, reason="no C compiler")
-@pytest.mark.parametrize("setup", sorted(SETUPS))
-@pytest.mark.parametrize(
-    "mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.EXTEND]
-)
-def test_the_compiled_host_pass_takes_every_eager_plan(setup, mode, monkeypatch):
-    backends, options = SETUPS[setup]
-    table = EXTEND_TABLE if mode is ForwardMode.EXTEND else TABLE
-    planner = _planner(backends, options, table=table)
-    if mode not in planner.modes:
-        pytest.skip(f"{setup} does not plan {mode.value}")
-    took = []
-    run, both = NativePass.run, native.screen_and_pass()
-    monkeypatch.setattr(NativePass, "run", lambda self, at: took.append(run(self, at)) or took[-1])
-
-    def screened(host, args, program, steps):  # the eager lane's: the screen, then the pass
-        status = both(host, args, program, steps)
-        took.append(status == 0)
-        return status
-
-    monkeypatch.setattr(native, "screen_and_pass", lambda: screened)
-    for batch in _eager_batches(setup, mode, random.Random(4)):
-        planner.plan(batch)
-    assert took and all(took), f"compiled pass declined {took.count(False)} of {len(took)}"
-
-
-def test_a_declined_compiled_pass_leaves_the_plan_to_numpy(monkeypatch):
-    backends, options = SETUPS["paged+nsa"]
-    monkeypatch.setattr(NativePass, "run", lambda self, at: False)
-    screen = native.stage_screen()
-    declined = []
-
-    def screen_then_decline(host, args, program, steps):  # the eager lane's combined call
-        declined.append(1)
-        return -1 if screen(host, args) else 1
-
-    monkeypatch.setattr(native, "screen_and_pass", lambda: screen_then_decline)
-    on = _planner(backends, options)
-    off = _planner(backends, options, eager_on_host=False)
-    for batch in _eager_batches("paged+nsa", ForwardMode.DECODE, random.Random(6)):
-        assert not diff_plans(on.plan(batch), off.plan(batch))
-    assert declined, "the eager lane's combined call was not exercised"
 
 
 def test_a_failing_twin_is_retired_once_and_the_plan_redone_on_the_device(monkeypatch):

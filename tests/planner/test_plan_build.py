@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 
 from planner import Limits, Planner
-from planner.plan_build import _construct, recipe
+from planner.plans import _construct, recipe
 from planner.registry import load_backends
 from planner.schema import Plan
 from tests.support.batches import make_pool, random_batch

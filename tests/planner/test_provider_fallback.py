@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from planner import get_op
-from planner.compare import diff_plans
+from planner.debug import diff_plans
 from planner.errors import ProviderError
 from planner.ops import MetadataOp, Provider
 from tests.support.faults import FAULTS, runtime_warnings

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from planner import BatchError, ForwardMode, ReplayError
+from planner.checks import ElementBounds
 from planner.staging import _INT32, _fits_int32, input_ranges
-from planner.value_checks import ElementBounds
 from tests.support.planners import PlannerSetup
 
 SETUP = PlannerSetup(("nsa", "paged"), max_batch=4, max_context=256, page_size=64)

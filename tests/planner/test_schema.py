@@ -19,8 +19,8 @@ from planner import (
     scalar_field,
     tensor_field,
 )
-from planner.dims import parse_dim, resolve_shape
 from planner.errors import ProviderError
+from planner.schema import parse_dim, resolve_shape
 
 
 def test_specs_are_collected_in_declaration_order():

@@ -17,9 +17,9 @@ import torch
 from backends.deepgemm import reference_paged_mqa_schedule
 from benchmarks import verify_spec_verify
 from planner import ForwardBatch, ForwardMode, Limits, Planner
-from planner.compare import diff_plans, padding_violations
-from planner.dumps import dump_plans, load_dump
-from planner.stepped import step_batches
+from planner.batch import step_batches
+from planner.debug import diff_plans, padding_violations
+from serving.dumps import dump_plans, load_dump
 from tests.support.batches import make_pool
 from tests.support.dumps import assert_same_bits
 from tests.support.spec_batches import draft_decode_batch, draft_extend_batch, verify_batch
@@ -230,10 +230,10 @@ def test_draft_decode_replays_every_step_from_one_staging_copy():
     rng = random.Random(8)
     for _ in range(4):
         batch = draft_decode_batch(rng, TABLE, bs=rng.randint(1, 4), max_context=MAX_CTX, steps=3)
-        before = stager.copies
+        before = stager.transport.copies
         plans = planner.replay(batch, 4)
         planner.record(4, DRAFT_DECODE)
-        assert plans is captured and stager.copies == before + 1
+        assert plans is captured and stager.transport.copies == before + 1
         assert not diff_plans(plans, planner.plan(batch, pad_to=4))
         pads = planner.program(DRAFT_DECODE).pads
         assert not padding_violations(plans, pads, planner.real_rows(DRAFT_DECODE, batch))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from planner import value_checks
+from planner import checks as value_checks
 
 
 @pytest.mark.parametrize("kv_slots", [None, 300, 2**31 - 1])

@@ -54,9 +54,9 @@ def test_greedy_tokens_identical_without_graphs(with_graphs):
 def test_greedy_tokens_identical_with_the_staging_copy_outside_the_graph(with_graphs):
     """The default (auto) stages in the graph: the graphs pulled every replayed step."""
     engine, result = with_graphs
-    assert engine.planner.staging_in_graph
+    assert engine.planner.staging == "graph"
     rings = {
-        id(c.storages[0].stager): c.storages[0].stager.pull
+        id(c.storages[0].stager): c.storages[0].stager.transport.ring
         for c in engine.planner._captured.values()
     }
     pulls = sum(ring.seq for ring in rings.values())

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from planner import DumpError, ForwardMode, PlanSet, ReplayError
-from planner.compare import tensor_digest
-from planner.dumps import INDEX, dump_plans, load_dump
+from planner.debug import tensor_digest
 from planner.ops import get_op
 from planner.registry import get_backend
 from serving.cli import build_parser, dispatch
 from serving.dump_ring import install_mismatch_dumps
+from serving.dumps import INDEX, dump_plans, load_dump
 from tests.support import REPO
 from tests.support.dumps import DUMPS
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from planner import ConfigError, PlanSet, ReplayError
-from planner.dumps import load_dump
 from serving.dump_ring import DumpRing, install_mismatch_dumps
+from serving.dumps import load_dump
 from tests.support.dumps import DUMPS
 
 # ---- ring buffer and environment ---------------------------------------------------------------

@@ -27,9 +27,9 @@ from planner import (
     scalar_field,
     tensor_field,
 )
-from planner.dumps import INDEX, dump_plans, load_dump
-from planner.dumps import write as dumps_write
 from planner.registry import get_backend
+from serving.dumps import INDEX, dump_plans, load_dump
+from serving.dumps import write as dumps_write
 from tests.support.dumps import DUMPS, assert_same_bits
 
 # ---- round trips -------------------------------------------------------------------------------

@@ -1,23 +1,44 @@
-"""Staging in the graph: a replay sends nothing, the graph's pull brings the inputs, and the
-plans equal a fresh eager plan's, on the lane and on every other replay path, each step
-after the last; a graph run without its replay, or a launch declared twice, is named."""
+"""A planner whose graphs pull their staged inputs (``graphs.PulledTransport``): a replay sends
+nothing, the graph's pull brings the inputs, and the plans equal a fresh eager plan's, step
+after step; where a host op reads the staged inputs before the graph, the replay copies them
+instead; a graph run without its replay, or a launch declared twice, is named."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
 
+from graphs import PulledTransport
 from planner import ConfigError, ForwardMode, ReplayError
-from tests.support.lane_cases import BS, CASES, Sub
 from tests.support.planners import PlannerSetup
+
+BS = 4
+DECODE = PlannerSetup(("nsa", "paged"), max_batch=4, max_context=256, page_size=64)
+VERIFY = PlannerSetup(
+    ("nsa", "paged"), max_batch=4, max_context=256, page_size=64, limits={"next_n": 2}
+)
+FLASHINFER = PlannerSetup(
+    ("flashinfer_decode", "flashinfer_mla"),
+    max_batch=4,
+    max_context=256,
+    page_size=64,
+    options={
+        "flashinfer_decode": {"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 64},
+        "flashinfer_mla": {"num_heads": 2},
+    },
+)
+CASES = {
+    "nsa+paged decode": (DECODE, ForwardMode.DECODE),
+    "nsa+paged verify": (VERIFY, ForwardMode.TARGET_VERIFY),
+    "flashinfer decode (host ops)": (FLASHINFER, ForwardMode.DECODE),
+}
 
 
 def _captured(case: str, **kwargs):
     """A planner staging in the graph, captured at ``BS`` with the capture's own record."""
     setup, mode = CASES[case]
-    planner = setup.planner(staging_in_graph=True, **kwargs)
+    planner = setup.planner(transport=PulledTransport, **kwargs)
     planner.capture(BS, mode, req_to_token=setup.table)
     planner.record(BS, mode)  # the capture's: an emulated graph runs it once, pulling nothing
     return setup, planner, mode
@@ -31,39 +52,44 @@ def _step(planner, batch):
     return plans
 
 
-def _general(batch):
-    """The same batch, in a form the lane leaves to the general path (lengths of a tensor
-    subclass, which the door takes)."""
-    return dataclasses.replace(batch, seq_lens_cpu=batch.seq_lens_cpu.as_subclass(Sub))
+def _transport(planner, mode) -> PulledTransport:
+    return planner._captured[(mode, BS)].storages[0].stager.transport
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_every_step_pulls_what_a_fresh_plan_computes(case):
-    """Lane and general replays interleaved, past several turns of the ring."""
+    """Past several turns of the ring, each replay's plans equal a fresh eager plan's, and no
+    replay copies: the graph's pull brings every step's inputs (FlashInfer's host ops read
+    the batch and bind the fields they take by address, so they pull too)."""
     setup, planner, mode = _captured(case)
-    lane = planner._lanes[(mode, BS)]
-    stager = lane.stager
+    transport = _transport(planner, mode)
+    copies = transport.copies.copies
     n = planner.tokens_per_request(mode)
     rng = random.Random(7)
-    for step in range(40):
+    for _ in range(40):
         batch = setup.batch(
             rng, bs=rng.randint(1, BS), next_n=n, mode=mode, positions=rng.random() < 0.5
         )
-        general = step % 5 == 4
-        copies = stager.copies
-        plans = _step(planner, _general(batch) if general else batch)
-        sent = stager.copies - copies
-        assert sent == (1 if general or lane.pull is None else 0), "a pulled step sends nothing"
+        plans = _step(planner, batch)
         planner.verify(batch, plans)  # bit-equal to a fresh eager plan
-    assert stager.pull.seq == 40
+    assert transport.copies.copies == copies, "a pulled step sends nothing"
+    assert transport.ring.seq == 40
 
 
-def test_every_lane_of_these_setups_pulls():
-    """nsa+paged has no host op. FlashInfer's plans read only the batch (the fields they
-    take are bound by address) and write their summaries into the slot: they pull too."""
-    for case in CASES:
-        _, planner, mode = _captured(case)
-        assert planner._lanes[(mode, BS)].pull is not None, case
+def test_a_host_op_that_reads_the_staged_inputs_makes_the_replay_copy(monkeypatch):
+    """A device op run outside the graph (its provider not graph-safe reads a staged field)
+    needs the inputs before the graph: the replay copies them and tags its slot sent."""
+    setup, planner, mode = _captured("nsa+paged decode")
+    captured = planner._captured[(mode, BS)]
+    monkeypatch.setattr(captured, "reads_staged", True)
+    transport = _transport(planner, mode)
+    rng = random.Random(9)
+    for step in range(3):
+        copies = transport.copies.copies
+        batch = setup.batch(rng, bs=rng.randint(1, BS), mode=mode)
+        plans = _step(planner, batch)
+        planner.verify(batch, plans)
+        assert transport.copies.copies == copies + 1, step
 
 
 def test_a_graph_run_without_its_replay_is_named_then_the_next_steps_are_right():
@@ -100,25 +126,16 @@ def test_a_replay_again_before_its_launch_is_the_one_the_graph_pulls():
     planner.verify(second, plans)
 
 
-def test_without_staging_in_graph_a_launch_is_nothing_to_declare():
+def test_with_the_copy_a_launch_is_nothing_to_declare():
     setup, mode = CASES["nsa+paged decode"]
     planner = setup.planner()
     planner.capture(BS, mode, req_to_token=setup.table)
     planner.graph_launched()
     planner.graph_launched()
-    assert planner._captured[(mode, BS)].storages[0].stager.pull is None
+    assert planner.staging == "copy"
 
 
-def test_staging_in_graph_needs_the_ops_in_the_graph():
+def test_staging_in_the_graph_needs_the_ops_in_the_graph():
     with pytest.raises(ConfigError) as err:
-        PlannerSetup(("paged",), 4, 64, 16).planner(staging_in_graph=True, ops_in_graph=False)
-    assert err.value.field == "staging_in_graph"
-
-
-def test_the_pulled_ring_is_in_the_static_estimate():
-    setup, _ = CASES["nsa+paged decode"]
-    plain = setup.planner().storages.static_estimate()
-    pulled = setup.planner(staging_in_graph=True).storages.static_estimate()
-    extra = {key: size for key, size in pulled.items() if key not in plain}
-    assert {what for _, what in extra} == {"staging (pulled)"} and all(extra.values())
-    assert (ForwardMode.DECODE, "staging (pulled)") in extra
+        PlannerSetup(("paged",), 4, 64, 16).planner(transport=PulledTransport, ops_in_graph=False)
+    assert err.value.field == "transport"

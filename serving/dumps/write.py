@@ -21,8 +21,9 @@ import torch
 from pydantic import BaseModel
 from safetensors.torch import save as save_safetensors
 
-from planner.compare import tensor_digest
-from planner.dumps.format import (
+from planner.debug import tensor_digest
+from planner.errors import DumpError
+from serving.dumps.format import (
     FORMAT,
     FORMAT_VERSION,
     INDEX,
@@ -40,11 +41,10 @@ from planner.dumps.format import (
     json_value,
     summarize,
 )
-from planner.errors import DumpError
 
 if TYPE_CHECKING:
     from planner.batch import ForwardBatch
-    from planner.planset import PlanSet
+    from planner.plans import PlanSet
 
 
 def blake2b(data: bytes) -> str:

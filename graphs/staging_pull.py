@@ -1,5 +1,6 @@
 """The staging copy inside the graph: the captured graph pulls its step's inputs out of a
-pinned ring itself, so a replay makes no CUDA call of its own.
+pinned ring itself, so a replay makes no CUDA call of its own (:class:`PulledTransport`,
+the planner's transport of a captured mode: ``Planner(..., transport=PulledTransport)``).
 
 Why: on the H200's host the one host-to-device copy of a replay, and the ring's events, are
 10.3-11.2 us of a 27-31 us ``replay()`` (r12-5), and almost all of it is the runtime's own
@@ -12,7 +13,7 @@ counter (the steps the graphs have pulled), and a pinned control block: the ack 
 counter as the last pull left it), an error word and one tag per slot.
 - ``replay()`` fills slot ``seq % SLOTS`` (``seq``: the graphs launched so far) and writes its
   tag, ``2 * seq`` (or ``2 * seq + 1``: "already sent", where a replay took the copy path).
-- The graph's first kernel (``planner.staging_pull_kernel``, captured by
+- The graph's first kernel (``graphs.staging_pull_kernel``, captured by
   ``Planner.record``) reads the counter, checks that the slot's tag names that step,
   copies the slot unless it was already sent, then advances the counter and the ack.
 - ``Planner.graph_launched()``, right after the graph's launch, advances ``seq``.
@@ -30,8 +31,9 @@ import time
 import numpy as np
 import torch
 
+from graphs.staging_pull_kernel import pull_kernel
 from planner.errors import ReplayError
-from planner.staging_pull_kernel import pull_kernel
+from planner.staging import CopyTransport
 
 SLOTS = 8
 """Pinned slots per ring: how many launched graphs the host may run ahead of the GPU."""
@@ -183,3 +185,42 @@ class PulledRing:
                 expected=f">= {ack} pulls",
                 actual=int(self._meta[_ACK]),
             )
+
+
+class PulledTransport:
+    """A captured mode's staged inputs, pulled into its device buffer by its graphs (see the
+    module docstring); the planner's ``transport`` for graphs that stage themselves.
+
+    Where the inputs are read before the graph runs (a capture's ops, a host op reading a
+    staged field), they go by a copy instead, and the slot's tag says so: the graph's pull
+    then leaves the device buffer alone (it still counts the step)."""
+
+    name = "graph"
+    in_graph = True
+    """It needs every op that reads the staged inputs inside the graph (``ops_in_graph``)."""
+
+    def __init__(self, words: int, device: torch.device, mode: str) -> None:
+        self.ring = PulledRing(words, device, mode)
+        self.copies = CopyTransport(device)
+
+    def host(self, size: int, *, now: bool) -> tuple[torch.Tensor, np.ndarray]:
+        if now:
+            return self.copies.host(size)
+        row, view = self.ring.slot()
+        return (row, view) if size == row.shape[0] else (row[:size], view[:size])
+
+    def send(self, host: torch.Tensor, dev: torch.Tensor, size: int, *, now: bool) -> None:
+        if now:
+            self.copies.send(host, dev, size)
+        self.ring.publish(sent=now)
+
+    def record(self, dev: torch.Tensor, *, first: bool) -> None:
+        """The pull: launched inside a CUDA capture (recorded, not run), run at an emulated
+        graph's replays; not at the first record of an emulated graph, which is its capture
+        (the replay that staged for it is yet to come)."""
+        capturing = self.ring.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing or not first:
+            self.ring.pull(dev)
+
+    def launched(self) -> None:
+        self.ring.launched()

@@ -6,7 +6,7 @@ kernel read, often on another machine, long after the process is gone.
 loads one back and checks every byte of it.
 """
 
-from planner.dumps.format import (
+from serving.dumps.format import (
     FORMAT,
     FORMAT_VERSION,
     HEAD,
@@ -19,8 +19,8 @@ from planner.dumps.format import (
     json_value,
     summarize,
 )
-from planner.dumps.read import DumpedPlan, LoadedDump, load_dump
-from planner.dumps.write import dump_plans, fsync_dir, write_synced
+from serving.dumps.read import DumpedPlan, LoadedDump, load_dump
+from serving.dumps.write import dump_plans, fsync_dir, write_synced
 
 __all__ = [
     "FORMAT",

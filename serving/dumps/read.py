@@ -16,8 +16,9 @@ import torch
 from pydantic import BaseModel, ValidationError
 from safetensors.torch import load as load_safetensors
 
-from planner.compare import tensor_digest
-from planner.dumps.format import (
+from planner.debug import tensor_digest
+from planner.errors import DumpError
+from serving.dumps.format import (
     FORMAT,
     FORMAT_VERSION,
     INDEX,
@@ -28,8 +29,7 @@ from planner.dumps.format import (
     FieldRecord,
     JsonValue,
 )
-from planner.dumps.write import blake2b
-from planner.errors import DumpError
+from serving.dumps.write import blake2b
 
 
 class DumpedPlan:

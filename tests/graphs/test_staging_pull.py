@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphs.staging_pull import SLOTS, PulledRing, pull_reference
 from planner.errors import ReplayError
-from planner.staging_pull import SLOTS, PulledRing, pull_reference
 from tests.support.kernels import DEVICE, needs_triton
 
 
@@ -35,7 +35,7 @@ def _state(words: int, seq: int, tags: list[int], seed: int):
 def test_the_pull_kernel_equals_its_reference(words, seq, kind, seed):
     """Every tag the ring writes, or finds stale, on slots wider than one pass of the kernel.
     On a GPU host the kernel reads pinned host memory into device memory, as in a graph."""
-    from planner.staging_pull_kernel import pull_kernel
+    from graphs.staging_pull_kernel import pull_kernel
 
     tag = {
         "pull": 2 * seq,
