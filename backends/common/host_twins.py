@@ -41,9 +41,22 @@ def clamp_into(out: np.ndarray, x: np.ndarray, lo: int | None, hi: int | None) -
             np.minimum(out, hi, out=out)
 
 
+_RAMPS: dict[int, np.ndarray] = {}
+
+
+def _ramp(n: int) -> np.ndarray:
+    """``arange(n)`` as int32, kept per length (batch sizes repeat every step)."""
+    ramp = _RAMPS.get(n)
+    if ramp is None:
+        if len(_RAMPS) >= 1024:
+            _RAMPS.clear()
+        ramp = _RAMPS[n] = np.arange(n, dtype=I32)
+    return ramp
+
+
 @ops.uniform_offsets.host_twin()
 def uniform_offsets(out: np.ndarray, step: int) -> None:
-    np.multiply(np.arange(out.shape[0], dtype=I32), I32(step), out=out)
+    np.multiply(_ramp(out.shape[0]), I32(step), out=out)
 
 
 @ops.causal_lengths.host_twin()

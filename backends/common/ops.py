@@ -33,7 +33,9 @@ page_table = metadata_op(
 )
 causal_lengths = metadata_op(
     "causal_lengths",
-    "out[r*n + i] = seq_lens[r] - (n - 1 - i): per-token KV lengths of n verify tokens per request.",
+    "out[r*n + i] = seq_lens[r] - (n - 1 - i): per-token KV lengths of n verify tokens per "
+    "request; the lengths themselves when n is 1 (decode).",
+    identity=lambda params: params.get("next_n") == 1,
 )
 
 

@@ -239,17 +239,29 @@ def split_plan_numpy(out: np.ndarray, topk_lens: np.ndarray, *, topk: int, block
     when no intermediate can pass it (every real configuration), else in int64."""
     n, splits = topk_lens.shape[0], out.shape[1] - 1
     wide = (splits + 1) * (topk + block_n) >= 2**31
+    dtype = np.int64 if wide else np.int32
     # The ufuncs rather than np.clip, whose dispatch costs several times the arithmetic.
-    lens = np.maximum(topk_lens.astype(np.int64) if wide else topk_lens, 0)
+    lens = np.maximum(topk_lens, 0, dtype=dtype)
     np.minimum(lens, topk, out=lens)
-    chunk = (lens + (block_n - 1)) // block_n
-    chunk += splits - 1
-    chunk //= splits
+    # chunk = max(1, ceil(ceil(len / block_n) / splits)) * block_n, where
+    # ceil(ceil(x / a) / b) == ceil(x / (a * b)) for positive a, b
+    chunk = lens + (block_n * splits - 1)
+    chunk //= block_n * splits
     np.maximum(chunk, 1, out=chunk)
     chunk *= block_n
-    s = np.arange(splits + 1, dtype=lens.dtype)
-    np.minimum(s[None, :] * chunk[:, None], lens[:, None], out=out[:n], casting="unsafe")
+    np.minimum(_split_ramp(splits, dtype) * chunk[:, None], lens[:, None], out=out[:n])
     out[n:] = 0
+
+
+_SPLIT_RAMPS: dict[tuple[int, type], np.ndarray] = {}
+
+
+def _split_ramp(splits: int, dtype: type) -> np.ndarray:
+    """``arange(splits + 1)`` as a row, kept per split count."""
+    ramp = _SPLIT_RAMPS.get((splits, dtype))
+    if ramp is None:
+        ramp = _SPLIT_RAMPS[(splits, dtype)] = np.arange(splits + 1, dtype=dtype)[None, :]
+    return ramp
 
 
 # --- Triton version ---------------------------------------------------------------
