@@ -1,22 +1,23 @@
 #!/usr/bin/env python3
 """Host time the planner adds per step, beside metadata code written the way engines write it.
 
-For each batch size: host time (no device sync, median of ``--iters``) of
-  - ``plan()``: eager plans in fresh tensors (full validation), and the same with the
-    host pass in numpy instead of C (the two interleaved call by call);
-  - ``replay()`` with the ops recorded in the graph (what a graph step pays on the host);
-  - ``replay()`` with the ops outside the graph (``ops_in_graph=False``: the seed's way);
-  - hand-written: the same NSA metadata as per-field tensor ops and copies into
-    static buffers (one host-to-device copy per input, a gather, a cumsum, a
-    clamp, the schedule call), as engines write their replay paths today;
-  - hand-written eager: the same into fresh tensors.
-Plus target-verify replays (``next_n`` 2), an eager extend plan of one 2048-token chunk,
-and the FlashInfer plans where that backend and flashinfer are usable, each beside the
-bare FlashInfer ``plan()`` call of the same batch (the host op as engines call it) and the
-compiled scheduler call alone that a graph slot's replay makes instead (its floor).
-Medians and p99 of ``--iters`` calls after ``--warmup``.
+For each batch size, host time (no device sync) of
+  - eager ``plan()`` interleaved call by call with the hand-written eager path (``HandWrittenNSA
+    .plan``: one tensor op or copy per field, into fresh tensors), for one set of batches
+    planned again and for a decode whose lengths grow a token a call (what a serving loop
+    with graphs off plans: a new shape every step);
+  - ``replay()``, staged by the copy and by the graph's own pull, interleaved with the
+    hand-written replay (``HandWrittenNSA.replay``: per-field copies into static buffers);
+  - a target-verify replay (``next_n`` 2), and an eager extend plan of one 2048-token chunk;
+  - FlashInfer's backends where they are usable: the replay beside the bare FlashInfer
+    ``plan()`` of the same batch, interleaved.
+Medians and p99 of ``--iters`` calls after ``--warmup``; ratios are medians of per-call
+ratios (the host's speed drifts between blocks of calls, not within one round).
 
-    python3 -m benchmarks.planner_overhead --out $OUT/planner_overhead.json --plot $OUT/planner_overhead.png
+Only the public API is used, so the same script measures an older commit's tree beside this
+one in one device call (``scripts/gpu_old_new.sh``).
+
+    python3 -m benchmarks.planner_overhead --out $OUT/planner_overhead.json --plot $OUT/po.png
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import dataclasses
 import random
 import warnings
 from typing import Any
-from unittest import mock
 
 import torch
 
@@ -42,17 +42,15 @@ from benchmarks.common import (
     time_paired,
     write_json,
 )
-from benchmarks.seed_stack import make_batch, make_table
-from planner import ForwardBatch, ForwardMode, Limits, Planner, native
+from benchmarks.seed_stack import batch_of, make_batch, make_table
+from planner import ForwardBatch, ForwardMode, Limits, Planner
 
-GENERIC_OPS = (
-    "causal_lengths",
-    "uniform_offsets",
-    "cumsum_with_zero",
-    "gather_token_slots",
-    "page_table",
-    "clamp",
-)
+try:  # this tree: the graph pulls through a transport; older trees took a flag
+    from graphs import PulledTransport
+
+    PULLED: dict[str, Any] = {"transport": PulledTransport}
+except ImportError:  # pragma: no cover - an older commit's tree
+    PULLED = {"staging_in_graph": True}
 
 
 class HandWrittenNSA:
@@ -73,13 +71,12 @@ class HandWrittenNSA:
         self.schedule = torch.zeros(sms + 1, 2, **i32)
 
     def _schedule(self, lens: torch.Tensor) -> torch.Tensor:
-
         dg = _native.load() if lens.is_cuda else None
         if dg is not None:
             return dg.get_paged_mqa_logits_metadata(lens, 64, self.sms)
         return reference_paged_mqa_schedule(lens, 64, self.sms, check_values=False)
 
-    def replay(self, batch, bs: int) -> None:
+    def replay(self, batch: ForwardBatch, bs: int) -> None:
         n = batch.bs
         self.seq_lens[:n].copy_(batch.seq_lens_cpu, non_blocking=True)
         self.seq_lens[n:bs].fill_(1)
@@ -93,7 +90,7 @@ class HandWrittenNSA:
         torch.clamp(self.seq_lens[:bs], max=self.topk, out=self.topk_lens[:bs])
         self.schedule.copy_(self._schedule(self.seq_lens[:bs].view(-1, 1)))
 
-    def plan(self, batch) -> dict[str, torch.Tensor]:
+    def plan(self, batch: ForwardBatch) -> dict[str, torch.Tensor]:
         dev = self.device
         seq = batch.seq_lens_cpu.to(dev, non_blocking=True)
         pool = batch.req_pool_indices.to(dev, non_blocking=True)
@@ -112,12 +109,22 @@ class HandWrittenNSA:
         }
 
 
-def measure(args, batch_size: int, device: torch.device) -> dict[str, Any]:
+def growing(table: torch.Tensor, bs: int, context: int, calls: int, rng: random.Random) -> list:
+    """``calls`` decode batches of ``bs`` requests whose lengths grow by one token a call."""
+    start = [rng.randint(context // 2, context - calls - 1) for _ in range(bs)]
+    return [batch_of(table, [n + i for n in start]) for i in range(calls)]
 
+
+def _walk(fn, batches: list):
+    return lambda i: fn(batches[i % len(batches)])
+
+
+def measure(args, batch_size: int, device: torch.device) -> dict[str, Any]:
     sms = num_sms_of(device)
     table, num_pages = make_table(batch_size, args.context, device, args.seed)
     rng = random.Random(args.seed)
     batches = [make_batch(table, batch_size, args.context, rng) for _ in range(8)]
+    grown = growing(table, batch_size, args.context, args.iters + args.warmup, rng)
     limits = Limits(
         max_batch=batch_size,
         max_context=args.context,
@@ -126,91 +133,61 @@ def measure(args, batch_size: int, device: torch.device) -> dict[str, Any]:
         kv_slots=num_pages * 64,
         device=str(device),
     )
-    out: dict[str, Any] = {"batch": batch_size}
+    options = {"nsa": {"topk": 2048}}
     kw = dict(warmup=args.warmup, iters=args.iters)
-    planner = planner_copy = Planner(["nsa"], limits, options={"nsa": {"topk": 2048}})
-    planner.capture(batch_size, req_to_token=table)
-    outside = Planner(["nsa"], limits, options={"nsa": {"topk": 2048}}, ops_in_graph=False)
-    outside.capture(batch_size, req_to_token=table)
-    # The host pass in numpy (its C form unavailable) on a planner of its own: every layout
-    # it will use is made in this warm-up, while the C form is hidden.
-    with mock.patch.object(native, "host_pass_runner", lambda: None):
-        numpy_twins = Planner(["nsa"], limits, options={"nsa": {"topk": 2048}})
-        for b in batches:
-            numpy_twins.plan(b)
-
-    out["replay_ops_in_graph"] = time_host(
-        lambda i: planner.replay(batches[i % 8], batch_size), **kw
-    )
-    sync(device)
-    out["replay_ops_outside"] = time_host(
-        lambda i: outside.replay(batches[i % 8], batch_size), **kw
-    )
-    sync(device)
-    # The two eager variants interleaved call by call: their ratio is what this host's
-    # drift between blocks of calls cannot move.
-    out.update(
-        time_paired(
-            {
-                "plan": lambda i: planner.plan(batches[i % 8]),
-                "plan_numpy_twins": lambda i: numpy_twins.plan(batches[i % 8]),
-            },
-            **kw,
-        )
-    )
-    sync(device)
-    # The same eager plan with every generic op forced to its torch reference (no Triton launches).
-    forced = {op: "torch" for op in GENERIC_OPS}
-    planner = Planner(["nsa"], limits, options={"nsa": {"topk": 2048}}, providers=forced)
-    out["plan_torch_ops"] = time_host(lambda i, p=planner: p.plan(batches[i % 8]), **kw)
-    sync(device)
     hand = HandWrittenNSA(batch_size, args.context, device, sms, 2048)
-    out["hand_replay"] = time_host(lambda i: hand.replay(batches[i % 8], batch_size), **kw)
-    sync(device)
-    # The hand-written replay beside ours, both ways of staging, interleaved call by call. The
-    # pulled replay without a graph launch refills one slot: its host cost, without a wait.
-    pulled = Planner(["nsa"], limits, options={"nsa": {"topk": 2048}}, staging_in_graph=True)
+    eager = Planner(["nsa"], limits, options=options)
+    copied = Planner(["nsa"], limits, options=options)
+    copied.capture(batch_size, req_to_token=table)
+    pulled = Planner(["nsa"], limits, options=options, **PULLED)
     pulled.capture(batch_size, req_to_token=table)
-    replays = {
-        "paired_hand_replay": lambda i: hand.replay(batches[i % 8], batch_size),
-        "paired_replay_copy": lambda i: planner_copy.replay(batches[i % 8], batch_size),
-        "paired_replay_in_graph": lambda i: pulled.replay(batches[i % 8], batch_size),
-    }
-    out.update(time_paired(replays, **kw))
+    out: dict[str, Any] = {"batch": batch_size}
+    out["eager"] = time_paired(
+        {"plan": _walk(eager.plan, batches), "hand_plan": _walk(hand.plan, batches)}, **kw
+    )
     sync(device)
-    out["hand_plan"] = time_host(lambda i: hand.plan(batches[i % 8]), **kw)
+    out["growing"] = time_paired(
+        {"plan": _walk(eager.plan, grown), "hand_plan": _walk(hand.plan, grown)}, **kw
+    )
     sync(device)
-    verify_limits = limits.model_copy(update={"next_n": 2})
-    planner = Planner(["nsa"], verify_limits, options={"nsa": {"topk": 2048}})
-    planner.capture(batch_size, ForwardMode.TARGET_VERIFY, req_to_token=table)
-    verify = [make_verify_batch(b, table) for b in batches]
-    out["verify_replay"] = time_host(lambda i, p=planner: p.replay(verify[i % 8], batch_size), **kw)
+    # a replay staged for the pull without its graph's launch refills one slot: its host
+    # cost, with no wait on a pull that never comes
+    out["replay"] = time_paired(
+        {
+            "hand_replay": lambda i: hand.replay(batches[i % 8], batch_size),
+            "replay_copy": lambda i: copied.replay(batches[i % 8], batch_size),
+            "replay_pulled": lambda i: pulled.replay(batches[i % 8], batch_size),
+        },
+        **kw,
+    )
+    sync(device)
+    verify = Planner(["nsa"], limits.model_copy(update={"next_n": 2}), options=options)
+    verify.capture(batch_size, ForwardMode.TARGET_VERIFY, req_to_token=table)
+    verifying = [make_verify_batch(b, table) for b in batches]
+    out["verify_replay"] = time_host(lambda i: verify.replay(verifying[i % 8], batch_size), **kw)
     sync(device)
     for backend in args.flashinfer:
-        try:
-            planner = Planner([backend], limits)
-        except Exception as exc:  # backend absent or refuses these limits: say so, keep going
-            out[f"{backend}_error"] = f"{type(exc).__name__}: {exc}"
-            continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            planner.capture(batch_size, req_to_token=table)
-            # The replay beside the host op's floor, FlashInfer's own plan() of the same host
-            # arrays, nothing else, and the compiled scheduler call a graph slot's replay makes
-            # instead: interleaved call by call, so the host's drift falls on all alike.
-            # Without flashinfer (the CPU) the slot only keeps bookkeeping: no floor to take.
-            plan = planner.replay(batches[0], batch_size)[backend]
-            slot, indices = plan.wrapper.slot, plan.kv_indices
-            variants = {"replay": lambda i, p=planner: p.replay(batches[i % 8], batch_size)}
-            if slot.wrapper is not None:
-                variants["bare_plan"] = lambda i, s=slot, x=indices: s._plan_wrapper(x)
-                if slot.direct is not None:
-                    variants["scheduler"] = lambda i, s=slot: s.direct(s.args)
-            for name, stats in time_paired(variants, **kw).items():
-                out[f"{backend}_{name}"] = stats
-            sync(device)
-            out[f"{backend}_plan"] = time_host(lambda i, p=planner: p.plan(batches[i % 8]), **kw)
-            sync(device)
+        out.update(measure_flashinfer(backend, limits, table, batches, batch_size, kw, device))
+    return out
+
+
+def measure_flashinfer(backend, limits, table, batches, batch_size, kw, device) -> dict:
+    """The backend's replay beside the bare FlashInfer ``plan()`` of the same host arrays,
+    interleaved; nothing where the backend or flashinfer is not usable here."""
+    try:
+        planner = Planner([backend], limits)
+    except Exception as exc:  # backend absent or refuses these limits: say so, keep going
+        return {f"{backend}_error": f"{type(exc).__name__}: {exc}"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner.capture(batch_size, req_to_token=table)
+        plan = planner.replay(batches[0], batch_size)[backend]
+        slot, indices = plan.wrapper.slot, plan.kv_indices
+        variants = {"replay": lambda i: planner.replay(batches[i % 8], batch_size)}
+        if getattr(slot, "wrapper", None) is not None:
+            variants["bare_plan"] = lambda i: slot._plan_wrapper(indices)
+        out = {f"{backend}_{name}": s for name, s in time_paired(variants, **kw).items()}
+    sync(device)
     return out
 
 
@@ -232,39 +209,38 @@ def make_verify_batch(batch: ForwardBatch, table: torch.Tensor) -> ForwardBatch:
 def extend_setup(context: int, device: torch.device, seed: int) -> tuple[Planner, ForwardBatch]:
     """An NSA planner and one extend batch of a 2048-token chunk: 4 requests of 512 new
     tokens each after ``context - 512`` cached."""
-    sms = num_sms_of(device)
     table, num_pages = make_table(4, context, device, seed)
     limits = Limits(
         max_batch=4,
         max_context=context,
-        num_sms=sms,
+        num_sms=num_sms_of(device),
         max_tokens=2048,
         kv_slots=num_pages * 64,
         device=str(device),
     )
     planner = Planner(["nsa"], limits, options={"nsa": {"topk": 2048}})
-    lens = torch.tensor([context] * 4, dtype=torch.int32)
-    new = torch.full((4,), 512, dtype=torch.int32)
     cols = torch.cat([torch.arange(context - 512, context)] * 4)
     rows = torch.arange(1, 5).repeat_interleave(512)
-    loc = table[rows.to(device), cols.to(device)].cpu()
     batch = ForwardBatch(
-        seq_lens_cpu=lens,
+        seq_lens_cpu=torch.tensor([context] * 4, dtype=torch.int32),
         req_pool_indices=torch.arange(1, 5, dtype=torch.int32),
         req_to_token=table,
-        out_cache_loc=loc,
+        out_cache_loc=table[rows.to(device), cols.to(device)].cpu(),
         mode=ForwardMode.EXTEND,
-        extend_lens_cpu=new,
+        extend_lens_cpu=torch.full((4,), 512, dtype=torch.int32),
     )
     return planner, batch
 
 
-def measure_extend(args, device: torch.device) -> dict[str, Any]:
-    """One eager extend plan of a 2048-token chunk (``extend_setup``)."""
-    planner, batch = extend_setup(args.context, device, args.seed)
-    out = time_host(lambda i: planner.plan(batch), warmup=args.warmup, iters=args.iters)
-    sync(device)
-    return out
+ROWS = (
+    ("eager", "plan"),
+    ("eager", "hand_plan"),
+    ("growing", "plan"),
+    ("growing", "hand_plan"),
+    ("replay", "replay_copy"),
+    ("replay", "replay_pulled"),
+    ("replay", "hand_replay"),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,90 +248,67 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--iters", type=int, default=500)
-    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--iters", type=int, default=300)
     p.add_argument("--flashinfer", nargs="*", default=["flashinfer_decode", "flashinfer_mla"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out")
-    p.add_argument("--plot")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--plot", help="write a PNG bar chart here (needs matplotlib)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-
-    results = [
-        dict(run=run, **measure(args, bs, device))
-        for run in range(args.runs)
-        for bs in args.batches
-    ]
-    extend = [measure_extend(args, device) for _ in range(args.runs)]
-    cols = [
-        "plan",
-        "plan_numpy_twins",
-        "plan_torch_ops",
-        "replay_ops_in_graph",
-        "replay_ops_outside",
-        "verify_replay",
-        "hand_replay",
-        "hand_plan",
-        "paired_hand_replay",
-        "paired_replay_copy",
-        "paired_replay_in_graph",
-    ]
-    replays_paired = ("paired_replay_copy", "paired_replay_in_graph")
-    fi_cols = [
-        f"{b}_{k}" for b in args.flashinfer for k in ("plan", "replay", "bare_plan", "scheduler")
-    ]
-    cols += [c for c in fi_cols if any(c in r for r in results)]
-    rows = [
-        (r["run"], r["batch"], *(r[c]["median_us"] if c in r else "-" for c in cols))
-        for r in results
-    ]
+    results = [measure(args, bs, device) for bs in args.batches]
+    planner, batch = extend_setup(args.context, device, args.seed)
+    extend = time_host(lambda i: planner.plan(batch), warmup=args.warmup, iters=args.iters)
+    sync(device)
+    head = ("batch", *(f"{group} {name}" for group, name in ROWS), "verify replay")
     table = print_table(
-        "planner host time per step, median us (no device sync)", ("run", "batch", *cols), rows
-    )
-    table += "\n" + print_table(
-        "the same, p99 us",
-        ("run", "batch", *cols),
+        "planner host time per call, median us (p99), no device sync",
+        head,
         [
-            (r["run"], r["batch"], *(r[c]["p99_us"] if c in r else "-" for c in cols))
-            for r in results
-        ],
-    )
-    paired = ("plan_numpy_twins",)
-    table += "\n" + print_table(
-        "replays interleaved with the hand-written one: median of per-call ratios to it "
-        "(the target is <= 0.2)",
-        ("run", "batch", "paired_replay_copy", "paired_replay_in_graph"),
-        [
-            (r["run"], r["batch"], *(r[c]["ratio_to_first"] for c in replays_paired))
+            (
+                r["batch"],
+                *(f"{r[g][n]['median_us']:.1f} ({r[g][n]['p99_us']:.0f})" for g, n in ROWS),
+                f"{r['verify_replay']['median_us']:.1f}",
+            )
             for r in results
         ],
     )
     table += "\n" + print_table(
-        "interleaved: median of per-call ratios to plan() as shipped",
-        ("run", "batch", *paired),
-        [(r["run"], r["batch"], *(r[c]["ratio_to_first"] for c in paired)) for r in results],
+        "interleaved: median of per-call ratios",
+        ("batch", "plan / hand", "growing plan / hand", "replay copy / hand", "pulled / hand"),
+        [
+            (
+                r["batch"],
+                f"{1 / r['eager']['hand_plan']['ratio_to_first']:.3f}",
+                f"{1 / r['growing']['hand_plan']['ratio_to_first']:.3f}",
+                f"{r['replay']['replay_copy']['ratio_to_first']:.3f}",
+                f"{r['replay']['replay_pulled']['ratio_to_first']:.3f}",
+            )
+            for r in results
+        ],
     )
-    fi_pairs = [f"{b}_bare_plan" for b in args.flashinfer]
-    fi_pairs = [c for c in fi_pairs if any(c in r for r in results)]
-    if fi_pairs:
+    fi = [(b, f"{b}_replay", f"{b}_bare_plan") for b in args.flashinfer]
+    fi = [f for f in fi if any(f[2] in r for r in results)]
+    if fi:
         table += "\n" + print_table(
-            "FlashInfer, interleaved: replay over the bare plan() (median of per-call ratios; "
-            "the target is <= 1.1)",
-            ("run", "batch", *fi_pairs),
+            "FlashInfer: replay over the bare plan() (median of per-call ratios), median us",
+            ("batch", *(f"{b} ratio / replay / bare" for b, _, _ in fi)),
             [
                 (
-                    r["run"],
                     r["batch"],
-                    *(1 / r[c]["ratio_to_first"] if c in r else "-" for c in fi_pairs),
+                    *(
+                        f"{1 / r[bare]['ratio_to_first']:.3f} / {r[rep]['median_us']:.1f} / "
+                        f"{r[bare]['median_us']:.1f}"
+                        for _, rep, bare in fi
+                    ),
                 )
                 for r in results
             ],
         )
     table += "\n" + print_table(
         f"eager extend plan, 2048 tokens (4 x 512 new, {max(args.context - 512, 0)} cached each)",
-        ("run", "median us", "p99 us"),
-        [(run, e["median_us"], e["p99_us"]) for run, e in enumerate(extend)],
+        ("median us", "p99 us"),
+        [(f"{extend['median_us']:.1f}", f"{extend['p99_us']:.1f}")],
     )
     for r in results:
         for k, v in r.items():
@@ -371,12 +324,11 @@ def main(argv: list[str] | None = None) -> int:
             "table": table,
         },
     )
-    first = [r for r in results if r["run"] == 0]
     plot_bars(
         args.plot,
-        "planner host time per step",
-        [f"B{r['batch']}" for r in first],
-        {c: [r[c]["median_us"] if c in r else 0.0 for r in first] for c in cols},
+        "planner host time per call",
+        [f"B{r['batch']}" for r in results],
+        {f"{g} {n}": [r[g][n]["median_us"] for r in results] for g, n in ROWS},
         "us (median)",
     )
     return 0

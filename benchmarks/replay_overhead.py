@@ -37,7 +37,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import backends  # noqa: E402,F401  (registers the backends)
-from graphs import GraphRunner, GraphWarning  # noqa: E402
+from graphs import GraphRunner, GraphWarning, PulledTransport  # noqa: E402
 from planner import ForwardBatch, ForwardMode, Limits, Planner, PlanSet  # noqa: E402
 
 PHASES = ("refresh", "inputs", "replay")
@@ -182,7 +182,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     table = make_table(top + 1, args.max_context, args.page_size, device)
     runners = {}
     for staging in dict.fromkeys(args.staging):
-        planner = Planner(args.backends, limits, debug=False, staging_in_graph=staging == "graph")
+        transport = PulledTransport if staging == "graph" else None
+        planner = Planner(args.backends, limits, debug=False, transport=transport)
         runners[staging] = GraphRunner(
             planner,
             light_forward,

@@ -23,8 +23,8 @@ from backends.nsa import warmup_schedule_buckets
 from benchmarks.common import num_sms_of, sync
 from graphs import GraphRunner, GraphWarning
 from planner import ForwardBatch, ForwardMode, Limits, Planner, PlanSet
-from planner.compare import diff_plans, padding_violations
-from planner.dims import parse_dim
+from planner.debug import diff_plans, padding_violations
+from planner.schema import parse_dim
 
 DECODE, VERIFY = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY
 PAGE, NEXT_N = 64, 2

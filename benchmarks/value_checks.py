@@ -1,6 +1,6 @@
 """What the door's relation checks cost on the host: duplicates, positions, the token table.
 
-``planner/value_checks.py`` refuses a KV slot written twice, a request twice in a batch and
+``planner/checks.py`` refuses a KV slot written twice, a request twice in a batch and
 positions that disagree with the lengths on every batch (replay included), and token table
 entries outside ``[0, kv_slots)`` in eager ``plan()`` and debug mode. This measures each
 check alone at decode batch sizes, and a CPU ``Planner.replay`` (NSA + paged) with the
@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from planner import ForwardBatch, Limits, Planner  # noqa: E402
+from planner.checks import check_positions, check_table_entries, check_unique  # noqa: E402
 from planner.staging import StagingLayout  # noqa: E402
-from planner.value_checks import check_positions, check_table_entries, check_unique  # noqa: E402
 
 PAGE = 64
 

@@ -64,7 +64,7 @@ from benchmarks.common import num_sms_of  # noqa: E402
 from graphs import GraphRunner  # noqa: E402
 from graphs.inputs import InputSpec  # noqa: E402
 from planner import ForwardBatch, ForwardMode, Limits, Planner, PlanSet  # noqa: E402
-from planner.compare import diff_plans  # noqa: E402
+from planner.debug import diff_plans  # noqa: E402
 
 PAGE, TOL = 64, 2.0**-9
 VERIFY = ForwardMode.TARGET_VERIFY

@@ -7,7 +7,7 @@ the next collective. Two checks catch it where it starts:
   tokens) is checked before the forward with one all-reduce of ten int64
   (:func:`distributed.agree.check_equal`), on the host group: no device sync;
 - debug (``digests=True``): after the forward, a content digest of every plan field
-  (``planner.compare.plan_digests``, plus the scalars) is all-gathered, and a rank
+  (``planner.debug.plan_digests``, plus the scalars) is all-gathered, and a rank
   whose digest differs from rank 0's raises, naming the rank and the field. It reads
   the plans after the graph replayed, so ops recorded in the graph are covered.
 """

@@ -2,9 +2,9 @@
 pinned ring itself, so a replay makes no CUDA call of its own (:class:`PulledTransport`,
 the planner's transport of a captured mode: ``Planner(..., transport=PulledTransport)``).
 
-Why: on the H200's host the one host-to-device copy of a replay, and the ring's events, are
-10.3-11.2 us of a 27-31 us ``replay()`` (r12-5), and almost all of it is the runtime's own
-submission (``cudaMemcpyAsync`` alone: 9.1-9.9 us). A graph launch is made anyway; a kernel
+Why: on a GPU host the one host-to-device copy of a replay, and the ring's events, are about
+a third of a ``replay()``'s host time, almost all of it the runtime's own submission
+(docs/benchmarks.md, planner host cost). A graph launch is made anyway; a kernel
 inside it can read pinned host memory directly (it is mapped into the device's address
 space), so the copy can ride the launch instead of being a second submission.
 
@@ -12,7 +12,8 @@ The protocol. Each mode's static stager has a ring of ``SLOTS`` pinned slots, a 
 counter (the steps the graphs have pulled), and a pinned control block: the ack (the
 counter as the last pull left it), an error word and one tag per slot.
 - ``replay()`` fills slot ``seq % SLOTS`` (``seq``: the graphs launched so far) and writes its
-  tag, ``2 * seq`` (or ``2 * seq + 1``: "already sent", where a replay took the copy path).
+  tag, ``2 * seq`` (or ``2 * seq + 1``: "already sent", where the inputs went by a copy
+  because something reads them before the graph runs: a capture's ops, a host op).
 - The graph's first kernel (``graphs.staging_pull_kernel``, captured by
   ``Planner.record``) reads the counter, checks that the slot's tag names that step,
   copies the slot unless it was already sent, then advances the counter and the ack.

@@ -3,7 +3,7 @@
 An eager plan is fresh tensors for one batch. Most of its fields are small
 per-request or per-token arithmetic (lengths, prefix sums, offsets, clamps,
 schedules) over inputs that start on the host; on a GPU, launching a kernel
-for each costs 20-40 us of host time, far more than the arithmetic. An op's
+for each costs tens of microseconds of host time, far more than the arithmetic. An op's
 host twin (``numpy``, see :meth:`planner.ops.MetadataOp.host_twin`) computes
 the same values on the host, straight into the staging buffer after the
 inputs, so the one host-to-device copy the inputs needed carries the results

@@ -57,6 +57,8 @@ from planner.schema import Plan
 from planner.staging import Ranges, TransportFactory
 from planner.storage import Storage, Storages, Tensors
 
+_DATA_PTR = torch.Tensor.data_ptr
+"""Mapped over tensors: cheaper than a comprehension of ``t.data_ptr()`` calls."""
 Handles = dict[tuple[str, str], Any]
 """What host ops returned, by the ``(backend, field)`` they produced: plans carry it."""
 
@@ -104,7 +106,8 @@ def materialise(
             run, reads = storage.device_steps(done), storage.batch_inputs(done)
         else:
             run, reads = steps, None
-        out.append((tensors, run_steps(run, tensors, batch, static=storage.static, names=reads)))
+        handles = run_steps(run, tensors, batch, static=storage.static, names=reads) if run else {}
+        out.append((tensors, handles))
     return out
 
 
@@ -161,18 +164,23 @@ class CapturedStep:
 
     def __post_init__(self) -> None:
         self.pointers = [t.data_ptr() for _, t in self.named]
-        self._tensors = [t for _, t in self.named]
+        # Each tensor object once (an aliased field is its owner's object): a tensor can only
+        # move by being rebound itself (set_, .data =, a storage resize).
+        distinct = {id(t): t for _, t in self.named}
+        self._watched = list(distinct.values())
+        self._watched_at = [t.data_ptr() for t in self._watched]
 
     def check_unmoved(self, handles: Handles) -> None:
         """The plans a graph reads must still be where capture put them, and host ops must
         have returned the handles they returned at capture: one list comparison in the
         usual case, the field looked for only when something moved."""
-        for key, handle in handles.items():
-            if handle is not self.handles.get(key):
-                raise ReplayError(
-                    "host op returned another handle than at capture", field=".".join(key)
-                )
-        if [t.data_ptr() for t in self._tensors] == self.pointers:
+        if handles:
+            for key, handle in handles.items():
+                if handle is not self.handles.get(key):
+                    raise ReplayError(
+                        "host op returned another handle than at capture", field=".".join(key)
+                    )
+        if list(map(_DATA_PTR, self._watched)) == self._watched_at:
             return
         for (key, tensor), ptr in zip(self.named, self.pointers):
             if tensor.data_ptr() != ptr:
@@ -558,16 +566,10 @@ class Planner:
         captured = self._captured_for(mode.plans_as, bs)
         captured.check_table(batch.req_to_token)
         batches = batches_of(batch) if mode.stepped else [batch]
+        debug, now = self.debug, captured.reads_staged
+        resolved = (captured.storages, batches, bs, captured.dims, captured.ranges)
         results = materialise(
-            captured.storages,
-            batches,
-            bs,
-            captured.dims,
-            captured.ranges,
-            captured.host_steps,
-            read_device=self.debug,
-            read_table=self.debug,
-            now=captured.reads_staged,
+            *resolved, captured.host_steps, read_device=debug, read_table=debug, now=now
         )
         captured.check_unmoved(results)
         self._last = captured

@@ -161,9 +161,7 @@ class StagingLayout:
         """:meth:`fill`, :meth:`check` and (``read_table``) :meth:`check_table` of one
         batch's region; the device-resident inputs left for after the copy."""
         counts = real_counts(batch)
-        on_device = self.fill(
-            host, batch, reqs, tokens, ranges, read_device=read_device, counts=counts
-        )
+        on_device = self.fill(host, batch, reqs, tokens, ranges, read_device, counts)
         self.check(host, batch, ranges, on_device, counts)
         if read_table:
             self.check_table(host, batch, ranges)
@@ -193,17 +191,7 @@ class StagingLayout:
                 self._bounds[key] = bounds
         return bounds
 
-    def fill(
-        self,
-        host: np.ndarray,
-        batch: ForwardBatch,
-        reqs: int,
-        tokens: int,
-        ranges: Ranges,
-        *,
-        read_device: bool,
-        counts: tuple[int, int] | None = None,
-    ) -> list[tuple[Segment, torch.Tensor]]:
+    def fill(self, host: np.ndarray, batch: ForwardBatch, reqs: int, tokens: int, *rest) -> list:
         """Write each source, then its pad, into ``host``; return the device-resident ones left.
 
         A device-resident input cannot be written from the host without a
@@ -212,10 +200,10 @@ class StagingLayout:
         tensor) for a device-to-device copy after the transfer. Extend lengths
         a uniform batch leaves out are written as the constant they are, and
         positions it leaves out as the lengths imply them, with no tensor made
-        for either. ``counts`` are :func:`real_counts` where the caller has them.
+        for either. ``rest``: the ranges, ``read_device`` and the :func:`real_counts`.
         """
-        on_device = []
-        real_reqs, real_tokens = counts or real_counts(batch)
+        ranges, read_device, (real_reqs, real_tokens) = rest
+        on_device: list[tuple[Segment, torch.Tensor]] = []
         implied = None if batch.extend_lens_cpu is not None else batch.next_n
         constant = implied is not None and batch.extend_lens is None
         for seg, start, per_token, pad, attr in self._fills:
@@ -224,31 +212,48 @@ class StagingLayout:
             else:
                 mid, end = start + real_reqs, start + reqs
             value = getattr(batch, attr) if attr is not None else None
-            if value is None:
+            if value is not None and value.is_cpu:  # the usual case, first
+                values = value.numpy()
+                if values.dtype is not _I32 and values.size:
+                    _fits_int32(seg.source, values, ranges)
+                host[start:mid] = values
+            elif value is None:
                 if constant and seg.source == "extend_lens":
                     host[start:mid] = implied  # the constant it is: no tensor made
                 elif seg.source == "positions":  # left out: what ForwardBatch.source derives
                     _derive_positions(batch, implied, host[start:mid])
                 else:
                     value = batch.source(seg.source)  # device extend lengths, a draft extend's
-                if value is None:
-                    if end > mid:
-                        host[mid:end] = pad
-                    continue
-            if value.is_cpu:
-                values = value.numpy()
-            elif value.is_cuda and not read_device:
-                on_device.append((seg, value))
-                values = None
+                    if value is not None:
+                        self._device_input(
+                            host, seg, value, start, mid, ranges, read_device, on_device
+                        )
             else:
-                values = value.cpu().numpy()
-            if values is not None:
-                if values.dtype is not _I32 and values.size:
-                    _fits_int32(seg.source, values, ranges)
-                host[start:mid] = values
+                self._device_input(host, seg, value, start, mid, ranges, read_device, on_device)
             if end > mid:
                 host[mid:end] = pad
         return on_device
+
+    @staticmethod
+    def _device_input(
+        host: np.ndarray,
+        seg: Segment,
+        value: torch.Tensor,
+        start: int,
+        mid: int,
+        ranges: Ranges,
+        read_device: bool,
+        on_device: list[tuple[Segment, torch.Tensor]],
+    ) -> None:
+        """An input that lives on the device: read and staged like a host one where
+        ``read_device`` allows, else left for a copy on the device after the transfer."""
+        if value.is_cpu or value.is_cuda is False or read_device:
+            values = value.cpu().numpy()
+            if values.dtype is not _I32 and values.size:
+                _fits_int32(seg.source, values, ranges)
+            host[start:mid] = values
+        else:
+            on_device.append((seg, value))
 
     def check(
         self,
@@ -291,7 +296,7 @@ class StagingLayout:
         self, host: np.ndarray, batch: ForwardBatch, skip: frozenset, counts: tuple[int, int]
     ) -> None:
         """After the ranges: no KV slot written twice, no request twice, and given positions
-        equal to what the lengths imply (``planner.value_checks``)."""
+        equal to what the lengths imply (``planner.checks``)."""
         reqs, tokens = counts
         at = self._first_offsets  # sources are staged once each at least: offsets are known
         slots, pools, positions = at["out_cache_loc"], at["req_pool_indices"], at["positions"]
@@ -362,7 +367,7 @@ def pad_of(sources: list[tuple[str, int]], name: str) -> int:
 def _fits_int32(source: str, values: np.ndarray, ranges: Ranges) -> None:
     """int64 inputs are staged as int32: a value past int32 would wrap into a valid-looking one.
 
-    Screened with one reduction (0.8 us, where the minimum and the maximum cost 2): values
+    Screened with one reduction (where the minimum and the maximum cost two): values
     all in ``[0, 2**31)``, the usual case, have their bitwise or there too, and fit. Only
     otherwise are the minimum and maximum read, to refuse a value past int32 (a negative
     one that fits is left to the range pass, which names it).
@@ -509,11 +514,8 @@ class Stager:
         static: bool,
         regions: int = 1,
     ) -> None:
-        self.layout = layout
-        self.device = device
-        self.transport = transport
-        self.static = static
-        self.regions = regions
+        self.layout, self.device, self.transport = layout, device, transport
+        self.static, self.regions = static, regions
         self.size = max(layout.size, 1)
         """int32 elements of one batch's inputs (a region)."""
         self.device_buf = (

@@ -119,21 +119,24 @@ class FreshLayout:
         return tensors
 
 
-class FreshStorage:
+class _Storage:
+    """What both storages hold: the mode's program, where its sources are staged, and the
+    stager that stages them."""
+
+    static: bool
+
+    def __init__(self, program: Program, segments: Mapping[Key, Segment], stager: Stager) -> None:
+        self.program, self.segments, self.stager = program, segments, stager
+
+
+class FreshStorage(_Storage):
     """Eager plans of one (mode, request count): see the module docstring."""
 
     static = False
 
-    def __init__(
-        self,
-        program: Program,
-        segments: Mapping[Key, Segment],
-        stager: Stager,
-        host_pass: HostPass | None,
-    ) -> None:
-        self.program = program
-        self.segments = segments
-        self.stager = stager
+    def __init__(self, *where: object, host_pass: HostPass | None) -> None:
+        super().__init__(*where)
+        program = self.program
         self.host_pass = host_pass
         self._layouts: dict[tuple, FreshLayout] = {}
         done_sets = [frozenset()] + ([host_pass.outputs] if host_pass is not None else [])
@@ -251,7 +254,7 @@ class FreshStorage:
         )
 
 
-class StaticStorage:
+class StaticStorage(_Storage):
     """Capture and replay: max-size buffers for one mode, and views of them per captured size.
 
     The views of a size are made once and handed out again on every replay: the plans a
@@ -260,16 +263,9 @@ class StaticStorage:
 
     static = True
 
-    def __init__(
-        self,
-        program: Program,
-        segments: Mapping[Key, Segment],
-        stager: Stager,
-        max_dims: Mapping[str, int],
-    ) -> None:
-        self.program = program
-        self.segments = segments
-        self.stager = stager
+    def __init__(self, *where: object, max_dims: Mapping[str, int]) -> None:
+        super().__init__(*where)
+        program, stager = self.program, self.stager
         self.buffers = {
             step.output: torch.zeros(
                 resolve_shape(step.spec.shape, max_dims, field=step.key),
@@ -383,7 +379,9 @@ class Storages:
             host_pass = (
                 host_pass_for(program, segments, self._switch) if self.eager_on_host else None
             )
-            storage = self._fresh[key] = FreshStorage(program, segments, stager, host_pass)
+            storage = self._fresh[key] = FreshStorage(
+                program, segments, stager, host_pass=host_pass
+            )
         return storage
 
     def static(self, mode: ForwardMode, steps: int = 1) -> list[StaticStorage]:
@@ -403,7 +401,7 @@ class Storages:
             stager = Stager(layout, self.device, transport, static=True, regions=steps)
             max_dims = self.max_dims(mode)
             storages = self._static[mode] = [
-                StaticStorage(program, segments, stager, max_dims) for _ in range(steps)
+                StaticStorage(program, segments, stager, max_dims=max_dims) for _ in range(steps)
             ]
         return storages
 

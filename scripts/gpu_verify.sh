@@ -77,7 +77,7 @@ for step in "$@"; do
     model_seed_fi) run model_seed_fi python3 benchmarks/seed_stack.py --stack model \
         --contexts 4096 --batches 1 16 64 --modes graph --runs 2 --warmup 5 \
         --iters "${SEED_ITERS:-20}" --mla-kernel flashinfer --out "$OUT/model_seed_fi.json" ;;
-    host) run host python3 -m benchmarks.planner_overhead --runs 2 --iters 300 \
+    host) run host python3 -m benchmarks.planner_overhead --iters 300 \
         --out "$OUT/planner_overhead.json" --plot "$OUT/planner_overhead.png" ;;
     refresh)
         run refresh python3 benchmarks/replay_overhead.py --iters 300 --batches 1 64 256 \

@@ -162,7 +162,7 @@ def _add_dump_readers(sub: Any) -> None:
     p = sub.add_parser(
         "inspect",
         help="show a plan dump: per field shape, dtype, pointer, checksum, summary",
-        description="Show a plan dump written by planner.dumps (or a DumpRing / mismatch hook).",
+        description="Show a plan dump written by serving.dumps (or a DumpRing / mismatch hook).",
     )
     p.add_argument("dump", metavar="DIR", help="dump directory (holds dump.json)")
     p.add_argument("--field", metavar="NAME", help="only this field: NAME or BACKEND.NAME")

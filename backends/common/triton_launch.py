@@ -6,12 +6,14 @@ import (``LazyKernel``): ``triton.jit`` decides between interpreter and compiler
 decorates, so eager decoration would freeze whatever ``TRITON_INTERPRET`` held when some
 other module happened to import this one first.
 
-``LazyKernel.launch`` exists for the eager plans' kernels. On the H200's host a launch
-through ``triton.jit``'s run took 35.4 us, the compiled kernel's launcher called with the
-stream at hand 12.7 us (``benchmarks/eager_pieces``, interleaved): the run's Python
-(knobs read from the environment, the binder, the cache key, the grid) is most of a
-metadata kernel's cost. ``launch`` keeps the compiled kernel of each specialisation the
-run made and calls its launcher the way ``CompiledKernel.__getitem__``'s runner does.
+``LazyKernel.launch`` exists for the eager plans' kernels: on a GPU host most of a small
+metadata kernel's launch through ``triton.jit``'s run is the run's Python (knobs read from the
+environment, the binder, the cache key, the grid), not the driver call (docs/benchmarks.md).
+``launch`` keeps the compiled kernel of each specialisation the run made and calls its
+launcher the way ``CompiledKernel.__getitem__``'s runner does. That reaches into Triton's
+compiled kernel (``run``, ``function``, ``packed_metadata``) and torch's raw current stream:
+this module is the one place that does, and ``tests/gpu/test_triton_launch_gpu.py`` fails
+when the installed Triton no longer launches this way.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def _differing_rows(a: torch.Tensor, b: torch.Tensor) -> tuple[list[int], int, i
 
 
 def diff_dumps(a: LoadedDump, b: LoadedDump) -> list[FieldDiff]:
-    """Every field of either dump, compared with :func:`planner.compare.diff_plans`."""
+    """Every field of either dump, compared with :func:`planner.debug.diff_plans`."""
     out: list[FieldDiff] = []
     plans_a: dict[str, DumpedPlan] = {}
     plans_b: dict[str, DumpedPlan] = {}

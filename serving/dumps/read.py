@@ -33,7 +33,7 @@ from serving.dumps.write import blake2b
 
 
 class DumpedPlan:
-    """A loaded backend plan that :func:`planner.compare.diff_plans` can compare.
+    """A loaded backend plan that :func:`planner.debug.diff_plans` can compare.
 
     Loading builds no ``Plan`` subclass (that would mean importing whatever
     module a manifest names); this read-only stand-in has the same surface
@@ -118,7 +118,7 @@ class LoadedDump:
                 yield backend, name, record, self.tensors[backend][name]
 
     def plans(self) -> dict[str, DumpedPlan]:
-        """Backend -> plan stand-in, for :func:`planner.compare.diff_plans`."""
+        """Backend -> plan stand-in, for :func:`planner.debug.diff_plans`."""
         return {b: DumpedPlan(m, self.tensors[b]) for b, m in self.manifests.items()}
 
 

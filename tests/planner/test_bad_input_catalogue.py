@@ -68,7 +68,7 @@ from tests.support.spec_batches import draft_decode_batch, draft_extend_batch
 pytestmark = pytest.mark.usefixtures("fresh_deep_gemm")  # a CUDA planner tries deep_gemm once
 
 VERIFY = ForwardMode.TARGET_VERIFY
-DOOR = "planner/door.py validate_batch"
+DOOR = "planner/checks.py validate_batch"
 STAGING = "planner/staging.py (host values, before any op)"
 NSA, PAGED = NSA_PAGED_64, PAGED_16
 TABLE, CTX = NSA.table, NSA.max_context
@@ -97,8 +97,8 @@ def _i32(*values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
 
-VALUES = "planner/value_checks.py (staging, host values, before any op)"
-TABLE_READ = "planner/value_checks.py (eager plan, capture and debug replay: a device read)"
+VALUES = "planner/checks.py (staging, host values, before any op)"
+TABLE_READ = "planner/checks.py (eager plan, capture and debug replay: a device read)"
 
 
 def _table_with(value: int) -> torch.Tensor:
@@ -548,7 +548,7 @@ def _build(backends, limits=None, **kwargs) -> Callable[[], Planner]:
 
 
 NSA_CHECK = "backends/nsa/plan.py NSAPlan.check_settings (Planner build)"
-OPTIONS = "planner/options.py check_options (Planner build)"
+OPTIONS = "planner/program.py check_options (Planner build)"
 
 
 def _user_paged_plan() -> type:
@@ -716,7 +716,7 @@ CALL_CASES = [
         ConfigError,
         "nsa.token_slots",
         "over Limits.max_static_bytes",
-        "planner/storages.py Storages.check_budget (Planner build, before any allocation)",
+        "planner/storage.py Storages.check_budget (Planner build, before any allocation)",
     ),
     Case(
         "capture size a float",

@@ -244,7 +244,7 @@ def config_cases(tmp: Path) -> list[Case]:
             SchemaError,
             "providers",
             "paged_mqa_schedule",
-            "planner/options.py check_forced (Planner build)",
+            "planner/program.py check_forced (Planner build)",
         ),
         Case(
             "forced provider unavailable here",

@@ -17,17 +17,9 @@ import pytest
 
 from planner import PlanWriteError, ReplayError
 from serving.report import summarize
-from tests.support.engines import tiny_engine
+from tests.support.engines import SMALL_LOOP, tiny_engine
 
-SMALL = {
-    "loop.requests": 4,
-    "loop.prompt_len": [3, 10],
-    "loop.max_new_tokens": [3, 6],
-    "loop.arrival_rate": 2.0,
-    "planner.max_batch": 4,
-    "planner.max_context": 128,
-    "planner.debug": True,
-}
+SMALL = {**SMALL_LOOP, "planner.debug": True}
 
 
 def _engine():

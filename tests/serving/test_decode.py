@@ -12,16 +12,8 @@ from planner import ConfigError
 from serving.report import summarize
 from tests.support import REPO
 from tests.support.cli import planner_cli
+from tests.support.engines import SMALL_LOOP as SMALL
 from tests.support.engines import tiny_engine
-
-SMALL = {
-    "loop.requests": 6,
-    "loop.prompt_len": [3, 10],
-    "loop.max_new_tokens": [4, 9],
-    "loop.arrival_rate": 2.0,
-    "planner.max_batch": 4,
-    "planner.max_context": 128,
-}
 
 
 def _run(**overrides):

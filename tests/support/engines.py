@@ -14,6 +14,17 @@ from serving.engine import DecodeEngine
 from serving.run_config import load_run_config
 from tests.support import TINY_YAML
 
+SMALL_LOOP = {
+    "loop.requests": 6,
+    "loop.prompt_len": [3, 10],
+    "loop.max_new_tokens": [4, 9],
+    "loop.arrival_rate": 2.0,
+    "planner.max_batch": 4,
+    "planner.max_context": 128,
+}
+"""A short tiny-model loop (six requests, batches of up to four): what a test of the engine's
+own paths serves."""
+
 
 @cache
 def tiny_model() -> DSV32Model:
