@@ -65,15 +65,17 @@ class Cuts:
     microseconds apiece on a GPU host): the pieces, the gaps between them, and which field
     takes which piece (several fields may share one: a staged source, an alias)."""
 
-    sizes: tuple[int, ...]
-    picks: tuple[tuple[Key, int, tuple[int, ...]], ...]
+    sizes: tuple[int, ...] = ()
+    picks: tuple[tuple[Key, int, tuple[int, ...]], ...] = ()
+    end: int = 0
+    """Where the pieces end: :meth:`then` cuts more after it."""
 
-    @classmethod
-    def of(cls, pieces: Iterable[Piece], total: int) -> Cuts:
-        sizes: list[int] = []
-        picks = []
+    def then(self, pieces: Iterable[Piece], total: int | None) -> Cuts:
+        """These cuts, then ``pieces`` (none before :attr:`end`), then a last gap up to
+        ``total`` (None: none, more pieces to follow). A plan's device fields are cut after
+        its staged part, which stays the same while a decode's lengths grow."""
+        sizes, picks, at = list(self.sizes), list(self.picks), self.end
         index: dict[tuple[int, int], int] = {}
-        at = 0
         for key, offset, shape in sorted(pieces, key=lambda p: p[1]):
             where = (offset, math.prod(shape))
             if where not in index:
@@ -83,15 +85,28 @@ class Cuts:
                 sizes.append(where[1])
                 at = offset + where[1]
             picks.append((key, index[where], shape))
-        if total > at:
+        if total is not None and total > at:
             sizes.append(total - at)
-        return cls(tuple(sizes), tuple(picks))
+            at = total
+        return Cuts(tuple(sizes), tuple(picks), at)
 
     def views(self, buffer: torch.Tensor, out: Tensors) -> None:
         parts = buffer.split_with_sizes(self.sizes)
         for key, piece, shape in self.picks:
             part = parts[piece]
             out[key] = part if len(shape) == 1 else part.view(shape)
+
+
+@dataclass(frozen=True)
+class StagedPart:
+    """What a plan's staged region holds: the inputs, then the host pass's outputs, placed
+    by the dimensions the host pass's shapes name (the request count, the SMs: fixed while a
+    decode's lengths grow), and their cuts, open for the device fields after them."""
+
+    host: tuple[Placement, ...]
+    sent: int
+    """int32 elements one copy sends: the inputs' layout and the host pass's outputs."""
+    cuts: Cuts
 
 
 @dataclass(frozen=True)
@@ -149,6 +164,12 @@ class FreshStorage(_Storage):
         names = set().union(*(dim_names(s.spec.shape) for s in program.steps))
         self._key = itemgetter("reqs", "tokens", *sorted(names))
         """The dimensions a layout depends on, read in one call (a tuple: two names at least)."""
+        host_names = set()
+        if host_pass is not None:
+            host_names = set().union(*(dim_names(s.spec.shape) for s, _ in host_pass.steps))
+        self._staged_key = itemgetter("reqs", "tokens", *sorted(host_names))
+        """The dimensions its staged part depends on (the host pass's shapes' names)."""
+        self._staged: dict[tuple, StagedPart] = {}
 
     def device_steps(self, done: frozenset) -> tuple[Step, ...]:
         """The steps the host pass left (``done``: what it computed)."""
@@ -207,20 +228,23 @@ class FreshStorage(_Storage):
     def _layout(
         self, dims: Mapping[str, int], reqs: int, host_pass: HostPass | None
     ) -> FreshLayout:
+        on = host_pass is not None
         try:
-            key = (host_pass is not None, reqs, self._key(dims))
+            key = (on, reqs, self._key(dims))
+            staged_key = (on, reqs, self._staged_key(dims))
         except KeyError:  # a shape names a dimension not given: resolve_shape names the field
-            return self._lay_out(dims, reqs, host_pass)
+            return self._lay_out(dims, self._stage_part(dims, reqs, host_pass), host_pass)
         layout = self._layouts.get(key)
         if layout is None:
-            if len(self._layouts) >= _LAYOUTS_KEPT:
-                self._layouts.clear()
-            layout = self._layouts[key] = self._lay_out(dims, reqs, host_pass)
+            part = self._staged.get(staged_key)
+            if part is None:
+                part = _kept(self._staged, staged_key, self._stage_part(dims, reqs, host_pass))
+            layout = _kept(self._layouts, key, self._lay_out(dims, part, host_pass))
         return layout
 
-    def _lay_out(
+    def _stage_part(
         self, dims: Mapping[str, int], reqs: int, host_pass: HostPass | None
-    ) -> FreshLayout:
+    ) -> StagedPart:
         tokens, base = dims["tokens"], self.stager.size
         pieces: list[Piece] = [
             (key, seg.offset, (tokens if seg.per_token else reqs,))
@@ -231,9 +255,14 @@ class FreshStorage(_Storage):
         if host_pass is not None:
             host, sent = host_pass.placements(base, dims)
             pieces += [(p.key, p.offset, p.shape) for p in host]
+        return StagedPart(host, sent, Cuts().then(pieces, None))
+
+    def _lay_out(
+        self, dims: Mapping[str, int], part: StagedPart, host_pass: HostPass | None
+    ) -> FreshLayout:
         done = frozenset() if host_pass is None else host_pass.outputs
-        totals: dict[torch.dtype, int] = {torch.int32: sent}
-        by_dtype: dict[torch.dtype, list[Piece]] = {torch.int32: pieces}
+        totals: dict[torch.dtype, int] = {torch.int32: part.sent}
+        by_dtype: dict[torch.dtype, list[Piece]] = {torch.int32: []}
         for step in self.device_steps(done):
             dtype = step.spec.dtype
             align = max(1, _ALIGN_BYTES // dtype.itemsize)
@@ -243,15 +272,25 @@ class FreshStorage(_Storage):
             totals[dtype] = start + math.prod(shape)
         int32_total = totals.pop(torch.int32)
         arenas = tuple(
-            (dtype, total, Cuts.of(by_dtype[dtype], total)) for dtype, total in totals.items()
+            (dtype, total, Cuts().then(by_dtype[dtype], total)) for dtype, total in totals.items()
         )
+        base = self.stager.size
         return FreshLayout(
-            host,
-            sent - base,
-            int32_total - sent,
-            Cuts.of(by_dtype[torch.int32], int32_total),
+            part.host,
+            part.sent - base,
+            int32_total - part.sent,
+            part.cuts.then(by_dtype[torch.int32], int32_total),
             arenas,
         )
+
+
+def _kept(cache: dict, key: tuple, value):
+    """``value`` kept under ``key``; the cache is emptied when full (ragged batches vary in
+    shape, so it is bounded)."""
+    if len(cache) >= _LAYOUTS_KEPT:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 class StaticStorage(_Storage):

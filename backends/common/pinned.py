@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from planner.cuda_events import record_on_current_stream
-
 
 class PinnedCopies:
     """``before_refill()`` before writing the arrays, ``after_enqueue()`` after the copies
@@ -35,5 +33,5 @@ class PinnedCopies:
 
     def after_enqueue(self) -> None:
         if self._done is not None:
-            record_on_current_stream(self._done, self._index)
+            self._done.record(torch.cuda.current_stream(self._index))
             self._pending = True

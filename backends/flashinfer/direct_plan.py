@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from backends.flashinfer.host_args import HostArgs
-from planner.notices import warn_once
+from planner.errors import warn_once
 
 DirectPlan = Callable[[HostArgs], None]
 

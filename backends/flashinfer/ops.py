@@ -13,6 +13,9 @@ Device ops, each with the exact torch reference and a Triton kernel:
 writes a 4-entry summary ``[requests, pages, tokens, longest]`` so dumps and
 debug-mode replay checks see what FlashInfer was planned with, and returns
 the handle of the wrapper it planned, which the plan carries to the layers.
+The planner calls it the same way in every phase, ``static`` saying whether its
+tensors are the captured ones (capture and replay: a graph slot, whose handle is
+the same at every replay) or an eager plan's (the shared eager slot).
 Its ``flashinfer`` provider plans a real wrapper; its ``torch`` provider does
 only the bookkeeping, so the three phases run and are checked on any machine.
 """

@@ -4,7 +4,10 @@ FlashInfer splits attention into ``plan`` (host: schedules work from the lengths
 copies it to the device) and ``run`` (per layer). Under CUDA graphs ``run`` is captured
 once over fixed buffers, so each captured batch size needs its own wrapper built with
 ``use_cuda_graph=True`` over the planner's static plan tensors, re-planned in place
-before every replay. Eager plans share one ordinary wrapper per configuration.
+before every replay: the ``flashinfer_plan`` provider, called with ``static=True`` over the
+captured tensors, finds the slot its capture made and plans it through FlashInfer's
+scheduler alone where capture proved that equal to ``plan()`` (``direct_plan``), else
+through ``plan()``. Eager plans share one ordinary wrapper per configuration.
 
 Two hazards are handled here rather than left to callers:
 
@@ -127,16 +130,29 @@ class PlanSlot:
     def static(self) -> bool:
         return self.bound is not None
 
+    def serves(
+        self, config: WrapperConfig, use_flashinfer: bool, bound: tuple[torch.Tensor, ...]
+    ) -> bool:
+        """A graph slot of this configuration and provider, bound to these very tensors
+        (checked by identity, four by name: a replay's cost)."""
+        mine = self.bound
+        return (
+            mine is not None
+            and self.config is config
+            and (self.wrapper is not None) is use_flashinfer
+            and len(bound) == 4
+            and mine[0] is bound[0]
+            and mine[1] is bound[1]
+            and mine[2] is bound[2]
+            and mine[3] is bound[3]
+        )
+
     def plan(
-        self,
-        seq_lens_cpu: torch.Tensor,
-        reqs: int,
-        kv_indices: torch.Tensor,
-        out: torch.Tensor,
-        host_out: Any = None,
+        self, seq_lens_cpu: torch.Tensor, reqs: int, kv_indices: torch.Tensor, out: torch.Tensor
     ) -> None:
-        """Fill the host arrays, plan the wrapper, record the summary in ``out`` (or in the
-        host array ``host_out``, which the staging copy sends there); no device sync."""
+        """Fill the host arrays, plan the wrapper, record the summary in ``out``; no device
+        sync. The one way a slot is planned: a graph slot through its direct scheduler call
+        once capture has proven it, else (and every eager slot) through ``plan()``."""
         self._copies.before_refill()  # our previous plan's async copies may still read them
         if reqs > self.args.capacity:  # eager slots grow to the largest batch seen
             self.args = HostArgs(reqs, self._pin)
@@ -148,10 +164,7 @@ class PlanSlot:
             self._plan_wrapper(kv_indices)
             if self.static and self.plans == 0:
                 self.direct = self._prove_direct(kv_indices)
-        if host_out is None:
-            out.copy_(self.args.summary, non_blocking=self._pin)
-        else:
-            host_out[:] = self.args.summary_np
+        out.copy_(self.args.summary, non_blocking=self._pin)
         self._copies.after_enqueue()
         self.plans += 1
 
@@ -233,27 +246,6 @@ class WrapperHandle:
     def current(self) -> bool:
         return self.generation is None or self.generation == self.slot.plans
 
-    def replay_call(self, out: torch.Tensor, template: tuple, from_batch: tuple) -> Any:
-        """A replay's ``flashinfer_plan`` over this graph slot's own tensors (see
-        ``planner.captured.HostCall``), the slot found once here; None for an eager handle
-        or tensors, inputs or an output that are not the slot's."""
-        slot, bound = self.slot, self.slot.bound
-        if (
-            self.generation is not None
-            or bound is None
-            or from_batch != ((0, "seq_lens_cpu"),)
-            or len(template) != 1 + len(bound)
-            or any(a is not b for a, b in zip(template[1:], bound))
-            or POOL.replayed_slot(out) is not slot
-        ):
-            return None
-
-        def replan(args: list, host_out: Any = None) -> WrapperHandle:
-            slot.plan(args[0], slot.args.capacity, bound[2], out, host_out)
-            return self
-
-        return replan
-
 
 class WrapperPool:
     """Every slot of the process: graph slots keyed by the static tensors they are bound to
@@ -262,9 +254,10 @@ class WrapperPool:
     def __init__(self) -> None:
         self._slots: dict[tuple, PlanSlot] = {}
         self._workspaces: dict[tuple[torch.device, int], torch.Tensor] = {}
-        self._replayed: dict[int, tuple[torch.Tensor, PlanSlot]] = {}
-        """Graph slots by their summary tensor's id, checked by identity: a replay finds its
-        slot without hashing the configuration and the pointers (several us a replay)."""
+        self._graph: dict[int, tuple[torch.Tensor, PlanSlot]] = {}
+        """Graph slots by their summary tensor's id, checked by identity: a replay hands the
+        provider the very tensors of its capture, so it finds its slot without hashing the
+        configuration and the pointers (several us a replay)."""
 
     def plan(
         self,
@@ -276,23 +269,21 @@ class WrapperPool:
         bound: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         out: torch.Tensor,
     ) -> WrapperHandle:
-        """Plan the slot for these plan tensors (``qo_indptr, kv_indptr, kv_indices, kv_tail``)."""
+        """Plan the slot for these plan tensors (``qo_indptr, kv_indptr, kv_indices, kv_tail``).
+
+        ``static``: capture and replay, over the captured tensors. A replay finds the graph
+        slot its capture made and plans it as :meth:`PlanSlot.plan` does (the direct
+        scheduler call where capture proved it), handing back the captured handle."""
         if static:
-            known = self._replayed.get(id(out))
-            if known is not None and known[0] is out:
+            known = self._graph.get(id(out))
+            if (
+                known is not None
+                and known[0] is out
+                and known[1].serves(config, use_flashinfer, bound)
+            ):
                 slot = known[1]
-                known_bound = slot.bound  # identity, four by name: no generator per replay
-                if (
-                    slot.config is config
-                    and (slot.wrapper is not None) is use_flashinfer
-                    and len(bound) == 4
-                    and known_bound[0] is bound[0]
-                    and known_bound[1] is bound[1]
-                    and known_bound[2] is bound[2]
-                    and known_bound[3] is bound[3]
-                ):
-                    slot.plan(seq_lens_cpu, slot.args.capacity, bound[2], out)
-                    return slot.handle
+                slot.plan(seq_lens_cpu, slot.args.capacity, bound[2], out)
+                return slot.handle
         kv_indptr, kv_indices = bound[1], bound[2]
         reqs = kv_indptr.shape[0] - 1
         device = kv_indptr.device
@@ -312,22 +303,17 @@ class WrapperPool:
             return WrapperHandle(slot, slot.plans)
         if slot.handle is None:  # one handle per graph slot: replay hands back the captured one
             slot.handle = WrapperHandle(slot, None)
-        self._replayed[id(out)] = (out, slot)
+        self._graph[id(out)] = (out, slot)
         return slot.handle
 
     def slots(self) -> list[PlanSlot]:
         return list(self._slots.values())
 
-    def replayed_slot(self, out: torch.Tensor) -> PlanSlot | None:
-        """The graph slot whose summary is ``out`` (the very tensor), if any."""
-        known = self._replayed.get(id(out))
-        return known[1] if known is not None and known[0] is out else None
-
     def release(self) -> None:
         """Drop every wrapper, workspace and reference to planner buffers (e.g. between tests)."""
         self._slots.clear()
         self._workspaces.clear()
-        self._replayed.clear()
+        self._graph.clear()
 
     def workspace(self, device: torch.device, mb: int) -> torch.Tensor:
         """One float workspace per (device, size), shared: wrappers run one after another on one stream."""

@@ -3,7 +3,9 @@
 It runs in ``replay()`` outside the graph (``graph_safe=False``), reads the batch's host
 ``seq_lens_cpu``, writes the 4-entry summary ``[rows, real rows, top-k tokens, longest]``
 (so dumps and debug-mode replay checks see what FlashInfer was planned with) and returns
-the handle of the slot it planned. Its ``flashinfer`` provider plans a real wrapper; its
+the handle of the slot it planned: called the same way in every phase, ``static`` saying
+whether its tensors are the captured ones (a graph slot, whose handle is the same at every
+replay) or an eager plan's. Its ``flashinfer`` provider plans a real wrapper; its
 ``torch`` provider keeps the same slot, index buffer and summary without one, so the
 three phases, the memo and the layers' reference path run on any machine.
 """

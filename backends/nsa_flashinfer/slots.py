@@ -25,7 +25,6 @@ CPU reference (and ``inspect``) read exactly what FlashInfer was planned with.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +92,6 @@ class SparseSlot:
         )
         self._kv_len = torch.zeros(capacity, dtype=torch.int32, pin_memory=self._pin)
         self.summary = torch.zeros(4, dtype=torch.int64, pin_memory=self._pin)
-        self._summary_np = self.summary.numpy()
         self.kv_indices = torch.zeros(capacity * config.topk, dtype=torch.int32, device=device)
         """The layers' slots, row ``r`` at ``[r * topk, (r + 1) * topk)``; FlashInfer reads it."""
         self.wrapper = self._new_wrapper() if use_fi else None
@@ -108,6 +106,15 @@ class SparseSlot:
         self.skipped = 0
         """Batches whose lengths matched the last plan: no ``plan()`` call."""
         self.handle: SparseHandle | None = None
+
+    def serves(self, config: SparseConfig, use_flashinfer: bool, rows: int) -> bool:
+        """A graph slot of this configuration and provider, for ``rows`` rows."""
+        return (
+            self.static
+            and self.config is config
+            and (self.wrapper is not None) is use_flashinfer
+            and self.capacity == rows
+        )
 
     def _new_wrapper(self) -> Any:
         fi = load_flashinfer()
@@ -129,17 +136,10 @@ class SparseSlot:
             backend=c.backend,
         )
 
-    def plan(
-        self,
-        seq_lens_cpu: torch.Tensor,
-        rows: int,
-        out: torch.Tensor,
-        host_out: np.ndarray | None = None,
-    ) -> None:
+    def plan(self, seq_lens_cpu: torch.Tensor, rows: int, out: torch.Tensor) -> None:
         """Plan the first ``rows`` rows for this batch's lengths unless they are the ones
         last planned; the summary goes to ``out`` either way (captured sizes' static
-        buffers share storage, so another size may have written there since), or to the
-        host array ``host_out``, which the staging copy sends there. No sync."""
+        buffers share storage, so another size may have written there since). No sync."""
         c = self.config
         seq = seq_lens_cpu.numpy()
         clamped = self._scratch[: seq.shape[0]]
@@ -147,7 +147,7 @@ class SparseSlot:
         key = (rows, clamped.tobytes())
         if key == self._planned:
             self.skipped += 1
-            self._summary_to(out, host_out)
+            out.copy_(self.summary, non_blocking=self._pin)
             return
         self._copies.before_refill()  # the previous plan's async copies may still read them
         lens = row_lengths(seq, rows // c.next_n, c.next_n, c.topk)
@@ -172,16 +172,10 @@ class SparseSlot:
                 c.q_dtype,
                 c.kv_dtype,
             )
-        self._summary_to(out, host_out)
+        out.copy_(self.summary, non_blocking=self._pin)
         self._copies.after_enqueue()
         self._planned = key
         self.plans += 1
-
-    def _summary_to(self, out: torch.Tensor, host_out: np.ndarray | None) -> None:
-        if host_out is None:
-            out.copy_(self.summary, non_blocking=self._pin)
-        else:
-            host_out[:] = self._summary_np
 
 
 @dataclass(frozen=True)
@@ -195,30 +189,6 @@ class SparseHandle:
     def current(self) -> bool:
         return self.generation is None or self.generation == self.slot.plans
 
-    def replay_call(
-        self, out: torch.Tensor, template: tuple, from_batch: tuple
-    ) -> Callable[[list], SparseHandle] | None:
-        """A replay's ``nsa_flashinfer_plan`` over this graph slot's own output (see
-        ``planner.captured.HostCall``): what the pool's path does, the slot found once here
-        instead of hashing its configuration on every call. None for an eager handle, or an
-        output or inputs that are not the slot's."""
-        slot = self.slot
-        if (
-            self.generation is not None
-            or not slot.static
-            or from_batch != ((0, "seq_lens_cpu"),)
-            or len(template) != 2
-            or SPARSE_POOL.graph_slot(out) is not slot
-        ):
-            return None
-        rows = template[1].shape[0] - 1  # kv_indptr: one offset per row, and the end
-
-        def replan(args: list, host_out: np.ndarray | None = None) -> SparseHandle:
-            slot.plan(args[0], rows, out, host_out)
-            return self
-
-        return replan
-
 
 class SparsePool:
     """Graph slots keyed by the static plan buffer they serve (one per captured size and
@@ -227,7 +197,9 @@ class SparsePool:
     def __init__(self) -> None:
         self._slots: dict[tuple, SparseSlot] = {}
         self._graph: dict[int, tuple[torch.Tensor, SparseSlot]] = {}
-        """Graph slots by their output tensor's id, checked by identity."""
+        """Graph slots by their output tensor's id, checked by identity: a replay hands the
+        provider the very tensors of its capture, so it finds its slot without hashing the
+        configuration."""
 
     def plan(
         self,
@@ -239,8 +211,20 @@ class SparsePool:
         seq_lens_cpu: torch.Tensor,
         out: torch.Tensor,
     ) -> SparseHandle:
-        """Plan the slot of this configuration and static buffer (or the eager slot)."""
-        if static:  # the key hashes the config: a replay's cost, so kept to one lookup
+        """Plan the slot of this configuration and static buffer (or the eager slot).
+
+        ``static``: capture and replay, over the captured tensors. A replay finds the graph
+        slot its capture made and hands back the captured handle."""
+        if static:
+            known = self._graph.get(id(out))
+            if (
+                known is not None
+                and known[0] is out
+                and known[1].serves(config, use_flashinfer, rows)
+            ):
+                slot = known[1]
+                slot.plan(seq_lens_cpu, rows, out)
+                return slot.handle
             key = (config, use_flashinfer, rows, out.data_ptr())
         else:
             key = (config, use_flashinfer, out.device)
@@ -255,11 +239,6 @@ class SparsePool:
         if slot.handle is None:
             slot.handle = SparseHandle(slot, None)
         return slot.handle
-
-    def graph_slot(self, out: torch.Tensor) -> SparseSlot | None:
-        """The graph slot that last planned into ``out`` (the very tensor), if any."""
-        known = self._graph.get(id(out))
-        return known[1] if known is not None and known[0] is out else None
 
     def release(self) -> None:
         self._slots.clear()

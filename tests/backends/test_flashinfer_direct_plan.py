@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from backends.flashinfer import direct_plan, release_wrappers
-from planner import ForwardMode, native, notices
-from planner import planner as planner_module
+from planner import ForwardMode, errors
 from tests.support.fake_flashinfer import install_fake_flashinfer
 from tests.support.planners import PlannerSetup, replay_smallest
 
@@ -179,7 +178,7 @@ def test_a_scheduler_call_that_plans_differently_keeps_plan(fake, monkeypatch):
         return real(wrapper, config)
 
     monkeypatch.setattr(direct_plan, "_decode", skewed)
-    monkeypatch.setattr(notices, "_SAID", set())
+    monkeypatch.setattr(errors, "_SAID", set())
     planner = SETUP.planner(["flashinfer_decode"], providers={"flashinfer_plan": "flashinfer"})
     with pytest.warns(RuntimeWarning, match="planned differently"):
         plans = planner.capture(2, req_to_token=SETUP.table)
@@ -205,7 +204,7 @@ def test_a_scheduler_that_refuses_the_call_keeps_plan(fake, monkeypatch):
             wrapper._cached_module = saved
 
     monkeypatch.setattr(direct_plan, "_mla", with_refusing_module)
-    monkeypatch.setattr(notices, "_SAID", set())
+    monkeypatch.setattr(errors, "_SAID", set())
     planner = SETUP.planner(["flashinfer_mla"], providers={"flashinfer_plan": "flashinfer"})
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
@@ -241,23 +240,32 @@ def test_target_verify_slots_are_proven_too(fake):
     assert plans["flashinfer_mla"].wrapper.slot.direct is not None
 
 
-@pytest.mark.skipif(native.library() is None, reason="no C compiler: no compiled screen")
-def test_replays_with_a_host_op_take_the_screened_path(fake, monkeypatch):
-    """The screen stages, the host op plans over the captured tensors, the handles are
-    checked: the general staging path (``materialise_all``) never runs."""
+def test_each_replay_plans_each_graph_slot_once_through_the_proven_call(fake):
+    """The provider, called with ``static=True`` over the captured tensors, finds the slot
+    its capture made and re-plans it through the direct call: once per replay and backend,
+    no ``plan()``, the captured handle and plans handed back, the summary this batch's."""
     planner = _planner()
     captured = {bs: planner.capture(bs, req_to_token=SETUP.table) for bs in SIZES}
+    handles = {(bs, b): p[b].wrapper for bs, p in captured.items() for b in p}
+    calls = {}
+    for key, handle in handles.items():
+        slot, proven = handle.slot, handle.slot.direct
 
-    def general(*args, **kwargs):
-        raise AssertionError("the general staging path ran")
+        def counted(args, key=key, proven=proven):
+            calls[key] = calls.get(key, 0) + 1
+            proven(args)
 
-    monkeypatch.setattr(planner_module, "materialise_all", general)
+        slot.direct = counted
     rng = random.Random(11)
     for _ in range(8):
+        calls.clear()
         batch = SETUP.batch(rng)
         bs, plans = replay_smallest(planner, batch, SIZES)
         assert plans is captured[bs]
+        assert calls == {(bs, b): 1 for b in plans}
         lens = batch.seq_lens_cpu.tolist() + [1] * (bs - batch.bs)
         pages = sum(-(-n // PAGE) for n in lens)
         for backend in plans:
+            assert plans[backend].wrapper is handles[(bs, backend)]
+            assert plans[backend].wrapper.slot.wrapper.full_plans == 3
             assert plans[backend].plan_info.tolist() == [bs, pages, sum(lens), max(lens)]

@@ -39,8 +39,10 @@ def test_eager_capture_replay_match_the_reference(name):
 @pytest.mark.parametrize("name", ["decode_p1_gqa", "decode_p16_mha", "mla_p64", "mla_p64_verify"])
 def test_graph_slots_replay_through_the_proven_scheduler_call(name):
     """With flashinfer-python 0.5.3 every graph slot of these configurations passes the
-    capture-time proof, and each replay's direct scheduler call leaves the same plan info
-    and pinned workspace bytes as the wrapper's own plan() of the same host arrays."""
+    capture-time proof, a replay (the provider called with ``static=True``) re-plans its
+    slot through the direct scheduler call and never through ``plan()``, and that call
+    leaves the same plan info and pinned workspace bytes as the wrapper's own plan() of
+    the same host arrays."""
     import random
 
     from backends.flashinfer import release_wrappers
@@ -58,12 +60,23 @@ def test_graph_slots_replay_through_the_proven_scheduler_call(name):
         }
         slots = [plans[config.backend].wrapper.slot for plans in captured.values()]
         assert all(slot.direct is not None for slot in slots)
+        full_plans = []  # plan() calls after capture, by slot
+        for slot in slots:
+            own = slot.wrapper.plan
+
+            def counted(*args, own=own, slot=slot, **kwargs):
+                full_plans.append(slot)
+                return own(*args, **kwargs)
+
+            slot.wrapper.plan = counted  # the direct call goes to the scheduler, not here
         rng = random.Random(5)
         for _ in range(12):
             batch = make_batch(rng, config, setup.table_cpu, setup.table)
             bs = min(s for s in config.sizes if s >= batch.bs)
+            full_plans.clear()
             plans = planner.replay(batch, bs)
             torch.cuda.synchronize()
+            assert not full_plans, "a replay called plan()"
             slot = plans[config.backend].wrapper.slot
             wrapper = slot.wrapper
             got = as_list(wrapper._plan_info), wrapper._pin_memory_int_workspace_buffer.clone()

@@ -1,7 +1,8 @@
 """Eager plans' layouts in a real decode loop: every step's lengths grow by one, so the
 longest request (and with it the token slots' width) changes every step. A layout is kept
-per set of the dimensions its shapes name, and the plans stay the plans a planner that
-never saw an earlier batch makes."""
+per set of the dimensions its shapes name, its staged part (the inputs and the host pass's
+outputs) per set of the host pass's, and the plans stay the plans a planner that never saw
+an earlier batch makes."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def test_a_layout_follows_only_the_dimensions_its_shapes_name():
     assert len(storage._layouts) == 1
     planner.plan(_decode([101, 60, 30]))  # a longer request: wider token slots
     assert len(storage._layouts) == 2
+    assert len(storage._staged) == 1  # what the host pass writes, and where, did not change
 
 
 def test_a_growing_batch_of_other_sizes_and_modes_stays_exact():
