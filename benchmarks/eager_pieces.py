@@ -106,7 +106,7 @@ def pieces(planner: Planner, batch) -> tuple[Variants, Variants]:
         ),
         "layout (kept)": lambda i: storage._layout(dims, reqs, host_pass),
         "layout laid out anew (a new longest request)": lambda i: storage._lay_out(
-            dims, reqs, host_pass
+            dims, storage._stage_part(dims, reqs, host_pass), host_pass
         ),
         "fill + check": fill,
     }

@@ -7,11 +7,9 @@ their limits in one vectorised pass (the only value-range check the planner has)
 to the device in one transfer, the same way in every phase.
 
 How the filled host buffer reaches the device is a :class:`Transport`: by default
-:class:`CopyTransport`, one asynchronous copy out of a ring of pinned buffers, each refilled
-only once the copy out of it has run (waiting for it otherwise would make the host wait for
-the GPU work queued before it, a hidden synchronisation). A graph runner may stage another
-way, e.g. have the captured graph pull the buffer itself (``graphs.staging_pull``): the
-planner calls the transport's :meth:`~Transport.record` inside the capture, before any op.
+:class:`CopyTransport`, one asynchronous copy out of pinned memory. A graph runner may stage
+another way, e.g. have the captured graph pull the buffer itself (``graphs.staging_pull``):
+the planner calls the transport's :meth:`~Transport.record` inside the capture, before any op.
 """
 
 from __future__ import annotations
@@ -416,68 +414,32 @@ class Transport(Protocol):
         ...
 
 
-RING = 8
-"""Pinned host buffers a copy transport cycles through: a step fills one while the copies of
-the last few may still be queued behind their graphs, so a fill never waits on a recent one."""
-_CUTS_KEPT = 32
-"""Sizes whose slices a copy transport keeps per buffer (eager batches vary in size)."""
-
-
 class CopyTransport:
-    """The one host-to-device copy of a staged buffer, out of a ring of pinned buffers on CUDA.
+    """The one host-to-device copy of a staged buffer, out of pinned memory on CUDA.
 
-    Each buffer is refilled only once the copy out of it ran (its event, recorded after the
-    copy, is waited on before the refill: by then, ``RING`` copies later, long done). On the
-    CPU there is nothing to wait for: one plain buffer, copied only where the destination is
-    another tensor. One transport serves a planner's every stager: buffers grow on demand.
+    Each send fills a pinned buffer of torch's caching host allocator and drops it after the
+    asynchronous copy: the allocator records the copy's event and hands that memory out again
+    only once the copy has run, so no later fill can race the copy, and nothing here waits
+    for the GPU (a wait would make the host wait for the GPU work queued before the copy, a
+    hidden synchronisation). On the CPU a plain buffer, copied only where the destination is
+    another tensor.
     """
 
     name = "copy"
 
     def __init__(self, device: torch.device) -> None:
         self.pinned = device.type == "cuda"
-        self.device = device
-        self._slots = RING if self.pinned else 1
-        self._buffers: list[tuple[torch.Tensor, np.ndarray, dict]] = []
-        """Made on first use: a planner built for a device may never stage (tests build CUDA
-        planners without a GPU to check their choices)."""
-        self._events: list[torch.cuda.Event] = []
-        self._pending = [False] * self._slots
-        """Per buffer: a copy out of it was queued and not yet waited for."""
-        self._slot = 0
         self.copies = 0
 
-    def _buffer(self, size: int) -> tuple[torch.Tensor, np.ndarray, dict]:
-        host = torch.zeros(size, dtype=torch.int32, pin_memory=self.pinned)
-        return host, host.numpy(), {}
-
     def host(self, size: int, *, now: bool = True) -> tuple[torch.Tensor, np.ndarray]:
-        if not self._buffers:
-            self._buffers = [self._buffer(max(size, 64)) for _ in range(self._slots)]
-            self._events = [torch.cuda.Event() for _ in range(self._slots)] if self.pinned else []
-        slot = self._slot
-        if self._pending[slot]:  # the copy out of this buffer, RING sends ago
-            self._events[slot].synchronize()
-            self._pending[slot] = False
-        buf, view, cuts = self._buffers[slot]
-        if buf.shape[0] < size:
-            buf, view, cuts = self._buffers[slot] = self._buffer(max(size, 2 * buf.shape[0]))
-        cut = cuts.get(size)
-        if cut is None:  # a slice costs microseconds on a GPU host, and sizes repeat
-            if len(cuts) >= _CUTS_KEPT:
-                cuts.clear()
-            cut = cuts[size] = (buf[:size], view[:size])
-        return cut
+        host = torch.empty(size, dtype=torch.int32, pin_memory=self.pinned)
+        return host, host.numpy()
 
     def send(self, host: torch.Tensor, dev: torch.Tensor, size: int, *, now: bool = True) -> None:
         if dev.shape[0] != size:
             dev = dev[:size]
         if self.pinned:
             dev.copy_(host, non_blocking=True)
-            # on the stream the copy went to: the current one of the buffer's device
-            self._events[self._slot].record(torch.cuda.current_stream(dev.device))
-            self._pending[self._slot] = True
-            self._slot = (self._slot + 1) % RING
         elif dev is not host:
             dev.copy_(host)
         self.copies += 1

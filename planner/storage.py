@@ -28,7 +28,6 @@ from planner.limits import Limits
 from planner.program import Key, Program, Step, batch_dims, batch_reads
 from planner.schema import dim_names, resolve_shape
 from planner.staging import (
-    RING,
     CopyTransport,
     Ranges,
     Segment,
@@ -467,10 +466,9 @@ class Storages:
         """Bytes each static buffer will take, before any is made, in the modes a graph runner
         captures (decode, and target-verify when ``next_n`` > 1; ragged modes are planned into
         fresh tensors): each op field at the limits' largest shape, the staging buffer, and
-        the host buffers it is filled in (``"staging (host)"``, pinned on CUDA; not counted by
+        the host buffer it is filled in (``"staging (host)"``, pinned on CUDA; not counted by
         :meth:`nbytes`). A stepped mode (draft decode) keeps every buffer once per step."""
         out: dict[tuple[ForwardMode, str], int] = {}
-        ring = RING if self.device.type == "cuda" else 1
         for mode, program in self.programs.items():
             if mode.ragged or (mode is ForwardMode.TARGET_VERIFY and self.limits.next_n == 1):
                 continue
@@ -481,7 +479,7 @@ class Storages:
                 out[(mode, step.key)] = math.prod(shape) * step.spec.dtype.itemsize * steps
             staging = max(self.layout(mode, self.limits.max_batch).size, 1) * 4 * steps
             out[(mode, "staging")] = staging
-            out[(mode, "staging (host)")] = staging * ring
+            out[(mode, "staging (host)")] = staging
         return out
 
     def check_budget(self) -> None:

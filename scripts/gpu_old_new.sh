@@ -9,6 +9,7 @@
 # Steps (default: tests po refresh small). Each alternates the trees (old, new, new, old where
 # it repeats), so a drift of the host falls on both:
 #   tests     the GPU tests of what this tree changed (the work tree only)
+#   graph_tests  of those, the graph and staging-pull tests alone
 #   suite     the whole GPU suite (the work tree only)
 #   po        benchmarks/planner_overhead.py (this tree's script, run in both trees): eager
 #             plan() and replay() beside the hand-written paths, bs 1 8 64 256
@@ -70,6 +71,10 @@ tests() {
         tests/gpu/test_triton_launch_gpu.py tests/gpu/test_deepgemm_gpu.py \
         tests/gpu/test_flashinfer_gpu.py tests/gpu/test_nsa_flashinfer_gpu.py
 }
+graph_tests() {  # the tests of the staging paths alone
+    run_in "$NEW" graph_tests python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/gpu/test_graphs_gpu.py tests/gpu/test_staging_pull_gpu.py
+}
 suite() {
     run_in "$NEW" suite python3 -m pytest -q -p no:cacheprovider -m gpu --maxfail=25 tests
 }
@@ -83,7 +88,8 @@ refresh() {
         --batches 1 8 64 256 --out @JSON@
 }
 small() {
-    both small "old new new old" python3 -m planner decode --config configs/dsv32-small.yaml \
+    both small "${SMALL_ORDER:-old new new old}" python3 -m planner decode \
+        --config configs/dsv32-small.yaml \
         --requests 16 --quiet --json @JSON@
 }
 shapes() {

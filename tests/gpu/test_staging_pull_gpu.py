@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from graphs.staging_pull import SLOTS
+from graphs.staging_pull import SLOTS, PulledTransport
 from planner import ForwardMode
 from tests.gpu.test_graphs_gpu import DECODE, VERIFY, _check_step, _setup
 
@@ -17,14 +17,14 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-PULL = {"staging_in_graph": True}
+PULL = {"transport": PulledTransport}
 
 
 def _rings(runner):
     stagers = {
         id(c.storages[0].stager): c.storages[0].stager for c in runner.planner._captured.values()
     }
-    return [s.pull for s in stagers.values()]
+    return [s.transport.ring for s in stagers.values()]
 
 
 def test_cuda_graphs_that_pull_their_inputs_equal_eager():
