@@ -225,7 +225,21 @@ class CapturedBatch:
                 actual=(hex(table.data_ptr()), tuple(table.shape)),
             )
 
-    def check_unmoved(self, results: list[tuple[Tensors, Handles]]) -> None:
+    def refresh(self, batches: Sequence[ForwardBatch], bs: int, *, debug: bool) -> None:
+        """A replay's work over these captured tensors: stage ``batches`` (the batch, or a
+        stepped batch's steps), run the host steps, and check nothing moved. ``debug`` also
+        reads device-resident inputs and the token table to check them."""
+        results = materialise(
+            self.storages,
+            batches,
+            bs,
+            self.dims,
+            self.ranges,
+            self.host_steps,
+            read_device=debug,
+            read_table=debug,
+            now=self.reads_staged,
+        )
         for step, (_, handles) in zip(self.steps, results):
             step.check_unmoved(handles)
 
@@ -432,7 +446,7 @@ class Planner:
         plans = PlanSet.stepped(sets, "eager", mode, reqs, batch.bs) if mode.stepped else sets[0]
         if count:
             steps = self.program(mode).steps
-            self.stats.count_eager(mode, steps, len(sets), time.perf_counter() - start)
+            self.stats.count("eager", mode, steps, len(sets), time.perf_counter() - start)
         return plans
 
     def _plan_one(
@@ -566,16 +580,11 @@ class Planner:
         captured = self._captured_for(mode.plans_as, bs)
         captured.check_table(batch.req_to_token)
         batches = batches_of(batch) if mode.stepped else [batch]
-        debug, now = self.debug, captured.reads_staged
-        resolved = (captured.storages, batches, bs, captured.dims, captured.ranges)
-        results = materialise(
-            *resolved, captured.host_steps, read_device=debug, read_table=debug, now=now
-        )
-        captured.check_unmoved(results)
+        captured.refresh(batches, bs, debug=self.debug)
         self._last = captured
         captured.plans.mark("replay", mode, real)
-        self.stats.count_replay(
-            mode, captured.program_steps, len(batches), time.perf_counter() - start
+        self.stats.count(
+            "replay", mode, captured.program_steps, len(batches), time.perf_counter() - start
         )
         return captured.plans
 

@@ -121,30 +121,22 @@ class PlannerStats:
     program_runs: Counter = field(default_factory=Counter)
     programs: dict = field(default_factory=dict)
 
-    def count_replay(
-        self, mode: ForwardMode, steps: tuple[Step, ...], times: int, seconds: float
+    def count(
+        self, phase: str, mode: ForwardMode, steps: tuple[Step, ...], times: int, seconds: float
     ) -> None:
-        """One replay of ``mode`` (``times`` steps of ``steps``, its program) that took
-        ``seconds`` of host time."""
+        """One batch of ``mode`` made in ``phase`` (``eager`` or ``replay``): its program's
+        ``steps`` run ``times`` over (a stepped batch's steps), and its host time. Eager
+        batches are also counted per mode (``eager_<mode>``)."""
         self.program_runs[mode] += 1
         self.programs[mode] = steps if times == 1 else steps * times
-        self.batches["replay"] += 1
-        self.host_seconds["replay"] += seconds
-
-    def count_eager(
-        self, mode: ForwardMode, steps: tuple[Step, ...], times: int, seconds: float
-    ) -> None:
-        """One eager batch of ``mode`` (``times`` steps of ``steps``) that took ``seconds``:
-        :meth:`record_steps` and the eager counters, overall and per mode, in one call."""
-        self.program_runs[mode] += 1
-        self.programs[mode] = steps if times == 1 else steps * times
-        per_mode = _EAGER_KEYS.get(mode)
-        if per_mode is None:
-            per_mode = _EAGER_KEYS[mode] = f"eager_{mode.value}"
-        self.batches["eager"] += 1
-        self.batches[per_mode] += 1
-        self.host_seconds["eager"] += seconds
-        self.host_seconds[per_mode] += seconds
+        self.batches[phase] += 1
+        self.host_seconds[phase] += seconds
+        if phase == "eager":
+            per_mode = _EAGER_KEYS.get(mode)
+            if per_mode is None:
+                per_mode = _EAGER_KEYS[mode] = f"eager_{mode.value}"
+            self.batches[per_mode] += 1
+            self.host_seconds[per_mode] += seconds
 
     @property
     def op_calls(self) -> Counter:

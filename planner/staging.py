@@ -142,7 +142,7 @@ class StagingLayout:
         self._fills = tuple(
             (seg, seg.offset, seg.per_token, seg.pad, _ATTR.get(seg.source)) for seg in self._order
         )
-        """What ``fill`` reads of each segment, unpacked once, with the batch attribute its
+        """What ``_fill`` reads of each segment, unpacked once, with the batch attribute its
         source is read from (None: derived, or written as a constant)."""
 
     def fill_checked(
@@ -156,10 +156,10 @@ class StagingLayout:
         read_device: bool,
         read_table: bool,
     ) -> list[tuple[Segment, torch.Tensor]]:
-        """:meth:`fill`, :meth:`check` and (``read_table``) :meth:`check_table` of one
-        batch's region; the device-resident inputs left for after the copy."""
+        """Fill, :meth:`check` and (``read_table``) :meth:`check_table` one batch's region;
+        the device-resident inputs left for after the copy."""
         counts = real_counts(batch)
-        on_device = self.fill(host, batch, reqs, tokens, ranges, read_device, counts)
+        on_device = self._fill(host, batch, reqs, tokens, ranges, read_device, counts)
         self.check(host, batch, ranges, on_device, counts)
         if read_table:
             self.check_table(host, batch, ranges)
@@ -189,19 +189,27 @@ class StagingLayout:
                 self._bounds[key] = bounds
         return bounds
 
-    def fill(self, host: np.ndarray, batch: ForwardBatch, reqs: int, tokens: int, *rest) -> list:
+    def _fill(
+        self,
+        host: np.ndarray,
+        batch: ForwardBatch,
+        reqs: int,
+        tokens: int,
+        ranges: Ranges,
+        read_device: bool,
+        counts: tuple[int, int],
+    ) -> list[tuple[Segment, torch.Tensor]]:
         """Write each source, then its pad, into ``host``; return the device-resident ones left.
 
-        A device-resident input cannot be written from the host without a
-        read; with ``read_device`` (eager and debug) it is read, staged and
-        checked like a host one, otherwise it is returned as (segment,
-        tensor) for a device-to-device copy after the transfer. Extend lengths
-        a uniform batch leaves out are written as the constant they are, and
-        positions it leaves out as the lengths imply them, with no tensor made
-        for either. ``rest``: the ranges, ``read_device`` and the :func:`real_counts`.
+        A device-resident input cannot be written from the host without a read; with
+        ``read_device`` (eager and debug) it is read, staged and checked like a host one,
+        otherwise it is returned as (segment, tensor) for a device-to-device copy after the
+        transfer. Extend lengths a uniform batch leaves out are written as the constant they
+        are, and positions it leaves out as the lengths imply them, with no tensor made for
+        either. ``counts`` are :func:`real_counts`.
         """
-        ranges, read_device, (real_reqs, real_tokens) = rest
         on_device: list[tuple[Segment, torch.Tensor]] = []
+        real_reqs, real_tokens = counts
         implied = None if batch.extend_lens_cpu is not None else batch.next_n
         constant = implied is not None and batch.extend_lens is None
         for seg, start, per_token, pad, attr in self._fills:
@@ -210,48 +218,28 @@ class StagingLayout:
             else:
                 mid, end = start + real_reqs, start + reqs
             value = getattr(batch, attr) if attr is not None else None
-            if value is not None and value.is_cpu:  # the usual case, first
-                values = value.numpy()
-                if values.dtype is not _I32 and values.size:
-                    _fits_int32(seg.source, values, ranges)
-                host[start:mid] = values
-            elif value is None:
+            if value is None:
                 if constant and seg.source == "extend_lens":
                     host[start:mid] = implied  # the constant it is: no tensor made
                 elif seg.source == "positions":  # left out: what ForwardBatch.source derives
                     _derive_positions(batch, implied, host[start:mid])
                 else:
                     value = batch.source(seg.source)  # device extend lengths, a draft extend's
-                    if value is not None:
-                        self._device_input(
-                            host, seg, value, start, mid, ranges, read_device, on_device
-                        )
-            else:
-                self._device_input(host, seg, value, start, mid, ranges, read_device, on_device)
+            if value is not None:
+                if value.is_cpu:
+                    values = value.numpy()
+                elif value.is_cuda and not read_device:
+                    on_device.append((seg, value))
+                    values = None
+                else:
+                    values = value.cpu().numpy()
+                if values is not None:
+                    if values.dtype is not _I32 and values.size:
+                        _fits_int32(seg.source, values, ranges)
+                    host[start:mid] = values
             if end > mid:
                 host[mid:end] = pad
         return on_device
-
-    @staticmethod
-    def _device_input(
-        host: np.ndarray,
-        seg: Segment,
-        value: torch.Tensor,
-        start: int,
-        mid: int,
-        ranges: Ranges,
-        read_device: bool,
-        on_device: list[tuple[Segment, torch.Tensor]],
-    ) -> None:
-        """An input that lives on the device: read and staged like a host one where
-        ``read_device`` allows, else left for a copy on the device after the transfer."""
-        if value.is_cpu or value.is_cuda is False or read_device:
-            values = value.cpu().numpy()
-            if values.dtype is not _I32 and values.size:
-                _fits_int32(seg.source, values, ranges)
-            host[start:mid] = values
-        else:
-            on_device.append((seg, value))
 
     def check(
         self,

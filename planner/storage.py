@@ -148,9 +148,15 @@ class FreshStorage(_Storage):
 
     static = False
 
-    def __init__(self, *where: object, host_pass: HostPass | None) -> None:
-        super().__init__(*where)
-        program = self.program
+    def __init__(
+        self,
+        program: Program,
+        segments: Mapping[Key, Segment],
+        stager: Stager,
+        *,
+        host_pass: HostPass | None,
+    ) -> None:
+        super().__init__(program, segments, stager)
         self.host_pass = host_pass
         self._layouts: dict[tuple, FreshLayout] = {}
         done_sets = [frozenset()] + ([host_pass.outputs] if host_pass is not None else [])
@@ -301,9 +307,15 @@ class StaticStorage(_Storage):
 
     static = True
 
-    def __init__(self, *where: object, max_dims: Mapping[str, int]) -> None:
-        super().__init__(*where)
-        program, stager = self.program, self.stager
+    def __init__(
+        self,
+        program: Program,
+        segments: Mapping[Key, Segment],
+        stager: Stager,
+        *,
+        max_dims: Mapping[str, int],
+    ) -> None:
+        super().__init__(program, segments, stager)
         self.buffers = {
             step.output: torch.zeros(
                 resolve_shape(step.spec.shape, max_dims, field=step.key),
@@ -368,6 +380,7 @@ class Storages:
         self._fresh: dict[tuple[ForwardMode, int], FreshStorage] = {}
         self._static: dict[ForwardMode, list[StaticStorage]] = {}
         self._ranges: dict[tuple, Ranges] = {}
+        self._max_dims: dict[ForwardMode, dict[str, int]] = {}
 
     def token_capacity(self, mode: ForwardMode, reqs: int) -> int:
         """Query tokens a batch of ``reqs`` requests may hold in ``mode``: the staging capacity."""
@@ -446,7 +459,11 @@ class Storages:
     def max_dims(self, mode: ForwardMode) -> dict[str, int]:
         """The dimensions static buffers are sized for: the largest batch's, and for a
         backend's derived dimensions the largest value over every batch size (a split
-        count shrinks as the batch grows)."""
+        count shrinks as the batch grows). Worked out once per mode: the budget check at build
+        and the first capture both need it, over every batch size."""
+        known = self._max_dims.get(mode)
+        if known is not None:
+            return known
         limits, program = self.limits, self.programs[mode]
         sizes = [
             batch_dims(
@@ -460,7 +477,8 @@ class Storages:
             )
             for reqs in range(1, limits.max_batch + 1)
         ]
-        return {name: max(dims[name] for dims in sizes) for name in sizes[-1]}
+        known = self._max_dims[mode] = {name: max(d[name] for d in sizes) for name in sizes[-1]}
+        return known
 
     def static_estimate(self) -> dict[tuple[ForwardMode, str], int]:
         """Bytes each static buffer will take, before any is made, in the modes a graph runner
