@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -247,6 +248,15 @@ class WrapperHandle:
         return self.generation is None or self.generation == self.slot.plans
 
 
+def captured_slot(graph: Mapping[int, tuple[torch.Tensor, Any]], out: torch.Tensor, *args: Any):
+    """The graph slot a capture made for the output ``out`` (that very tensor: a replay is
+    handed the captured tensors), if it still ``serves(*args)``; else None."""
+    known = graph.get(id(out))
+    if known is not None and known[0] is out and known[1].serves(*args):
+        return known[1]
+    return None
+
+
 class WrapperPool:
     """Every slot of the process: graph slots keyed by the static tensors they are bound to
     (one per captured size and mode), eager slots by configuration."""
@@ -275,13 +285,8 @@ class WrapperPool:
         slot its capture made and plans it as :meth:`PlanSlot.plan` does (the direct
         scheduler call where capture proved it), handing back the captured handle."""
         if static:
-            known = self._graph.get(id(out))
-            if (
-                known is not None
-                and known[0] is out
-                and known[1].serves(config, use_flashinfer, bound)
-            ):
-                slot = known[1]
+            slot = captured_slot(self._graph, out, config, use_flashinfer, bound)
+            if slot is not None:
                 slot.plan(seq_lens_cpu, slot.args.capacity, bound[2], out)
                 return slot.handle
         kv_indptr, kv_indices = bound[1], bound[2]

@@ -33,7 +33,7 @@ import torch
 
 from backends.common.host_twins import causal_lengths
 from backends.common.pinned import PinnedCopies
-from backends.flashinfer.wrappers import POOL, load_flashinfer
+from backends.flashinfer.wrappers import POOL, captured_slot, load_flashinfer
 
 __all__ = ["SPARSE_POOL", "SparseConfig", "SparseHandle", "SparseSlot", "row_lengths"]
 
@@ -216,13 +216,8 @@ class SparsePool:
         ``static``: capture and replay, over the captured tensors. A replay finds the graph
         slot its capture made and hands back the captured handle."""
         if static:
-            known = self._graph.get(id(out))
-            if (
-                known is not None
-                and known[0] is out
-                and known[1].serves(config, use_flashinfer, rows)
-            ):
-                slot = known[1]
+            slot = captured_slot(self._graph, out, config, use_flashinfer, rows)
+            if slot is not None:
                 slot.plan(seq_lens_cpu, rows, out)
                 return slot.handle
             key = (config, use_flashinfer, rows, out.data_ptr())
