@@ -40,9 +40,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from dsv32_engine.serving.engine import DecodeEngine  # noqa: E402
+from dsv32_engine.serving.run_config import load_run_config  # noqa: E402
 from graphs import GraphWarning  # noqa: E402
-from serving.engine import DecodeEngine  # noqa: E402
-from serving.run_config import load_run_config  # noqa: E402
 
 CONFIGS = {
     "tiny": (
@@ -95,7 +95,9 @@ def run_once(name: str, debug: bool, steps: int, warmup: int) -> dict[str, Any]:
     if debug:
         os.environ["PLANNER_DEBUG"] = "1"
     try:
-        engine = DecodeEngine(load_run_config(ROOT / "configs" / yaml_name, overrides))
+        engine = DecodeEngine(
+            load_run_config(ROOT / "dsv32_engine" / "configs" / yaml_name, overrides)
+        )
     finally:
         os.environ.pop("PLANNER_DEBUG", None)
         if old is not None:

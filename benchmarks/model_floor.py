@@ -40,11 +40,11 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.seed_stack import make_batch, model_stack, stack_limits
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.model import DSV32Model
+from dsv32_engine.serving.plan_setup import flashinfer_options
 from graphs import GraphRunner
-from models.config import DSV32Config
-from models.model import DSV32Model
 from planner import Planner
-from serving.plan_setup import flashinfer_options
 
 KERNELS = {"reference": "torch", "production": "auto", "flashinfer": "flashinfer"}
 """Sparse MLA per variant: the torch reference, the NSA plan's Triton kernel, and

@@ -26,8 +26,8 @@ import torch
 from benchmarks.common import machine, print_table, sync, write_json
 from benchmarks.model_floor import KERNELS, graph_runner
 from benchmarks.seed_stack import make_batch, model_stack
-from models.config import DSV32Config
-from models.model import DSV32Model
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.model import DSV32Model
 
 GROUPS = (
     ("sparse_mla", ("_attend", "_combine", "sparse_mla", "mla_decode", "mla_", "mla::")),
@@ -122,7 +122,7 @@ def profile_config(model, batch: int, ctx: int, kernel: str, phase: str, args, d
     }
 
 
-_REPO_DIRS = ("models/", "backends/", "planner/", "graphs/")
+_REPO_DIRS = ("dsv32_engine/models/", "backends/", "planner/", "graphs/")
 
 
 def label_modules(model: torch.nn.Module) -> list:

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from benchmarks.graph_timers import time_eager, time_graph
-from models.config import DSV32Config
-from models.layers.ffn import DenseMoE, MoE
-from models.layers.grouped_gemm import grouped_mm_provider
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.layers.ffn import DenseMoE, MoE
+from dsv32_engine.models.layers.grouped_gemm import grouped_mm_provider
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

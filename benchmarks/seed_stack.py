@@ -52,12 +52,12 @@ from benchmarks.common import (
     time_calls,
     write_json,
 )
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.kv_cache import PagedKVCache
+from dsv32_engine.models.model import DSV32Model
+from dsv32_engine.serving.plan_setup import flashinfer_options
 from graphs import GraphRunner
-from models.config import DSV32Config
-from models.kv_cache import PagedKVCache
-from models.model import DSV32Model
 from planner import ForwardBatch, Limits, Planner
-from serving.plan_setup import flashinfer_options
 
 VARIANTS = ("a_per_layer", "b_seed", "c_planner")
 

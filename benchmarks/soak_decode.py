@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from benchmarks.common import ROOT, sync
+from dsv32_engine.serving.engine import DecodeEngine
+from dsv32_engine.serving.requests import make_workload
+from dsv32_engine.serving.run_config import load_run_config
 from graphs import GraphWarning
-from serving.engine import DecodeEngine
-from serving.requests import make_workload
-from serving.run_config import load_run_config
 
 MIB = 1 << 20
 
@@ -63,7 +63,7 @@ def part_decode(args: argparse.Namespace, device: torch.device) -> dict[str, Any
         "loop.seed": args.seed,
         "planner.max_batch": args.max_batch,
     }
-    path = ROOT / "configs" / args.config
+    path = ROOT / "dsv32_engine" / "configs" / args.config
     config = load_run_config(path, overrides)
     overrides["loop.requests"] = requests_for(config, args.decode_steps)
     engine = DecodeEngine(load_run_config(path, overrides))

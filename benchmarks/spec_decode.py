@@ -38,10 +38,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import machine, print_table  # noqa: E402
-from serving.engine import DecodeEngine  # noqa: E402
-from serving.model_setup import build_model, model_config, resolve_device  # noqa: E402
-from serving.report import summarize  # noqa: E402
-from serving.run_config import RunConfig, load_run_config  # noqa: E402
+from dsv32_engine.serving.engine import DecodeEngine  # noqa: E402
+from dsv32_engine.serving.model_setup import build_model, model_config, resolve_device  # noqa: E402
+from dsv32_engine.serving.report import summarize  # noqa: E402
+from dsv32_engine.serving.run_config import RunConfig, load_run_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = (
@@ -84,7 +84,9 @@ def run_one(config: RunConfig, model) -> tuple[dict[str, Any], dict[int, list[in
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", type=Path, default=ROOT / "configs" / "dsv32-small-spec.yaml")
+    p.add_argument(
+        "--config", type=Path, default=ROOT / "dsv32_engine" / "configs" / "dsv32-small-spec.yaml"
+    )
     p.add_argument("--requests", type=int, default=None, help="override loop.requests")
     p.add_argument("--out", type=Path, default=None, help="directory for the JSON result")
     p.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, few requests")

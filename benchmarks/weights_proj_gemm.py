@@ -27,7 +27,7 @@ from torch import nn
 
 from benchmarks.common import machine, plot_bars, print_table, write_json
 from benchmarks.graph_timers import time_graph
-from models.layers.bf16_terms import Bf16TermsProjection, mm_fp32_out_available
+from dsv32_engine.models.layers.bf16_terms import Bf16TermsProjection, mm_fp32_out_available
 
 LAYERS = 61
 SCALE = 64**-0.5 * 128**-0.5

@@ -2,6 +2,6 @@
 
 import sys
 
-from serving.cli import main
+from dsv32_engine.serving.cli import main
 
 sys.exit(main())

@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 LOG="$OUT/log_distributed.txt"
 STEP_TIMEOUT="${STEP_TIMEOUT:-540}"
 STEPS="${STEPS:-1000}"
-CONFIG=configs/dsv32-small-dist.yaml
+CONFIG=dsv32-small-dist
 steps=("$@")
 [ "${#steps[@]}" -gt 0 ] || steps=(tp dp)
 

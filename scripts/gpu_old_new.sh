@@ -98,11 +98,11 @@ shapes() {
 }
 arrivals() {
     both arrivals "old new" python3 -m planner decode \
-        --config "$NEW/configs/dsv32-small-arrivals.yaml" --quiet --json @JSON@
+        --config "$NEW/dsv32_engine/configs/dsv32-small-arrivals.yaml" --quiet --json @JSON@
 }
 eager() {
     both eager "new old" python3 -m planner decode \
-        --config "$NEW/configs/dsv32-small-arrivals.yaml" --no-graphs --quiet --json @JSON@
+        --config "$NEW/dsv32_engine/configs/dsv32-small-arrivals.yaml" --no-graphs --quiet --json @JSON@
 }
 
 steps=("$@")

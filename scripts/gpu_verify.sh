@@ -61,13 +61,13 @@ for step in "$@"; do
         --out "$OUT/sparse_flashinfer.json" --plot "$OUT/sparse_flashinfer.png" ;;
     moe_topk) run moe_topk python3 benchmarks/bench_moe_topk.py --out "$OUT" --iters 30 ;;
     gpu_tests) run gpu_tests python3 -m pytest -q -p no:cacheprovider --maxfail="${GPU_MAXFAIL:-3}" -m gpu tests ;;
-    small) run small python3 -m planner decode --config configs/dsv32-small.yaml --requests 16 \
+    small) run small python3 -m planner decode --config dsv32-small --requests 16 \
         --quiet --json "$OUT/small.json" ;;
-    shapes) run shapes python3 -m planner decode --config configs/dsv32-shapes.yaml --requests 64 \
+    shapes) run shapes python3 -m planner decode --config dsv32-shapes --requests 64 \
         --quiet --json "$OUT/shapes.json" ;;
-    small_fi) run small_fi python3 -m planner decode --config configs/dsv32-small.yaml \
+    small_fi) run small_fi python3 -m planner decode --config dsv32-small \
         --requests 16 --mla-kernel flashinfer --quiet --json "$OUT/small_fi.json" ;;
-    shapes_fi) run shapes_fi python3 -m planner decode --config configs/dsv32-shapes.yaml \
+    shapes_fi) run shapes_fi python3 -m planner decode --config dsv32-shapes \
         --requests 64 --mla-kernel flashinfer --quiet --json "$OUT/shapes_fi.json" ;;
     floor) run floor python3 -m benchmarks.model_floor --out "$OUT/model_floor.json" ;;
     step_profile) run step_profile python3 -m benchmarks.profile_step --batches 1 64 \

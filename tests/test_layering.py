@@ -2,8 +2,9 @@
 
 ``planner/`` is the core: it imports nothing else of the project (the one exception is
 ``planner/__main__.py``, which only dispatches ``python -m planner`` to the CLI).
-``backends/`` and ``graphs/`` build on the core, ``models/`` on the core and the backends,
-and ``serving/`` on anything below it. Every ``.py`` file of those packages is read with
+``backends/`` and ``graphs/`` build on the core. The application, ``dsv32_engine/``, is
+three layers: ``models`` on the core and the backends, ``distributed`` on the core and
+graphs, ``serving`` on anything below it. Every ``.py`` file of those packages is read with
 ``ast``: its imports (at module level and inside functions, relative ones resolved) must
 point down, no function imports a project module (a lazy import hides a dependency, and
 a cycle, from this check; optional GPU libraries such as ``deep_gemm`` or ``flashinfer``
@@ -19,24 +20,27 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support import REPO
 
+APP = "dsv32_engine"
+"""The application's one top-level name; its sub-packages are layers of their own."""
 LAYERS = {
     "planner": set(),
     "backends": {"planner"},
     "graphs": {"planner"},
-    "models": {"planner", "backends"},
-    "distributed": {"planner", "graphs"},
-    "serving": {"planner", "backends", "graphs", "models", "distributed"},
+    APP: set(),
+    f"{APP}.models": {"planner", "backends", APP},
+    f"{APP}.distributed": {"planner", "graphs", APP},
+    f"{APP}.serving": {"planner", "backends", "graphs", APP, f"{APP}.models", f"{APP}.distributed"},
 }
-"""Each top-level package and the project packages it may import (besides itself)."""
-EXCEPTIONS = {"planner/__main__.py": {"serving"}}
-"""Modules allowed one more package: ``python -m planner`` only calls ``serving.cli.main``."""
-DISPATCH = {"serving/cli.py", "planner/__init__.py"}
+"""Each layer (a top-level package, or one of the application's sub-packages) and the
+project layers it may import (besides itself)."""
+EXCEPTIONS = {"planner/__main__.py": {f"{APP}.serving"}}
+"""Modules allowed one more layer: ``python -m planner`` only calls the CLI's ``main``."""
+DISPATCH = {"dsv32_engine/serving/cli.py", "planner/__init__.py"}
 """Modules that import by name (``"module:function"`` strings): the CLI its commands, so
 that ``--help`` needs no torch, and the core package its public names, on first use (PEP
 562). Those names are checked below as the imports they are."""
@@ -129,7 +133,16 @@ def _exists(root: Path, module: str) -> bool:
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
-def source_files(root: Path, tops: Iterable[str] = LAYERS) -> list[Path]:
+def layer_of(module: str) -> str | None:
+    """The layer a dotted module (or a path's parts joined by dots) belongs to, if any."""
+    parts = module.split(".")
+    if parts[0] == APP and len(parts) > 1 and f"{APP}.{parts[1]}" in LAYERS:
+        return f"{APP}.{parts[1]}"
+    return parts[0] if parts[0] in LAYERS else None
+
+
+def source_files(root: Path) -> list[Path]:
+    tops = {layer.split(".")[0] for layer in LAYERS}
     return sorted(p.relative_to(root) for top in tops for p in (root / top).rglob("*.py"))
 
 
@@ -138,16 +151,17 @@ def violations(root: Path) -> list[str]:
     function-local import of a project module."""
     found = []
     for rel in source_files(root):
-        path, top = rel.as_posix(), rel.parts[0]
+        path = rel.as_posix()
+        top = layer_of(".".join(rel.with_suffix("").parts))
         allowed = {top} | LAYERS[top] | EXCEPTIONS.get(path, set())
         for imp in imports_of(root, rel):
-            target = imp.module.split(".")[0]
+            target = layer_of(imp.module)
             where = f"{path}:{imp.line}: `{imp.text}`"
             if imp.dynamic and not imp.module and path not in DISPATCH:
                 found.append(f"{where} imports a module it computes: name it, or import it")
             if imp.dynamic and path in DISPATCH and imp.module and not _exists(root, imp.module):
                 found.append(f"{where} names a module that does not exist")
-            if target not in LAYERS:
+            if target is None:
                 continue  # the standard library, torch, an optional GPU library
             if target not in allowed:
                 found.append(f"{where}: {top} may import {sorted(allowed - {top}) or 'nothing'}")
@@ -209,6 +223,7 @@ def test_the_budget_check_finds_what_it_is_for(tmp_path):
 def test_every_top_level_package_has_a_layer():
     """A new top-level package must be given its place in ``LAYERS`` to be checked at all."""
     packages = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests"}
+    packages |= {f"{APP}.{p.parent.name}" for p in (REPO / APP).glob("*/__init__.py")}
     assert packages == set(LAYERS)
 
 
@@ -218,31 +233,35 @@ def test_the_check_finds_what_it_is_for(tmp_path):
         "planner/__init__.py": "",
         "planner/core.py": "import torch\nfrom backends.paged import plan\n",
         "planner/late.py": "def f():\n    from planner import core\n    return core\n",
-        "planner/__main__.py": "from serving.cli import main\n",
-        "backends/__init__.py": "from . import kernels\nfrom .. import serving\n",
+        "planner/__main__.py": "from dsv32_engine.serving.cli import main\n",
+        "backends/__init__.py": "from . import kernels\nfrom ..dsv32_engine import serving\n",
         "graphs/__init__.py": "",
-        "models/__init__.py": "import importlib\n\ndef load():\n"
+        "dsv32_engine/__init__.py": "",
+        "dsv32_engine/models/__init__.py": "import importlib\n\ndef load():\n"
         "    importlib.import_module('flashinfer')\n"
-        "    return importlib.import_module('serving.engine')\n",
-        "serving/__init__.py": "import models, graphs, backends, planner\n",
-        "serving/cli.py": "import importlib\nRUN = 'serving.commands.decode:run'\n"
-        "GONE = 'serving.commands.gone:run'\n\n"
+        "    return importlib.import_module('dsv32_engine.serving.engine')\n",
+        "dsv32_engine/serving/__init__.py": "import dsv32_engine.models, graphs, backends, planner\n",
+        "dsv32_engine/serving/cli.py": "import importlib\n"
+        "RUN = 'dsv32_engine.serving.commands.decode:run'\n"
+        "GONE = 'dsv32_engine.serving.commands.gone:run'\n\n"
         "def dispatch(module):\n    return importlib.import_module(module)\n",
-        "serving/commands/decode.py": "",
-        "serving/other.py": "import importlib\nNAME = 'x'\nimportlib.import_module(NAME)\n",
+        "dsv32_engine/serving/commands/decode.py": "",
+        "dsv32_engine/serving/other.py": "import importlib\nNAME = 'x'\nimportlib.import_module(NAME)\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     found = violations(tmp_path)
+    engine_import = "dsv32_engine/models/__init__.py:5: "
+    engine_import += "`importlib.import_module('dsv32_engine.serving.engine')`: "
     expected = [
         "planner/core.py:2: `from backends.paged import plan`",
         "planner/late.py:2: `from planner import core`: a project module imported inside",
-        "backends/__init__.py:2: `from .. import serving`",
-        "models/__init__.py:5: `importlib.import_module('serving.engine')`: models may import",
-        "models/__init__.py:5: `importlib.import_module('serving.engine')`: a project module",
-        "serving/other.py:3: `importlib.import_module(NAME)` imports a module it computes",
-        "serving/cli.py:3: `'serving.commands.gone:run'` names a module that does not exist",
+        "backends/__init__.py:2: `from ..dsv32_engine import serving`",
+        engine_import + "dsv32_engine.models may import",
+        engine_import + "a project module",
+        "dsv32_engine/serving/other.py:3: `importlib.import_module(NAME)` imports a module it",
+        "dsv32_engine/serving/cli.py:3: `'dsv32_engine.serving.commands.gone:run'` names a module",
     ]
     for want in expected:
         assert any(v.startswith(want) for v in found), (want, found)

@@ -263,7 +263,7 @@ def test_a_plan_set_without_the_companion_gives_none_to_get_and_an_error_to_inde
 
 
 def test_the_engine_refuses_flashinfer_sparse_mla_on_a_gpu_without_flashinfer(monkeypatch):
-    from serving import plan_setup
+    from dsv32_engine.serving import plan_setup
 
     class Model:  # what plan_schemas reads of a model
         PLANS: ClassVar[dict] = {}

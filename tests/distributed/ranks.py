@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from distributed.group import env_rank, init, shutdown, spawn
+from dsv32_engine.distributed.group import env_rank, init, shutdown, spawn
 from tests.distributed import scenarios
 
 TIMEOUT_S = 20.0

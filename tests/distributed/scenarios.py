@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from distributed.agree import RankMismatch
-from distributed.exchange import RowExchange
-from distributed.group import DistContext
-from distributed.tp import TPCheck
+from dsv32_engine.distributed.agree import RankMismatch
+from dsv32_engine.distributed.exchange import RowExchange
+from dsv32_engine.distributed.group import DistContext
+from dsv32_engine.distributed.tp import TPCheck
+from dsv32_engine.serving.engine import DecodeEngine
+from dsv32_engine.serving.rank_engines import DPEngine, TPEngine
+from dsv32_engine.serving.run_config import load_run_config
 from planner import ForwardBatch, ForwardMode, Limits, Planner
-from serving.engine import DecodeEngine
-from serving.rank_engines import DPEngine, TPEngine
-from serving.run_config import load_run_config
 from tests.support import TINY_YAML
 from tests.support.batches import make_pool, random_batch
 from tests.support.planners import replay_smallest

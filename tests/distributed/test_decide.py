@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed.agree import RankMismatch
-from distributed.dp import Slot, decide, encode
-from distributed.group import backend_for, env_rank, launched_by_torchrun
+from dsv32_engine.distributed.agree import RankMismatch
+from dsv32_engine.distributed.dp import Slot, decide, encode
+from dsv32_engine.distributed.group import backend_for, env_rank, launched_by_torchrun
 from planner.batch import ForwardMode
 from planner.errors import ConfigError
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from dsv32_engine.serving.engine import RunResult
+from dsv32_engine.serving.requests import make_workload
 from graphs.runner import PEER_EAGER
-from serving.engine import RunResult
-from serving.requests import make_workload
 from tests.support.engines import tiny_engine
 
 

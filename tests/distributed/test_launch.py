@@ -113,7 +113,7 @@ def _rank(requests: int, tokens: int, **extra) -> dict:
 
 def test_aggregate_counts_a_tensor_parallel_workload_once():
     """TP ranks serve one workload together; DP ranks serve disjoint requests."""
-    from serving.launch import aggregate
+    from dsv32_engine.serving.launch import aggregate
 
     tp = aggregate("tp", [_rank(4, 100), _rank(4, 100)])
     assert (tp["requests_finished"], tp["generated_tokens"], tp["tokens_per_second"]) == (

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from models.layers.bf16_terms import Bf16TermsProjection, mm_fp32_out_available  # noqa: E402
+from dsv32_engine.models.layers.bf16_terms import Bf16TermsProjection, mm_fp32_out_available  # noqa: E402
 
 DEV = torch.device("cuda")
 

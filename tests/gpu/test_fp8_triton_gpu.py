@@ -214,7 +214,7 @@ def _rotated_torch(x: torch.Tensor, r: torch.Tensor) -> tuple:
 
 @pytest.mark.parametrize("rows", [1, 16, 64, 128])
 def test_rotated_variant_bit_equal_on_exact_sums_and_rare_flips_otherwise(rows):
-    from models.layers.hadamard import hadamard_matrix
+    from dsv32_engine.models.layers.hadamard import hadamard_matrix
     from tests.backends.test_fp8_rotate_triton import exact_sum_vectors
 
     gen = torch.Generator().manual_seed(rows)

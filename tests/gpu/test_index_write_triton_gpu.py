@@ -33,10 +33,10 @@ from backends.deepgemm.fp8_triton import (  # noqa: E402
     quantize_fp8_triton,
     quantize_fp8_weighted_triton,
 )
-from models.config import DSV32Config  # noqa: E402
-from models.layers import indexer as indexer_module  # noqa: E402
-from models.layers.hadamard import hadamard_matrix  # noqa: E402
-from models.layers.indexer import Indexer  # noqa: E402
+from dsv32_engine.models.config import DSV32Config  # noqa: E402
+from dsv32_engine.models.layers import indexer as indexer_module  # noqa: E402
+from dsv32_engine.models.layers.hadamard import hadamard_matrix  # noqa: E402
+from dsv32_engine.models.layers.indexer import Indexer  # noqa: E402
 from tests.backends.test_fp8_rotate_triton import exact_sum_vectors  # noqa: E402
 
 DEV = torch.device("cuda")

@@ -19,14 +19,18 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from models.config import DSV32Config  # noqa: E402
-from models.layers import kv_write_triton, mla  # noqa: E402
-from models.layers.kv_write_triton import write_latent_kv_triton  # noqa: E402
-from models.layers.mla import MLA  # noqa: E402
-from models.layers.norm import rms_norm_reference  # noqa: E402
-from models.layers.norm_triton import rms_norm_triton  # noqa: E402
-from models.layers.rope import apply_rope_interleaved_torch, rope_cos_sin, yarn_inv_freq  # noqa: E402
-from models.layers.rope_triton import rope_interleaved_triton  # noqa: E402
+from dsv32_engine.models.config import DSV32Config  # noqa: E402
+from dsv32_engine.models.layers import kv_write_triton, mla  # noqa: E402
+from dsv32_engine.models.layers.kv_write_triton import write_latent_kv_triton  # noqa: E402
+from dsv32_engine.models.layers.mla import MLA  # noqa: E402
+from dsv32_engine.models.layers.norm import rms_norm_reference  # noqa: E402
+from dsv32_engine.models.layers.norm_triton import rms_norm_triton  # noqa: E402
+from dsv32_engine.models.layers.rope import (  # noqa: E402
+    apply_rope_interleaved_torch,
+    rope_cos_sin,
+    yarn_inv_freq,
+)
+from dsv32_engine.models.layers.rope_triton import rope_interleaved_triton  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

@@ -25,14 +25,14 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-import models.layers.norm as norm_module  # noqa: E402
-from models.config import DSV32Config  # noqa: E402
-from models.layers import layer_norm_triton as lnt  # noqa: E402
-from models.layers.indexer import Indexer  # noqa: E402
-from models.layers.layer_norm_triton import layer_norm_rope_triton, layer_norm_triton  # noqa: E402
-from models.layers.norm import LayerNorm, layer_norm_reference  # noqa: E402
-from models.layers.rope import apply_rope_half_leading, rope_cos_sin, yarn_inv_freq  # noqa: E402
-from models.layers.rope_triton import rope_half_leading_triton  # noqa: E402
+import dsv32_engine.models.layers.norm as norm_module  # noqa: E402
+from dsv32_engine.models.config import DSV32Config  # noqa: E402
+from dsv32_engine.models.layers import layer_norm_triton as lnt  # noqa: E402
+from dsv32_engine.models.layers.indexer import Indexer  # noqa: E402
+from dsv32_engine.models.layers.layer_norm_triton import layer_norm_rope_triton, layer_norm_triton  # noqa: E402
+from dsv32_engine.models.layers.norm import LayerNorm, layer_norm_reference  # noqa: E402
+from dsv32_engine.models.layers.rope import apply_rope_half_leading, rope_cos_sin, yarn_inv_freq  # noqa: E402
+from dsv32_engine.models.layers.rope_triton import rope_half_leading_triton  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

@@ -24,13 +24,13 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from models.config import DSV32Config  # noqa: E402
-from models.layers import moe_routing  # noqa: E402
-from models.layers.exact import contract  # noqa: E402
-from models.layers.ffn import Gate, MoE  # noqa: E402
-from models.layers.moe_dispatch_triton import sort_by_expert_triton  # noqa: E402
-from models.layers.moe_gate_triton import route_reference, route_triton  # noqa: E402
-from models.layers.moe_routing import (  # noqa: E402
+from dsv32_engine.models.config import DSV32Config  # noqa: E402
+from dsv32_engine.models.layers import moe_routing  # noqa: E402
+from dsv32_engine.models.layers.exact import contract  # noqa: E402
+from dsv32_engine.models.layers.ffn import Gate, MoE  # noqa: E402
+from dsv32_engine.models.layers.moe_dispatch_triton import sort_by_expert_triton  # noqa: E402
+from dsv32_engine.models.layers.moe_gate_triton import route_reference, route_triton  # noqa: E402
+from dsv32_engine.models.layers.moe_routing import (  # noqa: E402
     dispatch_takes_kernel,
     sort_by_expert,
     sort_by_expert_torch,

@@ -24,9 +24,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-import models.layers.norm as norm_module  # noqa: E402
-from models.layers import norm_triton  # noqa: E402
-from models.layers.norm import RMSNorm, rms_norm_reference  # noqa: E402
+import dsv32_engine.models.layers.norm as norm_module  # noqa: E402
+from dsv32_engine.models.layers import norm_triton  # noqa: E402
+from dsv32_engine.models.layers.norm import RMSNorm, rms_norm_reference  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -163,7 +163,7 @@ def test_new_row_counts_and_strides_reuse_the_compiled_variant() -> None:
 def test_residual_add_fused_equals_add_then_norm_in_bf16(rows: int) -> None:
     """The decoder's ``add_rms_norm``: the sum rounded as torch's bf16 add rounds it, and the
     norm of those bits, both equal to the two separate launches bit for bit."""
-    from models.layers.residual import add_rms_norm
+    from dsv32_engine.models.layers.residual import add_rms_norm
 
     norm = _norm(7168, seed=rows)
     h = _randn(rows, rows, 7168, scale=4.0)

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from models.config import DSV32Config  # noqa: E402
-from models.layers.rope import (  # noqa: E402
+from dsv32_engine.models.config import DSV32Config  # noqa: E402
+from dsv32_engine.models.layers.rope import (  # noqa: E402
     apply_rope_half,
     apply_rope_half_leading,
     apply_rope_half_leading_torch,

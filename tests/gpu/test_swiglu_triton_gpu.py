@@ -23,10 +23,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from models.config import DSV32Config  # noqa: E402
-from models.layers import moe_routing, swiglu_triton  # noqa: E402
-from models.layers.ffn import MLP, MoE  # noqa: E402
-from models.layers.swiglu_triton import HAS_LIBDEVICE_EXP, silu_mul_triton  # noqa: E402
+from dsv32_engine.models.config import DSV32Config  # noqa: E402
+from dsv32_engine.models.layers import moe_routing, swiglu_triton  # noqa: E402
+from dsv32_engine.models.layers.ffn import MLP, MoE  # noqa: E402
+from dsv32_engine.models.layers.swiglu_triton import HAS_LIBDEVICE_EXP, silu_mul_triton  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

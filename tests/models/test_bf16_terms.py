@@ -9,7 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from models.layers.bf16_terms import Bf16TermsProjection, bf16_terms, mm_fp32_out_available
+from dsv32_engine.models.layers.bf16_terms import (
+    Bf16TermsProjection,
+    bf16_terms,
+    mm_fp32_out_available,
+)
 
 
 @pytest.mark.parametrize("scale", [1e-20, 1e-3, 1.0, 1e4])

@@ -9,10 +9,10 @@ import copy
 import torch
 from torch import nn
 
-from models.config import DSV32Config
-from models.layers.exact import FusedWeights
-from models.layers.ffn import MLP
-from models.model import DSV32Model
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.layers.exact import FusedWeights
+from dsv32_engine.models.layers.ffn import MLP
+from dsv32_engine.models.model import DSV32Model
 
 
 def test_fused_mlp_matches_and_keeps_its_parameters():

@@ -14,8 +14,8 @@ import copy
 import pytest
 import torch
 
-from models.config import DSV32Config
-from models.model import DSV32Model
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.model import DSV32Model
 from planner.errors import ConfigError
 
 

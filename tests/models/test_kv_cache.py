@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from backends.deepgemm import PAGE
-from models.config import DSV32Config
-from models.kv_cache import KVCacheError, PagedKVCache, RequestPool, pages_for
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.kv_cache import KVCacheError, PagedKVCache, RequestPool, pages_for
 from planner.errors import PlanError
 
 

@@ -20,14 +20,18 @@ import torch
 
 from backends.common import triton_kernels as tk
 from backends.common.triton_kernels import LazyKernel, triton_available
-from models.config import DSV32Config
-from models.layers import kv_write_triton, mla
-from models.layers.kv_write_triton import write_latent_kv_triton
-from models.layers.mla import MLA
-from models.layers.norm import rms_norm_reference
-from models.layers.norm_triton import rms_norm_triton
-from models.layers.rope import apply_rope_interleaved_torch, rope_cos_sin, yarn_inv_freq
-from models.layers.rope_triton import rope_interleaved_triton
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.layers import kv_write_triton, mla
+from dsv32_engine.models.layers.kv_write_triton import write_latent_kv_triton
+from dsv32_engine.models.layers.mla import MLA
+from dsv32_engine.models.layers.norm import rms_norm_reference
+from dsv32_engine.models.layers.norm_triton import rms_norm_triton
+from dsv32_engine.models.layers.rope import (
+    apply_rope_interleaved_torch,
+    rope_cos_sin,
+    yarn_inv_freq,
+)
+from dsv32_engine.models.layers.rope_triton import rope_interleaved_triton
 
 pytestmark = pytest.mark.skipif(
     not triton_available(torch.device("cpu")) or not tk._stdlib_interpretable(),

@@ -25,14 +25,18 @@ import torch
 
 from backends.common import triton_kernels as tk
 from backends.common.triton_kernels import LazyKernel, triton_available
-from models.config import DSV32Config
-from models.layers import layer_norm_triton as lnt
-from models.layers import norm as norm_module
-from models.layers.indexer import Indexer
-from models.layers.layer_norm_triton import layer_norm_rope_triton, layer_norm_triton
-from models.layers.norm import LayerNorm, layer_norm_reference
-from models.layers.rope import apply_rope_half_leading_torch, rope_cos_sin, yarn_inv_freq
-from models.layers.rope_triton import rope_half_leading_triton
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.layers import layer_norm_triton as lnt
+from dsv32_engine.models.layers import norm as norm_module
+from dsv32_engine.models.layers.indexer import Indexer
+from dsv32_engine.models.layers.layer_norm_triton import layer_norm_rope_triton, layer_norm_triton
+from dsv32_engine.models.layers.norm import LayerNorm, layer_norm_reference
+from dsv32_engine.models.layers.rope import (
+    apply_rope_half_leading_torch,
+    rope_cos_sin,
+    yarn_inv_freq,
+)
+from dsv32_engine.models.layers.rope_triton import rope_half_leading_triton
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(

@@ -20,21 +20,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.deepgemm import PAGE  # noqa: E402
 from backends.paged import PagedPlan
-from models.config import DSV32Config, YarnScaling
-from models.hf_config import from_hf_config_json
-from models.kv_cache import PagedKVCache, RequestPool
-from models.layers.ffn import MLP, Gate, MoE
-from models.layers.hadamard import hadamard_matrix, hadamard_rotate
-from models.layers.indexer import Indexer
-from models.layers.mla import MLA
-from models.layers.norm import LayerNorm, RMSNorm
-from models.layers.rope import (
+from dsv32_engine.models.config import DSV32Config, YarnScaling
+from dsv32_engine.models.hf_config import from_hf_config_json
+from dsv32_engine.models.kv_cache import PagedKVCache, RequestPool
+from dsv32_engine.models.layers.ffn import MLP, Gate, MoE
+from dsv32_engine.models.layers.hadamard import hadamard_matrix, hadamard_rotate
+from dsv32_engine.models.layers.indexer import Indexer
+from dsv32_engine.models.layers.mla import MLA
+from dsv32_engine.models.layers.norm import LayerNorm, RMSNorm
+from dsv32_engine.models.layers.rope import (
     apply_rope_half,
     apply_rope_interleaved,
     rope_cos_sin,
     yarn_inv_freq,
 )
-from models.model import Block, DSV32Model
+from dsv32_engine.models.model import Block, DSV32Model
 from planner import Limits, Planner
 from planner.errors import ConfigError, PlanError, SchemaError
 from tests.support import REPO

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from backends.common.triton_kernels import triton_available
-from models.config import DSV32Config
-from models.model import DSV32Model
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.model import DSV32Model
 from planner import ForwardBatch, ForwardMode, Limits, Planner
 from tests.support.batches import make_pool
 

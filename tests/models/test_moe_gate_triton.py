@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 
 from backends.common import triton_kernels as tk
 from backends.common.triton_kernels import triton_available
-from models.config import DSV32Config
-from models.layers.ffn import Gate
-from models.layers.moe_dispatch_triton import MAX_PAIRS, sort_by_expert_triton
-from models.layers.moe_gate_triton import route_reference, route_triton, select_experts
-from models.layers.moe_routing import dispatch_takes_kernel, sort_by_expert_torch
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.layers.ffn import Gate
+from dsv32_engine.models.layers.moe_dispatch_triton import MAX_PAIRS, sort_by_expert_triton
+from dsv32_engine.models.layers.moe_gate_triton import route_reference, route_triton, select_experts
+from dsv32_engine.models.layers.moe_routing import dispatch_takes_kernel, sort_by_expert_torch
 
 pytestmark = pytest.mark.skipif(
     not triton_available(torch.device("cpu")) or not tk._stdlib_interpretable(),

@@ -8,14 +8,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.common.triton_kernels import triton_available
-from models.config import DSV32Config
-from models.layers.ffn import DenseMoE, MoE
-from models.layers.grouped_gemm import (
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.layers.ffn import DenseMoE, MoE
+from dsv32_engine.models.layers.grouped_gemm import (
     grouped_mm,
     grouped_mm_provider,
     reference_grouped_mm,
 )
-from models.layers.moe_routing import sort_by_expert
+from dsv32_engine.models.layers.moe_routing import sort_by_expert
 from planner.errors import PlanError
 
 I32 = torch.int32

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from backends.deepgemm import BLOCK_KV
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.kv_cache import PagedKVCache, RequestPool
+from dsv32_engine.models.model import DSV32Model
+from dsv32_engine.models.mtp import MTPDraft
 from graphs import GraphRunner
 from graphs.inputs import InputSpec
-from models.config import DSV32Config
-from models.kv_cache import PagedKVCache, RequestPool
-from models.model import DSV32Model
-from models.mtp import MTPDraft
 from planner import ForwardBatch, ForwardMode, Limits, Planner
 
 CFG = DSV32Config.model_validate({**DSV32Config.tiny().model_dump(), "index_n_heads": 32})

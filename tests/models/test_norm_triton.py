@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from backends.common import triton_kernels as tk
 from backends.common.triton_kernels import LazyKernel, triton_available
-from models.layers import norm_triton
-from models.layers.norm import RMSNorm, rms_norm_reference
-from models.layers.norm_triton import rms_norm_triton
+from dsv32_engine.models.layers import norm_triton
+from dsv32_engine.models.layers.norm import RMSNorm, rms_norm_reference
+from dsv32_engine.models.layers.norm_triton import rms_norm_triton
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(
@@ -236,7 +236,7 @@ def test_add_then_norm_refuses_a_mismatched_delta() -> None:
 
 def test_model_residual_step_on_the_cpu_is_the_plain_add_and_norm() -> None:
     """Off CUDA ``add_rms_norm`` is the add and ``RMSNorm`` unchanged (float64 norm bits)."""
-    from models.layers.residual import add_rms_norm
+    from dsv32_engine.models.layers.residual import add_rms_norm
 
     gen = torch.Generator().manual_seed(5)
     h, delta = torch.randn(3, 32, generator=gen), torch.randn(3, 32, generator=gen)

@@ -16,17 +16,17 @@ import pytest
 import torch
 
 from backends.common.triton_kernels import triton_available
-from models.config import DSV32Config
-from models.layers import rope
-from models.layers.indexer import Indexer
-from models.layers.rope import (
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.layers import rope
+from dsv32_engine.models.layers.indexer import Indexer
+from dsv32_engine.models.layers.rope import (
     apply_rope_half_leading_torch,
     apply_rope_half_torch,
     apply_rope_interleaved_torch,
     rope_cos_sin,
     yarn_inv_freq,
 )
-from models.layers.rope_triton import rope_half_leading_triton, rope_interleaved_triton
+from dsv32_engine.models.layers.rope_triton import rope_half_leading_triton, rope_interleaved_triton
 
 pytestmark = pytest.mark.skipif(
     not triton_available(torch.device("cpu")),

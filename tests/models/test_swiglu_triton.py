@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 from backends.common import triton_kernels as tk
 from backends.common.triton_kernels import LazyKernel, triton_available
-from models.layers import swiglu_triton
-from models.layers.exact import silu
-from models.layers.ffn import MLP
-from models.layers.swiglu_triton import silu_mul, silu_mul_triton
+from dsv32_engine.models.layers import swiglu_triton
+from dsv32_engine.models.layers.exact import silu
+from dsv32_engine.models.layers.ffn import MLP
+from dsv32_engine.models.layers.swiglu_triton import silu_mul, silu_mul_triton
 
 pytestmark = pytest.mark.skipif(
     not triton_available(torch.device("cpu")) or not tk._stdlib_interpretable(),

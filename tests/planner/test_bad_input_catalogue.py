@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 import torch
 
+from dsv32_engine.serving.dumps import INDEX, dump_plans, load_dump
 from planner import (
     BatchError,
     ConfigError,
@@ -50,7 +51,6 @@ from planner import (
     tensor_field,
 )
 from planner.registry import get_backend
-from serving.dumps import INDEX, dump_plans, load_dump
 from tests.support import REPO
 from tests.support.catalogue import (
     KV_SLOTS,

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv32_engine.serving.dump_ring import DumpRing
+from dsv32_engine.serving.run_config import load_run_config
 from graphs import GraphRunner
 from planner import ConfigError, ProviderError, SchemaError
-from serving.dump_ring import DumpRing
-from serving.run_config import load_run_config
 from tests.planner import test_bad_input_catalogue as planner_catalogue
 from tests.serving import test_cli_catalogue as cli_catalogue
 from tests.support import REPO, TINY_YAML
@@ -48,7 +48,7 @@ def _yaml(tmp: Path, text: str) -> Callable[[], object]:
     return load
 
 
-LOAD = "serving/run_config.py load_run_config"
+LOAD = "dsv32_engine/serving/run_config.py load_run_config"
 
 
 def config_cases(tmp: Path) -> list[Case]:
@@ -96,7 +96,7 @@ def config_cases(tmp: Path) -> list[Case]:
             ConfigError,
             "planner.max_context",
             "below the longest request",
-            "serving/run_config.py RunConfig.check_fits",
+            "dsv32_engine/serving/run_config.py RunConfig.check_fits",
         ),
         Case(
             "draft tokens outside 2..8 (YAML)",
@@ -116,7 +116,7 @@ def config_cases(tmp: Path) -> list[Case]:
             ConfigError,
             "speculative.steps",
             "expected 3",
-            "serving/run_config.py RunConfig.check_fits",
+            "dsv32_engine/serving/run_config.py RunConfig.check_fits",
         ),
         Case(
             "unknown draft kind",
@@ -134,7 +134,7 @@ def config_cases(tmp: Path) -> list[Case]:
             ConfigError,
             "loop.mixed",
             "cannot join a mixed extend batch",
-            "serving/run_config.py RunConfig.check_fits",
+            "dsv32_engine/serving/run_config.py RunConfig.check_fits",
         ),
         Case(
             "n-gram window reversed",
@@ -145,7 +145,7 @@ def config_cases(tmp: Path) -> list[Case]:
             ConfigError,
             "speculative.ngram_min",
             "<= 2",
-            "serving/run_config.py RunConfig.check_fits",
+            "dsv32_engine/serving/run_config.py RunConfig.check_fits",
         ),
         Case(
             "verify rows set by planner.next_n (YAML)",
@@ -154,7 +154,7 @@ def config_cases(tmp: Path) -> list[Case]:
             ConfigError,
             "planner.next_n",
             "speculative.draft_tokens",
-            "serving/run_config.py RunConfig.check_fits",
+            "dsv32_engine/serving/run_config.py RunConfig.check_fits",
         ),
         Case(
             "NaN arrival rate",
@@ -172,7 +172,7 @@ def config_cases(tmp: Path) -> list[Case]:
             ConfigError,
             "loop.prompt_len",
             "must be [lo, hi]",
-            "serving/run_config.py LoopSection._range",
+            "dsv32_engine/serving/run_config.py LoopSection._range",
         ),
         Case(
             "unknown schedule layout (YAML)",
@@ -226,7 +226,7 @@ def config_cases(tmp: Path) -> list[Case]:
             ConfigError,
             "model.preset",
             "'tiny'",
-            "serving/model_setup.py model_config",
+            "dsv32_engine/serving/model_setup.py model_config",
         ),
         Case(
             "unknown provider for an op (YAML)",
@@ -285,7 +285,7 @@ def config_cases(tmp: Path) -> list[Case]:
             ConfigError,
             "PLANNER_DUMP_KEEP",
             ">= 1",
-            "serving/dump_ring.py DumpRing.from_env",
+            "dsv32_engine/serving/dump_ring.py DumpRing.from_env",
         ),
     ]
 

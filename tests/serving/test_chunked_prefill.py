@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from backends.deepgemm import BLOCK_KV, gather_index_cache
-from models.config import DSV32Config
-from models.kv_cache import PagedKVCache, RequestPool
-from models.model import DSV32Model
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.kv_cache import PagedKVCache, RequestPool
+from dsv32_engine.models.model import DSV32Model
+from dsv32_engine.serving.engine import DecodeEngine
+from dsv32_engine.serving.run_config import load_run_config
 from planner import ForwardBatch, ForwardMode, Limits, Planner
-from serving.engine import DecodeEngine
-from serving.run_config import load_run_config
 
 CTX = 192
 PAGES_PER_REQUEST = -(-CTX // BLOCK_KV)

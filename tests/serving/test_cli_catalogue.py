@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.config import DSV32Config
-from models.model import DSV32Model
-from serving.cli import main
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.model import DSV32Model
+from dsv32_engine.serving.cli import main
 from tests.support import REPO
 from tests.support.dumps import probe_dump
 

@@ -15,8 +15,8 @@ import dataclasses
 
 import pytest
 
+from dsv32_engine.serving.report import summarize
 from planner import PlanWriteError, ReplayError
-from serving.report import summarize
 from tests.support.engines import SMALL_LOOP, tiny_engine
 
 SMALL = {**SMALL_LOOP, "planner.debug": True}

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from dsv32_engine.serving.report import summarize
 from planner import ConfigError
-from serving.report import summarize
 from tests.support import REPO
 from tests.support.cli import planner_cli
 from tests.support.engines import SMALL_LOOP as SMALL

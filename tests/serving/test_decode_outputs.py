@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import random
 
-from serving.cli import main
-from serving.dump_ring import MismatchDumper
+from dsv32_engine.serving.cli import main
+from dsv32_engine.serving.dump_ring import MismatchDumper
 from tests.support.dumps import DUMPS
 
 RUN = ["decode", "--quiet", "--requests", "3", "--dump-every", "8", "--dump-keep", "2"]

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv32_engine.serving.cli import build_parser, dispatch
+from dsv32_engine.serving.dump_ring import install_mismatch_dumps
+from dsv32_engine.serving.dumps import INDEX, dump_plans, load_dump
 from planner import DumpError, ForwardMode, PlanSet, ReplayError
 from planner.debug import tensor_digest
 from planner.ops import get_op
 from planner.registry import get_backend
-from serving.cli import build_parser, dispatch
-from serving.dump_ring import install_mismatch_dumps
-from serving.dumps import INDEX, dump_plans, load_dump
 from tests.support import REPO
 from tests.support.dumps import DUMPS
 
@@ -70,7 +70,7 @@ def test_stale_field_is_dumped_on_mismatch_and_diff_points_at_rows(
     planner.record(8)
     stale_page_table["skip"] = False
     with (
-        caplog.at_level(logging.WARNING, logger="serving.dump_ring"),
+        caplog.at_level(logging.WARNING, logger="dsv32_engine.serving.dump_ring"),
         pytest.raises(ReplayError) as info,
     ):
         planner.verify(second, plans)
@@ -116,7 +116,7 @@ def test_replay_without_record_leaves_in_graph_fields_stale(tmp_path):
     plans = planner.replay(batch, 4)  # the graph never replayed: in-graph ops did not run
     with pytest.raises(ReplayError):
         planner.verify(batch, plans)
-    from serving.commands.diff import diff_dumps
+    from dsv32_engine.serving.commands.diff import diff_dumps
 
     (where,) = dumper.paths
     diffs = diff_dumps(load_dump(where / "replayed"), load_dump(where / "eager"))
@@ -127,7 +127,7 @@ def test_replay_without_record_leaves_in_graph_fields_stale(tmp_path):
 
 def test_python_m_planner_diff_and_inspect(tmp_path, capsys):
     """The commands as wired into ``python -m planner`` (one real subprocess: torch imports slowly)."""
-    from serving.cli import main
+    from dsv32_engine.serving.cli import main
 
     planner = DUMPS.planner()
     rng = random.Random(2)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from dsv32_engine.serving.dump_ring import DumpRing, install_mismatch_dumps
+from dsv32_engine.serving.dumps import load_dump
 from planner import ConfigError, PlanSet, ReplayError
-from serving.dump_ring import DumpRing, install_mismatch_dumps
-from serving.dumps import load_dump
 from tests.support.dumps import DUMPS
 
 # ---- ring buffer and environment ---------------------------------------------------------------
@@ -65,7 +65,7 @@ def test_ring_logs_a_failed_dump_and_goes_on(tmp_path, small_plans, caplog):
     plans, batch = small_plans
     (tmp_path / "file").write_text("not a directory")
     ring = DumpRing(tmp_path / "file" / "dumps", keep_last=2)
-    with caplog.at_level(logging.ERROR, logger="serving.dump_ring"):
+    with caplog.at_level(logging.ERROR, logger="dsv32_engine.serving.dump_ring"):
         assert ring.maybe_dump(0, plans, batch) is None
     assert ring.failures == 1 and "step 0 failed" in caplog.text
 
@@ -126,6 +126,9 @@ def test_a_failing_mismatch_dump_never_hides_the_replay_error(tmp_path, caplog):
     planner.capture(4, req_to_token=DUMPS.table)
     batch = DUMPS.batch(random.Random(9), bs=4)
     plans = planner.replay(batch, 4)  # no record(): stale
-    with caplog.at_level(logging.ERROR, logger="serving.dump_ring"), pytest.raises(ReplayError):
+    with (
+        caplog.at_level(logging.ERROR, logger="dsv32_engine.serving.dump_ring"),
+        pytest.raises(ReplayError),
+    ):
         planner.verify(batch, plans)
     assert dumper.paths == [] and "could not dump" in caplog.text

@@ -18,6 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsv32_engine.serving.dumps import INDEX, dump_plans, load_dump
+from dsv32_engine.serving.dumps import write as dumps_write
 from planner import (
     DumpError,
     ForwardMode,
@@ -28,8 +30,6 @@ from planner import (
     tensor_field,
 )
 from planner.registry import get_backend
-from serving.dumps import INDEX, dump_plans, load_dump
-from serving.dumps import write as dumps_write
 from tests.support.dumps import DUMPS, assert_same_bits
 
 # ---- round trips -------------------------------------------------------------------------------

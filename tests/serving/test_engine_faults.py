@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 
+from dsv32_engine.serving.engine import DecodeEngine
 from graphs import SIZE_DROPPED, GraphWarning, is_capturing
 from planner import ForwardMode
-from serving.engine import DecodeEngine
 from tests.support.engines import tiny_engine
 
 SMALL = {

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from serving.engine import DecodeEngine
-from serving.run_config import load_run_config
+from dsv32_engine.serving.engine import DecodeEngine
+from dsv32_engine.serving.run_config import load_run_config
 from tests.support.cli import planner_cli
 
 

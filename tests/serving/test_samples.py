@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.samples import Samples
+from dsv32_engine.serving.samples import Samples
 
 
 def test_keeps_every_value_until_full():

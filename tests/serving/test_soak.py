@@ -1,6 +1,6 @@
 """Soak: DeepSeek-V3.2 tiny decode through the engine for thousands of steps, memory flat.
 
-``serving/engine.py`` serves a Poisson workload (requests arrive and finish, so
+``dsv32_engine/serving/engine.py`` serves a Poisson workload (requests arrive and finish, so
 batch sizes wander over 1..max_batch) through the planner and the emulated graph runner.
 A probe wrapped around each decode step, after a warm-up:
 
@@ -10,7 +10,7 @@ A probe wrapped around each decode step, after a warm-up:
   windows), so whatever it still holds at the end was allocated later and never freed.
   The loop keeps nothing per finished request (the scheduler counts them, the run
   result counts requests and tokens; tokens only on ``run(keep_tokens=True)``), so what
-  ``serving/`` may still hold is the run's bounded timings (``serving/samples.py``: 8
+  ``dsv32_engine/serving/`` may still hold is the run's bounded timings (``dsv32_engine/serving/samples.py``: 8
   bytes per decode step and per request, the latest 65,536 of each) and the last batch
   each graph size saw; anything held elsewhere beyond 64 KiB (planner, graphs, backends,
   models, torch; numpy's small-buffer cache and the last steps' tensor wrappers are a
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from dsv32_engine.serving.engine import DecodeEngine
 from graphs import GraphWarning
-from serving.engine import DecodeEngine
 from tests.support import REPO
 from tests.support.engines import tiny_engine
 
@@ -97,10 +97,10 @@ class SoakReport:
     """(decode step, RSS) over the RSS window: warm-up end to the start of tracing."""
     finished_in_rss_window: int = 0
     leaked_bytes: int = 0
-    """tracemalloc growth in the traced window outside serving/."""
+    """tracemalloc growth in the traced window outside dsv32_engine/serving/."""
     leaked_top: list[str] = field(default_factory=list)
     record_bytes: int = 0
-    """tracemalloc growth in the traced window inside serving/ (the run's bounded timings)."""
+    """tracemalloc growth in the traced window inside dsv32_engine/serving/ (the run's bounded timings)."""
     record_top: list[str] = field(default_factory=list)
     finished_in_traced_window: int = 0
     steps_in_traced_window: int = 0
@@ -116,7 +116,7 @@ class SoakReport:
 
     @property
     def record_bound(self) -> int:
-        """What serving/ may hold of what the traced window allocated: the two timing arrays
+        """What dsv32_engine/serving/ may hold of what the traced window allocated: the two timing arrays
         (8 bytes per decode step and per finished request of the whole run, up to 65,536
         each: they are reallocated as they grow, so all of them counts) with the arrays'
         over-allocation, plus 32 KiB for the last batches the graph sizes hold."""
@@ -133,7 +133,7 @@ class SoakReport:
             f"{self.rss_growth / mib:.2f} MiB while {self.finished_in_rss_window} requests "
             "finished",
             f"tracemalloc steps {last}-{self.decode_steps}: {self.leaked_bytes} B kept outside "
-            f"serving/, {self.record_bytes} B in serving/ (bound {self.record_bound} B), "
+            f"dsv32_engine/serving/, {self.record_bytes} B in dsv32_engine/serving/ (bound {self.record_bound} B), "
             f"{self.steps_in_traced_window} steps and {self.finished_in_traced_window} "
             "requests finished in the window",
         ]

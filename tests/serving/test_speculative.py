@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from benchmarks import spec_decode
-from models.config import DSV32Config
-from models.model import DSV32Model
-from serving.accept import accept_greedy
-from serving.engine import DecodeEngine
-from serving.ngram import NgramDraft
-from serving.report import summarize
-from serving.run_config import load_run_config
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.model import DSV32Model
+from dsv32_engine.serving.accept import accept_greedy
+from dsv32_engine.serving.engine import DecodeEngine
+from dsv32_engine.serving.ngram import NgramDraft
+from dsv32_engine.serving.report import summarize
+from dsv32_engine.serving.run_config import load_run_config
 from tests.support.cli import planner_cli
 
 CFG = DSV32Config.model_validate({**DSV32Config.tiny().model_dump(), "index_n_heads": 32})
@@ -99,7 +99,7 @@ def test_the_cpu_speculative_config_serves_and_reports(tmp_path):
     proc = planner_cli(
         "decode",
         "--config",
-        "configs/dsv32-tiny-spec.yaml",
+        "dsv32-tiny-spec",
         "--requests",
         "3",
         "--quiet",

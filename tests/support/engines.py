@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from models.config import DSV32Config
-from models.model import DSV32Model
-from serving.engine import DecodeEngine
-from serving.run_config import load_run_config
+from dsv32_engine.models.config import DSV32Config
+from dsv32_engine.models.model import DSV32Model
+from dsv32_engine.serving.engine import DecodeEngine
+from dsv32_engine.serving.run_config import load_run_config
 from tests.support import TINY_YAML
 
 SMALL_LOOP = {

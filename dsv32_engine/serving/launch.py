@@ -1,0 +1,232 @@
+"""``decode`` on several ranks: spawn (or join a ``torchrun`` job), serve, summarise per rank.
+
+One process per rank, each with its own engine and planner. Under ``torchrun`` the
+launch variables say who this process is; otherwise :func:`launch` spawns the ranks
+locally through ``torch.multiprocessing`` (gloo on the CPU). Every rank prints a
+one-line summary; rank 0 gathers them (one ``all_gather_object`` at the end), checks
+what must agree across ranks, prints the aggregate and writes ``--json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dsv32_engine.distributed.group import (
+    DistContext,
+    env_rank,
+    init,
+    launched_by_torchrun,
+    shutdown,
+    spawn,
+)
+from dsv32_engine.serving.model_setup import model_config
+from dsv32_engine.serving.rank_engines import DPEngine, TPEngine
+from dsv32_engine.serving.report import summarize
+from dsv32_engine.serving.run_config import RunConfig
+from planner.errors import ConfigError, PlanError
+
+KEPT = (
+    "requests_finished",
+    "generated_tokens",
+    "wall_seconds",
+    "tokens_per_second",
+    "decode_tokens_per_second",
+    "step_ms_p50",
+    "step_ms_p99",
+    "graph_replays",
+    "eager_fallbacks",
+    "ragged_steps",
+    "steps_by_mode",
+    "graph_kind",
+    "device",
+)
+
+
+def layout(config: RunConfig) -> str:
+    return "tp" if config.distributed.tp > 1 else "dp_attention"
+
+
+def rank_device(config: RunConfig, local_rank: int) -> str:
+    """The device of one rank: ``cuda:LOCAL_RANK`` when the config says cuda."""
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return config.device
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(
+            "more ranks on this host than GPUs",
+            field="distributed",
+            expected=f"<= {count} local ranks",
+            actual=local_rank + 1,
+        )
+    return f"cuda:{local_rank}"
+
+
+def aggregate(kind: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The whole job's numbers, and the cross-rank agreements (``False`` is a failure)."""
+    wall = max(r["wall_seconds"] for r in ranks)
+    # Tensor-parallel ranks serve one workload together: its requests and tokens are each
+    # rank's, not their sum. Data-parallel ranks serve disjoint requests: those add up.
+    served = ranks[:1] if kind == "tp" else ranks
+    generated = sum(r["generated_tokens"] for r in served)
+    out: dict[str, Any] = {
+        "layout": kind,
+        "world": len(ranks),
+        "requests_finished": sum(r["requests_finished"] for r in served),
+        "generated_tokens": generated,
+        "wall_seconds": wall,
+        "tokens_per_second": generated / wall if wall else 0.0,
+        "graph_replays": [r["graph_replays"] for r in ranks],
+        # debug mode: each replay compared bit for bit with eager (a mismatch raises)
+        "verified_replays": [r["verified_replays"] for r in ranks],
+        "every_replay_verified": all(r["verified_replays"] == r["graph_replays"] for r in ranks),
+    }
+    if kind == "tp":
+        out["signature_checks"] = [r["signature_checks"] for r in ranks]
+        out["digest_checks"] = [r["digest_checks"] for r in ranks]  # a mismatch raises
+        out["digests_every_forward"] = all(
+            r["digest_checks"] == r["signature_checks"] for r in ranks
+        )
+        out["tokens_equal_across_ranks"] = all(r["tokens"] == ranks[0]["tokens"] for r in ranks)
+        out["agree"] = out["tokens_equal_across_ranks"]
+    else:
+        same = ("replays_by_size", "forwards_by_size", "ffn_exchanges", "loop_steps")
+        out["idle_forwards"] = [r["idle_forwards"] for r in ranks]
+        out["peer_eager_forwards"] = [r["peer_eager_forwards"] for r in ranks]
+        out["replays_by_size"] = ranks[0]["replays_by_size"]
+        out["equal_across_ranks"] = {k: all(r[k] == ranks[0][k] for r in ranks) for k in same}
+        out["agree"] = all(out["equal_across_ranks"].values())
+    return out
+
+
+def _line(rank: dict[str, Any]) -> str:
+    extra = {
+        k: rank[k]
+        for k in (
+            "signature_checks",
+            "digest_checks",
+            "idle_forwards",
+            "peer_eager_forwards",
+            "ffn_exchanges",
+        )
+        if k in rank
+    }
+    return (
+        f"rank {rank['rank']}/{rank['world']} ({rank['device']}): "
+        f"{rank['requests_finished']} requests, {rank['generated_tokens']} tokens, "
+        f"{rank['tokens_per_second']:.1f} tok/s, {rank['graph_replays']} replays, "
+        + ", ".join(f"{k} {v}" for k, v in extra.items())
+    )
+
+
+def serve_rank(config: RunConfig, ctx: DistContext, options: dict[str, Any]) -> dict[str, Any]:
+    """Build this rank's engine, serve, and return its summary (tokens included)."""
+    engine_type = TPEngine if layout(config) == "tp" else DPEngine
+    engine = engine_type(config, ctx)
+    result = engine.run(progress=False, max_steps=options.get("max_steps"), keep_tokens=True)
+    summary = {k: v for k, v in summarize(engine, result).items() if k in KEPT}
+    summary.update(
+        engine.rank_summary(),
+        rank=ctx.rank,
+        world=ctx.world,
+        tokens={str(k): v for k, v in sorted(result.tokens.items())},
+    )
+    return summary
+
+
+def rank_main(data: dict[str, Any], options: dict[str, Any]) -> None:
+    """One rank's whole life (the target of :func:`spawn`, or the process under torchrun)."""
+    try:
+        config = RunConfig.model_validate(data)
+        rank, world, local = env_rank()
+        if world != config.distributed.world:
+            raise ConfigError(
+                "the job's WORLD_SIZE differs from the configured ranks",
+                field="distributed.tp" if config.distributed.tp > 1 else "distributed.dp_attention",
+                expected=world,
+                actual=config.distributed.world,
+            )
+        device = rank_device(config, local)
+        config = config.model_copy(update={"device": device})
+        if torch.device(device).type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        d = config.distributed
+        ctx = init(
+            rank,
+            world,
+            torch.device(device),
+            backend=d.backend,
+            timeout_s=d.timeout_s,
+            local_rank=local,
+        )
+        try:
+            mine = serve_rank(config, ctx, options)
+            for turn in range(world):  # one line per rank, in rank order
+                if turn == rank:
+                    sys.stdout.write(_line(mine) + "\n")
+                    sys.stdout.flush()
+                dist.barrier(group=ctx.host_group)
+            every: list[Any] = [None] * world
+            dist.all_gather_object(every, mine, group=ctx.host_group)
+        finally:
+            shutdown()
+        if rank == 0:
+            _report(layout(config), every, options)
+    except PlanError as exc:
+        message = " ".join(str(exc).split())
+        print(
+            f"python -m planner decode: rank {os.environ.get('RANK')}: error: {message}",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(2)
+
+
+def _report(kind: str, every: list[dict[str, Any]], options: dict[str, Any]) -> None:
+    total = aggregate(kind, every)
+    print(
+        "aggregate: " + json.dumps({k: v for k, v in total.items() if k != "replays_by_size"}),
+        flush=True,
+    )
+    if options.get("json"):
+        tokens = {rid: t for r in every for rid, t in r["tokens"].items()}
+        ranks = [{k: v for k, v in r.items() if k != "tokens"} for r in every]
+        data = {"aggregate": total, "ranks": ranks, "tokens": tokens}
+        Path(options["json"]).write_text(json.dumps(data, indent=2))
+    if not total["agree"]:
+        print("error: ranks disagree (see the aggregate)", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def check_layout(config: RunConfig) -> None:
+    """What can be refused before any rank starts: TP ranks must divide the heads."""
+    tp = config.distributed.tp
+    heads = model_config(config.model).num_attention_heads
+    if heads % tp:
+        raise ConfigError(
+            "tensor-parallel ranks must divide the attention heads",
+            field="distributed.tp",
+            expected=f"a divisor of num_attention_heads = {heads}",
+            actual=tp,
+        )
+
+
+def launch(config: RunConfig, options: dict[str, Any]) -> int:
+    """Run ``config.distributed.world`` ranks: this process as one under torchrun, else spawned."""
+    check_layout(config)
+    if launched_by_torchrun():
+        rank_main(config.model_dump(), options)
+        return 0
+    try:
+        spawn(rank_main, config.distributed.world, (config.model_dump(), options))
+    except mp.ProcessExitedException as exc:
+        return int(exc.exit_code or 1)
+    return 0

@@ -1,0 +1,361 @@
+"""The decode run's YAML config: model, planner, graphs and request loop, validated once.
+
+Every section is a frozen pydantic model with ``extra="forbid"``, so a typo
+in a YAML key is an error naming the key, not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from backends.deepgemm import BLOCK_KV
+from dsv32_engine import SHIPPED_CONFIGS
+from planner.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSection(_Section):
+    """Which DeepSeek-V3.2 to build: a preset or a ``config.json``, plus overrides."""
+
+    preset: str = Field(
+        "tiny", description="tiny | small | shapes | full, or a path to a config.json"
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="DSV32Config fields to change"
+    )
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    seed: int = Field(0, ge=0)
+    weights: str | None = Field(None, description="safetensors file to load instead of random init")
+
+
+class PlannerSection(_Section):
+    """Limits and provider choices of the planner."""
+
+    max_batch: int = Field(16, ge=1, le=4096)
+    max_context: int = Field(512, ge=64, le=1 << 20)
+    next_n: int = Field(
+        1, description="kept so older configs load: verify rows are speculative.draft_tokens"
+    )
+    num_sms: int | None = Field(None, ge=1, description="None: the GPU's SM count (132 on the CPU)")
+    providers: dict[str, str] = Field(
+        default_factory=dict, description="op or backend.field -> provider"
+    )
+    debug: bool = False
+    ops_in_graph: bool = True
+    staging_in_graph: bool | Literal["auto"] = Field(
+        "auto",
+        description="the captured graphs pull each replay's staged inputs out of pinned memory "
+        "themselves, so a replay makes no CUDA call; auto: whenever ops_in_graph",
+    )
+    schedule_layout: Literal["0.1.0", "new"] = "0.1.0"
+    mla_kernel: Literal["auto", "triton", "torch", "flashinfer"] = Field(
+        "auto",
+        description="sparse MLA: auto (the Triton kernel on CUDA), triton, torch, or flashinfer "
+        "(FlashInfer's MLA kernel planned once per batch for decode and verify; extend keeps auto)",
+    )
+
+
+class GraphsSection(_Section):
+    """CUDA graphs (emulated on the CPU)."""
+
+    enabled: bool | Literal["auto"] = "auto"
+    sizes: list[int] | None = None
+
+
+class LoopSection(_Section):
+    """The continuous-batching request loop."""
+
+    requests: int = Field(24, ge=1, le=1_000_000)
+    arrival_rate: float = Field(4.0, gt=0, description="mean new requests per step (Poisson)")
+    prompt_len: tuple[int, int] = (8, 48)
+    max_new_tokens: tuple[int, int] = (8, 32)
+    seed: int = Field(0, ge=0)
+    max_steps: int = Field(100_000, ge=1)
+    kv_pages: int | None = Field(
+        None,
+        ge=2,
+        description="KV cache pages; None: sized from memory on a GPU (kv_memory_fraction), "
+        "enough for max_batch requests of max_context on the CPU",
+    )
+    kv_memory_fraction: float = Field(
+        0.85,
+        gt=0,
+        le=1,
+        description="share of the GPU memory free after the weights that KV and index caches "
+        "may take (SGLang's mem_fraction_static)",
+    )
+    graph_reserve_mb: int = Field(
+        4096, ge=0, description="GPU memory kept back for CUDA-graph pools and activations"
+    )
+    chunk_tokens: int = Field(
+        256, ge=1, le=1 << 20, description="prompt tokens one step prefills (chunked prefill)"
+    )
+    idle_steps: bool = Field(
+        False,
+        description="step with an idle batch when nothing runs, as a data-parallel rank must "
+        "(it keeps its peers' collectives in step); a single rank just waits",
+    )
+    mixed: bool = Field(
+        False,
+        description="run decode requests inside the step's extend batch (one eager forward) "
+        "instead of a separate decode graph step",
+    )
+
+    @field_validator("prompt_len", "max_new_tokens")
+    @classmethod
+    def _range(cls, value: tuple[int, int]) -> tuple[int, int]:
+        lo, hi = value
+        if not 1 <= lo <= hi:
+            raise ValueError(f"must be [lo, hi] with 1 <= lo <= hi, got {[lo, hi]}")
+        return value
+
+
+class SpeculativeSection(_Section):
+    """Speculative decoding: which draft proposes tokens, and how many the target verifies.
+
+    Each round the target verifies ``draft_tokens`` rows per request (its last
+    token and ``steps`` drafts: a top-1 chain, so ``steps = draft_tokens - 1``);
+    greedy acceptance keeps the longest prefix of drafts the target agrees
+    with, plus the target's own next token. ``mtp``: DeepSeek-V3.2's MTP layer
+    (draft extend over the accepted tokens, then ``steps - 1`` draft-decode
+    steps); ``ngram``: prompt lookup over the request's own tokens, no model.
+    """
+
+    draft: Literal["none", "ngram", "mtp"] = Field("none", description="none turns it off")
+    draft_tokens: int = Field(4, ge=2, le=8, description="rows per request in target verify")
+    steps: int | None = Field(None, ge=1, le=7, description="drafts per round (draft_tokens - 1)")
+    ngram_max: int = Field(4, ge=1, le=16, description="longest suffix the n-gram draft matches")
+    ngram_min: int = Field(1, ge=1, le=16, description="shortest suffix it falls back to")
+    mtp_seed: int = Field(1, ge=0, description="seed of the MTP layer's random weights")
+    compare_plain: bool = Field(
+        False, description="also serve the workload without speculation and report both"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.draft != "none"
+
+    @property
+    def next_n(self) -> int:
+        """Tokens per request in target verify (1 when speculation is off)."""
+        return self.draft_tokens if self.enabled else 1
+
+    @property
+    def decode_steps(self) -> int:
+        """Draft-decode steps per round: the MTP draft's first token comes from draft extend."""
+        return self.draft_tokens - 2 if self.draft == "mtp" else 0
+
+
+class DistributedSection(_Section):
+    """Several ranks through torch.distributed (``docs/distributed.md``): one of the two > 1.
+
+    ``tp``: every rank serves the same workload with its own planner and its share of the
+    attention heads (``wo`` row-parallel, all-reduced; the rest replicated), and the ranks
+    prove each step that they planned alike.
+    ``dp_attention``: the workload's requests are split over the ranks, each attends
+    over its own, the FFN runs over every rank's rows, and all ranks agree on each
+    step's graph size (idle ranks replay idle batches).
+    """
+
+    tp: int = Field(
+        1, ge=1, le=64, description="tensor-parallel ranks (heads split; same workload on each)"
+    )
+    dp_attention: int = Field(
+        1, ge=1, le=64, description="data-parallel attention ranks (requests split over them)"
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="auto: nccl on CUDA devices, gloo on the CPU"
+    )
+    timeout_s: float = Field(
+        300.0, gt=0, le=86400, description="collective timeout: a stalled peer is an error"
+    )
+    digests: bool | None = Field(
+        None, description="all-gather plan digests every step (None: when planner.debug)"
+    )
+    dp_split: Literal["round_robin", "blocks"] = Field(
+        "round_robin",
+        description="how requests go to data-parallel ranks: request i to rank i % world, or "
+        "contiguous blocks in arrival order (ranks then idle for stretches)",
+    )
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp_attention
+
+
+class RunConfig(_Section):
+    """A whole decode run."""
+
+    device: str = "cpu"
+    model: ModelSection = ModelSection()
+    planner: PlannerSection = PlannerSection()
+    graphs: GraphsSection = GraphsSection()
+    loop: LoopSection = LoopSection()
+    speculative: SpeculativeSection = SpeculativeSection()
+    distributed: DistributedSection = DistributedSection()
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        try:
+            torch.device(value)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"not a torch device: {value!r} (cpu, cuda, cuda:1)") from None
+        return value
+
+    def check_fits(self) -> None:
+        """Cross-section limits, reported on the field to change."""
+        spec = self.speculative
+        if self.planner.next_n != 1:
+            raise ConfigError(
+                "tokens per verify are set by speculative.draft_tokens (with speculative.draft)",
+                field="planner.next_n",
+                expected=1,
+                actual=self.planner.next_n,
+            )
+        if spec.steps is not None and spec.steps != spec.draft_tokens - 1:
+            raise ConfigError(
+                "a top-1 draft chain proposes draft_tokens - 1 tokens per round",
+                field="speculative.steps",
+                expected=spec.draft_tokens - 1,
+                actual=spec.steps,
+            )
+        if spec.ngram_min > spec.ngram_max:
+            raise ConfigError(
+                "the shortest n-gram is longer than the longest",
+                field="speculative.ngram_min",
+                expected=f"<= {spec.ngram_max} (speculative.ngram_max)",
+                actual=spec.ngram_min,
+            )
+        if spec.enabled and self.loop.mixed:
+            raise ConfigError(
+                "speculative requests verify in their own graph step; they cannot join a "
+                "mixed extend batch",
+                field="loop.mixed",
+                expected=False,
+                actual=True,
+            )
+        self._check_distributed()
+        longest = self.loop.prompt_len[1] + self.loop.max_new_tokens[1] + spec.next_n
+        if longest > self.planner.max_context:
+            raise ConfigError(
+                "below the longest request (prompt + new tokens + speculative.draft_tokens)",
+                field="planner.max_context",
+                expected=f">= {longest}",
+                actual=self.planner.max_context,
+            )
+        pages = -(-longest // BLOCK_KV)
+        if self.loop.kv_pages is not None and self.loop.kv_pages - 1 < pages:
+            raise ConfigError(
+                "KV cache cannot hold the longest request (page 0 is reserved)",
+                field="loop.kv_pages",
+                expected=f">= {pages + 1}",
+                actual=self.loop.kv_pages,
+            )
+
+    def _check_distributed(self) -> None:
+        d = self.distributed
+        if d.tp > 1 and d.dp_attention > 1:
+            raise ConfigError(
+                "tensor parallel and data-parallel attention are not combined yet",
+                field="distributed.dp_attention",
+                expected=f"1 with distributed.tp = {d.tp}",
+                actual=d.dp_attention,
+            )
+        if d.world > 1 and self.speculative.enabled:
+            raise ConfigError(
+                "speculative decoding runs on one rank only for now",
+                field="speculative.draft",
+                expected=f"none with {d.world} ranks",
+                actual=self.speculative.draft,
+            )
+        if d.backend == "nccl" and torch.device(self.device).type != "cuda":
+            raise ConfigError(
+                "NCCL carries CUDA tensors only",
+                field="distributed.backend",
+                expected="gloo or auto on the CPU",
+                actual="nccl",
+            )
+
+
+def _format(exc: ValidationError, origin: str) -> ConfigError:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "<root>"
+    more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    value = first.get("input")
+    shown = value if isinstance(value, (int, float, str, bool)) else None
+    return ConfigError(f"{origin}: {first['msg']}{more}", field=where, actual=shown)
+
+
+def shipped_configs() -> list[str]:
+    """The names ``--config`` accepts besides a path: ``dsv32-tiny``, ``dsv32-small``, ..."""
+    return sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml"))
+
+
+def resolve_config(value: str | Path) -> Path:
+    """A run config's file: ``value`` as a path if it names a file, else a shipped config's
+    name (``dsv32-tiny-spec``, with or without ``.yaml``), wherever the package is installed."""
+    path = Path(value)
+    if path.is_file():
+        return path
+    name = path.name[: -len(".yaml")] if path.name.endswith(".yaml") else path.name
+    shipped = SHIPPED_CONFIGS / f"{name}.yaml"
+    # a shipped name given with its old in-repository folder (``configs/dsv32-tiny.yaml``)
+    if shipped.is_file() and (path.parent == Path(".") or path.parent.name == "configs"):
+        return shipped
+    if path.exists():
+        raise ConfigError("not a file", field="--config", actual=str(value))
+    raise ConfigError(
+        f"no such file, and no shipped config of that name (shipped: {', '.join(shipped_configs())})",
+        field="--config",
+        actual=str(value),
+    )
+
+
+def load_run_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read and validate a YAML run config (a path or a shipped config's name); ``overrides``
+    are dotted keys (``planner.debug``)."""
+    data: dict[str, Any] = {}
+    origin = "defaults"
+    if path is not None:
+        path = resolve_config(path)
+        origin = str(path)
+        try:
+            with open(path, encoding="utf-8") as stream:
+                data = yaml.safe_load(stream) or {}
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot read config: {exc.strerror}", field="--config", actual=str(path)
+            ) from None
+        except UnicodeDecodeError:
+            raise ConfigError(
+                "not a text file (a YAML run config is UTF-8 text)",
+                field="--config",
+                actual=str(path),
+            ) from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"not valid YAML: {exc}", field="--config", actual=origin) from None
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"{origin}: top level must be a mapping", field="<root>", actual=type(data).__name__
+            )
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        config = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise _format(exc, origin) from None
+    config.check_fits()
+    return config

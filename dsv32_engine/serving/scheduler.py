@@ -1,0 +1,221 @@
+"""Admission, KV page growth and batch building for the decode loop.
+
+Everything a step needs is computed on the host from the requests' page
+lists (slots, positions, lengths): the device is touched only to write a
+request's ``req_to_token`` row when it gains a page.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from dsv32_engine.models.kv_cache import PagedKVCache, RequestPool
+from dsv32_engine.serving.requests import Request
+from planner.batch import ForwardBatch, ForwardMode
+
+
+class Scheduler:
+    """Moves requests from waiting to running to finished, and builds each step's batch."""
+
+    def __init__(
+        self, cache: PagedKVCache, pool: RequestPool, max_batch: int, page_size: int
+    ) -> None:
+        self.cache = cache
+        self.pool = pool
+        self.max_batch = max_batch
+        self.page_size = page_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_count = 0
+        """Requests finished so far (the requests themselves are not kept)."""
+
+    def arrive(self, requests: list[Request]) -> None:
+        self.waiting.extend(requests)
+
+    def admit(self, next_n: int) -> int:
+        """Start waiting requests, in arrival order, while their whole KV fits.
+
+        Pages for the request's final length are taken up front, so a running
+        request never waits for memory (no preemption needed) and its token
+        row is written once.
+        """
+        admitted = 0
+        while self.waiting and len(self.running) < self.max_batch and self.pool.num_free:
+            request = self.waiting[0]
+            final = len(request.prompt) + request.max_new_tokens + next_n
+            need = -(-final // self.page_size)
+            if self.cache.num_free_pages < need:
+                break
+            self.waiting.popleft()
+            request.pool_idx = self.pool.alloc()
+            request.pages = self.cache.alloc(need)
+            self.pool.assign(
+                request.pool_idx, request.pages, min(need * self.page_size, self.pool.max_context)
+            )
+            self.running.append(request)
+            admitted += 1
+        return admitted
+
+    def slot(self, request: Request, position: int) -> int:
+        page = request.pages[position // self.page_size]
+        return page * self.page_size + position % self.page_size
+
+    def finish(self, request: Request, step: int) -> None:
+        request.finish_step = step
+        self.running.remove(request)
+        self.cache.free(request.pages)
+        self.pool.free(request.pool_idx)
+        request.pages = []
+        self.finished_count += 1
+
+    def build_extend(
+        self, work: list[tuple[Request, int]], mode: ForwardMode
+    ) -> tuple[ForwardBatch, torch.Tensor]:
+        """The batch and ``input_ids`` feeding ``n`` more tokens of each ``(request, n)``.
+
+        Tokens ``fed .. fed + n - 1`` of each request, request-major: a prompt
+        chunk, or (``n = 1``) a decode request's last token in a mixed batch.
+        """
+        lens, new, pools, locs, positions, ids = [], [], [], [], [], []
+        for request, n in work:
+            tokens = request.tokens
+            lens.append(request.fed + n)
+            new.append(n)
+            pools.append(request.pool_idx)
+            for position in range(request.fed, request.fed + n):
+                positions.append(position)
+                locs.append(self.slot(request, position))
+                ids.append(tokens[position])
+        batch = ForwardBatch(
+            seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
+            req_pool_indices=torch.tensor(pools, dtype=torch.int32),
+            req_to_token=self.pool.req_to_token,
+            out_cache_loc=torch.tensor(locs, dtype=torch.int32),
+            positions=torch.tensor(positions, dtype=torch.int32),
+            mode=mode,
+            extend_lens_cpu=torch.tensor(new, dtype=torch.int32),
+        )
+        device = self.pool.req_to_token.device
+        return batch, torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+
+    def idle(self) -> tuple[ForwardBatch, torch.Tensor]:
+        """A batch with no request, for a rank with no work this step."""
+        empty = torch.zeros(0, dtype=torch.int32)
+        batch = ForwardBatch(
+            seq_lens_cpu=empty,
+            req_pool_indices=empty,
+            req_to_token=self.pool.req_to_token,
+            out_cache_loc=empty,
+            mode=ForwardMode.IDLE,
+        )
+        device = self.pool.req_to_token.device
+        return batch, torch.zeros(0, dtype=torch.int64, device=device)
+
+    def warm_up_batches(
+        self, topk: int, chunk: int, max_context: int
+    ) -> list[tuple[ForwardBatch, torch.Tensor]]:
+        """Extend batches on the null request (row 0, every token written to the null slot 0,
+        which may repeat) at the shapes a first prefill meets: one token past ``topk`` of
+        context (the prefill indexer's scored rows), and prompts of a few and of a whole
+        chunk of tokens, with and without a cached prefix. Triton compiles a kernel once per
+        tile size and deep_gemm once per shape class, and the tile sizes follow the rows (a
+        MoE group's mean rows: 16, 32, 64): left to the first requests, those compiles were
+        0.3-0.4 s of their time to first token on the H200. A prompt of 16 tokens (128 MoE
+        pairs) compiles the MoE dispatch's middle sort width (``moe_dispatch_triton``)."""
+        shapes = {(min(topk, max_context - 1), 1), (0, min(chunk, 16))}
+        for tokens in {min(chunk, 128), chunk}:
+            for prefix in (0, topk):
+                if tokens >= 1 and prefix + tokens <= max_context:
+                    shapes.add((prefix, tokens))
+        device = self.pool.req_to_token.device
+        batches = []
+        for prefix, tokens in sorted(shapes):
+            batch = ForwardBatch(
+                seq_lens_cpu=torch.tensor([prefix + tokens], dtype=torch.int32),
+                req_pool_indices=torch.zeros(1, dtype=torch.int32),
+                req_to_token=self.pool.req_to_token,
+                out_cache_loc=torch.zeros(tokens, dtype=torch.int32),
+                mode=ForwardMode.EXTEND,
+                extend_lens_cpu=torch.tensor([tokens], dtype=torch.int32),
+            )
+            batches.append((batch, torch.zeros(tokens, dtype=torch.int64, device=device)))
+        return batches
+
+    def build(
+        self,
+        requests: list[Request],
+        mode: ForwardMode,
+        next_n: int,
+        drafts: list[list[int]] | None = None,
+    ) -> tuple[ForwardBatch, torch.Tensor]:
+        """The batch and ``input_ids`` for feeding ``next_n`` tokens of each request.
+
+        Row ``i`` of a request is position ``fed + i``: its own next token
+        first, then its ``next_n - 1`` drafts (target verify).
+        """
+        lens, pools, locs, positions, ids = [], [], [], [], []
+        for j, request in enumerate(requests):
+            tokens = request.tokens
+            lens.append(request.fed + next_n)
+            pools.append(request.pool_idx)
+            for i in range(next_n):
+                position = request.fed + i
+                positions.append(position)
+                locs.append(self.slot(request, position))
+                ids.append(tokens[position] if i == 0 else drafts[j][i - 1])
+        device = self.pool.req_to_token.device
+        batch = ForwardBatch(
+            seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
+            req_pool_indices=torch.tensor(pools, dtype=torch.int32),
+            req_to_token=self.pool.req_to_token,
+            out_cache_loc=torch.tensor(locs, dtype=torch.int32),
+            positions=torch.tensor(positions, dtype=torch.int32),
+            mode=mode,
+            next_n=next_n,
+        )
+        return batch, torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+
+    def build_draft_extend(self, work: list[tuple[Request, int, int]], next_n: int) -> ForwardBatch:
+        """The draft's catch-up on ``(request, first position, accepted)``: positions
+        ``first .. first + accepted - 1``, flat; the planner spreads them over ``next_n`` rows."""
+        return self._span_batch(
+            work,
+            ForwardMode.DRAFT_EXTEND,
+            next_n,
+            extend_lens=torch.tensor([accepted for _, _, accepted in work], dtype=torch.int32),
+        )
+
+    def build_draft_decode(self, requests: list[Request], steps: int) -> ForwardBatch:
+        """``steps`` one-token draft steps of each request at positions ``fed .. fed + steps - 1``
+        (the KV length after the last step, every step's slot, request-major)."""
+        work = [(request, request.fed, steps) for request in requests]
+        return self._span_batch(work, ForwardMode.DRAFT_DECODE, steps)
+
+    def _span_batch(
+        self,
+        work: list[tuple[Request, int, int]],
+        mode: ForwardMode,
+        next_n: int,
+        extend_lens: torch.Tensor | None = None,
+    ) -> ForwardBatch:
+        """Each ``(request, first, n)`` as positions ``first .. first + n - 1`` and their slots,
+        flat and request-major, with KV length ``first + n``."""
+        lens, pools, locs, positions = [], [], [], []
+        for request, first, n in work:
+            lens.append(first + n)
+            pools.append(request.pool_idx)
+            for position in range(first, first + n):
+                positions.append(position)
+                locs.append(self.slot(request, position))
+        return ForwardBatch(
+            seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
+            req_pool_indices=torch.tensor(pools, dtype=torch.int32),
+            req_to_token=self.pool.req_to_token,
+            out_cache_loc=torch.tensor(locs, dtype=torch.int32),
+            positions=torch.tensor(positions, dtype=torch.int32),
+            mode=mode,
+            next_n=next_n,
+            extend_lens_cpu=extend_lens,
+        )
