@@ -216,7 +216,7 @@ def config_cases(tmp: Path) -> list[Case]:
             lambda: load_run_config(tmp / "nowhere.yaml"),
             ConfigError,
             "--config",
-            "No such file",
+            "no such file, and no shipped config",
             LOAD,
         ),
         Case(
