@@ -63,7 +63,7 @@ class HostPass:
 
     A step qualifies when its op has a host twin, it was not forced onto a
     provider, it is a device op (a host op returning a handle already runs
-    on the host), its output is int32 like the staging buffer, and every
+    on the host), its outputs are int32 like the staging buffer, and every
     input is a staged source or an earlier host step's output.
     """
 
@@ -79,12 +79,13 @@ class HostPass:
                 twin is not None
                 and step.chain.forced is None
                 and step.chain.current.graph_safe
-                and step.spec.dtype == torch.int32
+                and all(spec.dtype == torch.int32 for spec in step.specs)
                 and all(key in segments or key in produced for key in step.input_keys)
             ):
                 # Each input: a staged segment, or the index of an earlier host output.
                 reads.append(tuple(segments.get(key, produced.get(key)) for key in step.input_keys))
-                produced[step.output] = len(chosen)
+                for key in step.outputs:
+                    produced[key] = len(produced)
                 chosen.append((step, twin.fn))
         self.steps = tuple(chosen)
         self._reads = tuple(reads)
@@ -95,13 +96,15 @@ class HostPass:
         return not self.switch.on
 
     def placements(self, base: int, dims: Mapping[str, int]) -> tuple[tuple[Placement, ...], int]:
-        """Each output's place after ``base`` elements of inputs, and the elements in all."""
+        """Each output's place after ``base`` elements of inputs (every step's outputs in
+        order), and the elements in all."""
         out, offset = [], base
         for step, _ in self.steps:
-            offset = -(-offset // ALIGN) * ALIGN
-            shape = resolve_shape(step.spec.shape, dims, field=step.key)
-            out.append(Placement(step.output, offset, shape))
-            offset += math.prod(shape)
+            for key, spec in zip(step.outputs, step.specs):
+                offset = -(-offset // ALIGN) * ALIGN
+                shape = resolve_shape(spec.shape, dims, field=f"{key[0]}.{key[1]}")
+                out.append(Placement(key, offset, shape))
+                offset += math.prod(shape)
         return tuple(out), offset
 
     def run(
@@ -112,18 +115,19 @@ class HostPass:
         tokens: int,
     ) -> None:
         """Every host step, reading staged inputs and earlier outputs from ``host``."""
-        outs: list[np.ndarray] = []
-        for (step, fn), place, reads in zip(self.steps, placements, self._reads):
-            out = host[place.offset : place.offset + place.numel].reshape(place.shape)
+        outs = [host[p.offset : p.offset + p.numel].reshape(p.shape) for p in placements]
+        first = 0
+        for (step, fn), reads in zip(self.steps, self._reads):
             args = [
                 outs[r]
                 if isinstance(r, int)
                 else host[r.offset : r.offset + (tokens if r.per_token else reqs)]
                 for r in reads
             ]
-            outs.append(out)
+            mine = outs[first : first + len(step.outputs)]
+            first += len(step.outputs)
             try:
-                fn(out, *args, **step.params)
+                fn(*mine, *args, **step.params)
             except Exception as exc:
                 self.switch.on = False
                 warn_once(

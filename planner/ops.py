@@ -16,6 +16,8 @@ never replaced (its failure is a bug to surface), nor a provider the config forc
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +30,9 @@ if TYPE_CHECKING:
     from planner.limits import Limits
 
 ProviderFn = Callable[..., Any]
-"""``fn(out, *inputs, **params)``: writes ``out``; a host op may return a handle for the plan."""
+"""``fn(out, *inputs, **params)``: writes ``out``; a host op may return a handle for the plan.
+An op with named outputs takes one buffer per output first, in their declared order:
+``fn(out_a, out_b, *inputs, **params)``, and writes every one of them."""
 
 HOST = "numpy"
 """The name of an op's host twin: the same semantics over numpy views of the staging
@@ -78,6 +82,10 @@ class MetadataOp:
     identity: Callable[[Mapping[str, Any]], bool] | None = None
     """``identity(params)``: True when the op returns its first input unchanged for these
     params (rows repeated once): the planner then shares that input instead of running it."""
+    outputs: tuple[str, ...] = ()
+    """Named outputs of an op whose one call fills several fields (FlashMLA's
+    ``get_mla_metadata`` returns a schedule and split offsets computed together); each field
+    names the one it takes with ``tensor_field(..., output=)``. Empty: one unnamed output."""
 
     def provider(
         self,
@@ -88,7 +96,8 @@ class MetadataOp:
         rank: int | None = None,
         warmup: WarmupFn | None = None,
     ) -> Callable[[ProviderFn], ProviderFn]:
-        """Decorator registering ``fn(out, *inputs, **params)`` as provider ``name``."""
+        """Decorator registering ``fn(out, *inputs, **params)`` as provider ``name`` (an op
+        with named outputs: ``fn(out_a, out_b, ..., *inputs, **params)``)."""
 
         def register(fn: ProviderFn) -> ProviderFn:
             if name in self.providers:
@@ -171,12 +180,29 @@ _OPS: dict[str, MetadataOp] = {}
 
 
 def metadata_op(
-    name: str, doc: str, *, identity: Callable[[Mapping[str, Any]], bool] | None = None
+    name: str,
+    doc: str,
+    *,
+    identity: Callable[[Mapping[str, Any]], bool] | None = None,
+    outputs: Sequence[str] = (),
 ) -> MetadataOp:
-    """Create and register an op; providers are added with ``@op.provider(...)``."""
+    """Create and register an op; providers are added with ``@op.provider(...)``.
+
+    ``outputs`` names the outputs of an op that fills several fields in one call (at least
+    two, distinct); its providers take one buffer per output, in this order, before the
+    inputs."""
     if name in _OPS:
         raise SchemaError(f"metadata op {name!r} is already registered")
-    op = MetadataOp(name=name, doc=doc, identity=identity)
+    outputs = tuple(outputs)
+    if outputs and (len(outputs) < 2 or len(set(outputs)) != len(outputs)):
+        raise SchemaError(
+            "named outputs are two or more distinct names (one output needs none)",
+            field=name,
+            actual=list(outputs),
+        )
+    if outputs and identity is not None:
+        raise SchemaError("an op with named outputs cannot be an identity", field=name)
+    op = MetadataOp(name=name, doc=doc, identity=identity, outputs=outputs)
     _OPS[name] = op
     return op
 
@@ -199,6 +225,35 @@ def iter_ops() -> Iterator[MetadataOp]:
     yield from all_ops().values()
 
 
+_RUNNING: ContextVar[tuple[str, str, str] | None] = ContextVar("running_provider", default=None)
+_guards = 0
+
+
+@contextmanager
+def guarding_capture() -> Iterator[None]:
+    """A graph capture's guard is on (``graphs.capture_guard``, the CPU's emulated capture):
+    :func:`running_provider` says which provider runs, so the guard can name it, and
+    :func:`capture_guarded` is True. Off, a provider call sets nothing (the hot path)."""
+    global _guards
+    _guards += 1
+    try:
+        yield
+    finally:
+        _guards -= 1
+
+
+def capture_guarded() -> bool:
+    """True while a capture's guard is on: a check that reads values only off CUDA (where
+    reading them would sync) skips them here too, as it does under a CUDA capture."""
+    return _guards > 0
+
+
+def running_provider() -> tuple[str, str, str] | None:
+    """``(plan field, op, provider)`` of the provider call running now, under
+    :func:`guarding_capture`; None outside one (or when no guard is on)."""
+    return _RUNNING.get()
+
+
 class ProviderChain:
     """The provider an op runs with in one planner, and the ones it may fall back to."""
 
@@ -210,18 +265,29 @@ class ProviderChain:
         self.retired: set[str] = set()
 
     def call(
-        self, key: str, out: torch.Tensor, args: Sequence[Any], params: Mapping[str, Any]
+        self,
+        key: str,
+        outs: Sequence[torch.Tensor],
+        args: Sequence[Any],
+        params: Mapping[str, Any],
     ) -> Any:
-        """Run the current provider and return what it returns (a host op's handle, or None).
+        """Run the current provider over the output buffers ``outs`` (one, or one per named
+        output) and return what it returns (a host op's handle, or None).
 
         On failure the provider is retired and the next best runs on the same
-        inputs; providers write every element of ``out``, so a retry over a
+        inputs; providers write every element of every output, so a retry over a
         half-written output is exact.
         """
         while True:
             provider = self.current
             try:
-                return provider.fn(out, *args, **params)
+                if not _guards:  # the hot path: nothing is set unless a capture guard is on
+                    return provider.fn(*outs, *args, **params)
+                token = _RUNNING.set((key, self.op.name, provider.name))
+                try:
+                    return provider.fn(*outs, *args, **params)
+                finally:
+                    _RUNNING.reset(token)
             except PlanError:
                 raise
             except Exception as exc:

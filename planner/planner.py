@@ -127,7 +127,8 @@ def run_steps(
     for step in steps:
         handle = step.run(tensors, static=static)
         if handle is not None:
-            handles[step.output] = handle
+            for key in step.outputs:  # a handle field may name any field of the call
+                handles[key] = handle
     return handles
 
 
@@ -380,7 +381,7 @@ class Planner:
 
     def providers_chosen(self, mode: ForwardMode = ForwardMode.DECODE) -> dict[str, str]:
         """``backend.field`` -> provider name, for reports."""
-        return {s.key: s.provider.name for s in self.program(mode).steps}
+        return {key: s.provider.name for s in self.program(mode).steps for key in s.keys}
 
     def dims(
         self,

@@ -153,7 +153,8 @@ class PlannerStats:
         out: Counter = Counter()
         for mode, runs in self.program_runs.items():
             for step in self.programs[mode]:
-                out[step.key] += runs
+                for key in step.keys:
+                    out[key] += runs
         return out
 
     def op_calls_per_batch(self, mode: ForwardMode) -> dict[str, float]:

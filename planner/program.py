@@ -54,11 +54,12 @@ ChainFor = Callable[[str, "str | None"], ProviderChain]
 
 @dataclass(frozen=True)
 class Step:
-    """One op field of one backend, ready to run."""
+    """One op call of one backend, ready to run: the field it fills, or one field per named
+    output of the op, in the op's output order (a step is known by its first)."""
 
     backend: str
-    field: str
-    spec: TensorSpec
+    fields: tuple[str, ...]
+    specs: tuple[TensorSpec, ...]
     op_name: str
     chain: ProviderChain
     inputs: tuple[str, ...]
@@ -68,12 +69,31 @@ class Step:
     """Where each input lives: a field after aliasing, or ``(BATCH, name)`` for the batch's own."""
 
     @property
+    def field(self) -> str:
+        return self.fields[0]
+
+    @property
+    def spec(self) -> TensorSpec:
+        """The first field's spec (the op, inputs, params and binds are every field's)."""
+        return self.specs[0]
+
+    @property
     def key(self) -> str:
-        return f"{self.backend}.{self.field}"
+        return f"{self.backend}.{self.fields[0]}"
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """``backend.field`` of every field the step fills."""
+        return tuple(f"{self.backend}.{name}" for name in self.fields)
 
     @property
     def output(self) -> Key:
-        return (self.backend, self.field)
+        return (self.backend, self.fields[0])
+
+    @property
+    def outputs(self) -> tuple[Key, ...]:
+        """Where every field the step fills lives, in the op's output order."""
+        return tuple((self.backend, name) for name in self.fields)
 
     @property
     def provider(self) -> Provider:
@@ -88,9 +108,10 @@ class Step:
         former only.
         """
         args = [tensors[key] for key in self.input_keys]
+        outs = [tensors[key] for key in self.outputs]
         graph_safe = self.chain.current.graph_safe
         params = self.params if graph_safe else {**self.params, "static": static}
-        return self.chain.call(self.key, tensors[self.output], args, params)
+        return self.chain.call(self.key, outs, args, params)
 
 
 def batch_reads(steps: Iterable[Step], done: frozenset = frozenset()) -> frozenset[str]:
@@ -149,7 +170,7 @@ def settings_for(
     every other mode one row per query token.
     """
     settings = dict(base)
-    settings.update(getattr(plan_cls, "defaults", {}))
+    settings.update(plan_cls.defaults)
     settings.update(options)
     settings["next_n"] = int(settings["next_n"]) if mode in VERIFY_ROWS_MODES else 1
     return settings
@@ -263,9 +284,7 @@ def build_program(
         if not mode.ragged:  # ragged modes run eagerly: no static buffers to keep contiguous
             check_static_shapes(plan_cls)
         settings = {**merged[backend], **layout}
-        checker = getattr(plan_cls, "check_settings", None)
-        if checker is not None:
-            checker(settings)
+        plan_cls.check_settings(settings)
         settings_seen.update(settings)
         per_backend[backend] = settings
         for name, spec in plan_cls.tensor_specs.items():
@@ -273,11 +292,7 @@ def build_program(
             pads[(backend, name)] = None if pad == PAD_DERIVED else pad
             if spec.source is not None:
                 identity[(backend, name)] = ("source", spec.source, pad, spec.dtype)
-        chains = {
-            name: chain_for(spec.op, forced.get(f"{backend}.{name}") or forced.get(spec.op))
-            for name, spec in plan_cls.tensor_specs.items()
-            if spec.op is not None
-        }
+        chains, calls = _op_calls(backend, plan_cls, forced, chain_for)
         chosen = {name: chain.current for name, chain in chains.items()}
         # Tensors a host op takes (e.g. to bind into a CUDA-graph wrapper) stay this backend's own.
         host_read = {
@@ -286,8 +301,14 @@ def build_program(
             if not p.graph_safe
             for i in plan_cls.tensor_specs[n].inputs
         }
+        stepped: set[str] = set()
         for name in topological_fields(plan_cls):
-            spec = plan_cls.tensor_specs[name]
+            fields = calls[name]  # this field's call: the field, or every named output's
+            if name in stepped:
+                continue
+            stepped.update(fields)
+            specs = tuple(plan_cls.tensor_specs[f] for f in fields)
+            spec = specs[0]
             key = f"{backend}.{name}"
             provider = chosen[name]
             params = {k: resolve_setting(v, settings, field=key) for k, v in spec.params.items()}
@@ -296,10 +317,11 @@ def build_program(
                 provider.name,
                 tuple(identity.get((backend, i), ("table", i)) for i in spec.inputs),
                 tuple(sorted((k, repr(v)) for k, v in params.items())),
-                spec.shape,
-                spec.dtype,
+                tuple(s.shape for s in specs),
+                tuple(s.dtype for s in specs),
             )
-            identity[(backend, name)] = what
+            for each in specs:
+                identity[(backend, each.name)] = (what, each.output)
             op = chains[name].op
             if op.identity is not None and op.identity(params):
                 # the op would copy its input unchanged (e.g. rows repeated once): share it
@@ -307,15 +329,16 @@ def build_program(
                 aliases[(backend, name)] = source
                 identity[(backend, name)] = identity.get((backend, spec.inputs[0]), what)
                 continue
-            if provider.graph_safe and name not in host_read and what in first:
-                aliases[(backend, name)] = first[what]  # computed once, read by both backends
+            if provider.graph_safe and host_read.isdisjoint(fields) and what in first:
+                owner, owned = first[what]  # computed once, read by both backends
+                aliases.update(((backend, f), (owner, o)) for f, o in zip(fields, owned))
                 continue
-            first.setdefault(what, (backend, name))
+            first.setdefault(what, (backend, fields))
             steps.append(
                 Step(
                     backend=backend,
-                    field=name,
-                    spec=spec,
+                    fields=fields,
+                    specs=specs,
                     op_name=spec.op,
                     chain=chains[name],
                     inputs=spec.inputs,
@@ -343,11 +366,81 @@ def build_program(
     )
 
 
+def _op_calls(
+    backend: str, plan_cls: type[Plan], forced: Mapping[str, str], chain_for: ChainFor
+) -> tuple[dict[str, ProviderChain], dict[str, tuple[str, ...]]]:
+    """Each op field's provider chain, and the fields its one call fills: the field itself,
+    or, for an op with named outputs, the field of each output in the op's order (the
+    fields naming that op over the same inputs and params). A field naming an output the
+    op lacks, two fields taking one output, or an output no field takes is refused."""
+    specs = plan_cls.tensor_specs
+    groups: dict[tuple, list[str]] = {}
+    for name, spec in specs.items():
+        if spec.op is not None:
+            groups.setdefault(spec.call(), []).append(name)
+    chains: dict[str, ProviderChain] = {}
+    calls: dict[str, tuple[str, ...]] = {}
+    for names in groups.values():
+        op_name = specs[names[0]].op
+        picks = {forced[k] for k in (f"{backend}.{n}" for n in names) if k in forced}
+        if len(picks) > 1:
+            raise SchemaError(
+                "one op call's fields are forced onto different providers",
+                field=f"{backend}.{names[0]}",
+                actual=sorted(picks),
+            )
+        chain = chain_for(op_name, picks.pop() if picks else forced.get(op_name))
+        outputs = chain.op.outputs
+        named = [n for n in names if specs[n].output is not None]
+        if not outputs:
+            if named:
+                raise SchemaError(
+                    f"op {op_name!r} has one unnamed output: output= names none",
+                    field=f"{backend}.{named[0]}",
+                    actual=specs[named[0]].output,
+                )
+            chains.update((n, chain) for n in names)
+            calls.update((n, (n,)) for n in names)
+            continue
+        by_output: dict[str, str] = {}
+        for name in names:
+            output = specs[name].output
+            if output not in outputs:
+                raise SchemaError(
+                    f"op {op_name!r} has no output {output!r}"
+                    if output is not None
+                    else f"op {op_name!r} has named outputs: output= names the one taken",
+                    field=f"{backend}.{name}",
+                    expected=list(outputs),
+                    actual=output,
+                )
+            if output in by_output:
+                raise SchemaError(
+                    f"two fields take output {output!r} of one {op_name!r} call",
+                    field=f"{backend}.{name}",
+                    actual=[by_output[output], name],
+                )
+            by_output[output] = name
+        missing = [o for o in outputs if o not in by_output]
+        if missing:
+            raise SchemaError(
+                f"op {op_name!r} writes every output it names: declare a field for each, "
+                "with the same op, inputs and params",
+                field=f"{backend}.{names[0]}",
+                expected=list(outputs),
+                actual=missing,
+            )
+        fields = tuple(by_output[o] for o in outputs)
+        chains.update((n, chain) for n in names)
+        calls.update((n, fields) for n in names)
+    return chains, calls
+
+
 def _hoist_host_dependencies(
     steps: list[Step], aliases: Mapping[tuple[str, str], tuple[str, str]]
 ) -> list[Step]:
     """A host op's inputs must be ready before the graph replays: run them outside too."""
-    by_key = {s.key: s for s in steps}
+    by_key = {key: s for s in steps for key in s.keys}  # every field, to the step filling it
     outside = {s.key for s in steps if not s.in_graph}
     changed = True
     while changed:
@@ -359,9 +452,9 @@ def _hoist_host_dependencies(
                 if dep in step.spec.binds:  # bound by address, never read: may stay in the graph
                     continue
                 owner, name = aliases.get((step.backend, dep), (step.backend, dep))
-                dep_key = f"{owner}.{name}"
-                if dep_key in by_key and dep_key not in outside and dep not in BATCH_TABLES:
-                    outside.add(dep_key)
+                producer = by_key.get(f"{owner}.{name}")
+                if producer is not None and producer.key not in outside and dep not in BATCH_TABLES:
+                    outside.add(producer.key)
                     changed = True
     return [
         s if (s.key in outside) != s.in_graph else replace(s, in_graph=s.key not in outside)
@@ -386,9 +479,12 @@ def warm_up(programs: Iterable[Program], limits: Any, device: torch.device) -> N
 
 
 DERIVED_DIMS = frozenset(
-    {"reqs", "rows", "tokens", "kv_tokens", "max_len", "pages", "req_pages", "sms"}
+    {"reqs", "rows", "tokens", "kernel_reqs", "kv_tokens", "max_len", "pages", "req_pages", "sms"}
 )
-"""The dimensions :func:`batch_dims` derives from each batch and the limits: never options."""
+"""The dimensions :func:`batch_dims` derives from each batch and the limits: never options
+(``next_n`` and every integer setting are dimensions too; see ``docs/backends.md``)."""
+LAYOUT = frozenset({"kernel_next_n", "row_repeat"})
+"""The row layout's settings (:func:`row_layout`), per mode: the planner's, never options."""
 
 
 def batch_dims(
@@ -431,14 +527,16 @@ def batch_dims(
 
 
 def known_options(plan_cls: type[Plan]) -> set[str]:
-    """Settings a backend reads: its defaults and every Setting its fields name."""
-    names = set(getattr(plan_cls, "defaults", {}))
+    """The options a backend takes: its ``defaults`` and every ``Setting`` its fields name,
+    less the limits and the dimensions the planner derives (what the unknown-option error
+    offers is what is accepted). A scalar field names an option or a dimension: a derived
+    dimension (``Plan.derived_dims``) is never an option."""
+    names = set(plan_cls.defaults)
     for spec in plan_cls.tensor_specs.values():
         for value in (*spec.params.values(), spec.pad):
             if isinstance(value, Setting):
                 names.add(value.name)
-    names |= {spec.value for spec in plan_cls.scalar_specs.values()}
-    return names
+    return names - set(Limits.model_fields) - DERIVED_DIMS - LAYOUT
 
 
 def check_options(
@@ -466,7 +564,6 @@ def check_options(
     for backend, given in out.items():
         _check_not_derived(backend, given)
         known = set().union(*(known_options(cls) for cls in schemas[backend]))
-        known -= set(Limits.model_fields) | DERIVED_DIMS
         unread = sorted(set(given) - known)
         if unread:
             raise SchemaError(
@@ -476,7 +573,7 @@ def check_options(
                 actual=unread,
             )
         for cls in schemas[backend]:
-            _check_types(backend, given, getattr(cls, "defaults", {}))
+            _check_types(backend, given, cls.defaults)
     return out
 
 
@@ -490,7 +587,7 @@ def _check_not_derived(backend: str, given: Mapping[str, Any]) -> None:
                 field=f"{backend}.{key}",
                 actual=value,
             )
-        if key in DERIVED_DIMS:
+        if key in DERIVED_DIMS | LAYOUT:
             raise ConfigError(
                 f"{key} is derived from each batch and the limits, not a backend option",
                 field=f"{backend}.{key}",
@@ -522,7 +619,7 @@ def check_forced(programs: Iterable[Program], forced: Mapping[str, str]) -> None
     known = set()
     for program in programs:
         for step in program.steps:
-            known |= {step.key, step.op_name}
+            known |= {*step.keys, step.op_name}
     unknown = set(forced) - known
     if unknown:
         raise SchemaError(

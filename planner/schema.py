@@ -13,6 +13,7 @@ int, a name, or ``name+int`` / ``name-int`` (``"reqs+1"``, ``"sms+1"``).
 
 from __future__ import annotations
 
+import difflib
 import functools
 import re
 from collections.abc import Mapping, Sequence
@@ -129,7 +130,9 @@ class TensorSpec:
     """How one tensor field of a plan is shaped, padded and produced.
 
     Exactly one of ``source`` (a batch input staged as is) and ``op`` (a
-    registered metadata op over ``inputs``) is set.
+    registered metadata op over ``inputs``) is set. ``output`` names the output taken from
+    an op with named outputs: the fields naming one op over the same inputs and params
+    are filled by one call.
     """
 
     dtype: torch.dtype
@@ -142,6 +145,12 @@ class TensorSpec:
     binds: tuple[str, ...] = ()
     doc: str = ""
     name: str = ""
+    output: str | None = None
+
+    def call(self) -> tuple:
+        """What one op call is: fields with the same call share it (one per named output)."""
+        params = tuple(sorted((k, repr(v)) for k, v in self.params.items()))
+        return (self.op, self.inputs, params, self.binds)
 
     @property
     def row_dim(self) -> str | None:
@@ -166,6 +175,7 @@ class TensorSpec:
             "inputs": list(self.inputs),
             "params": {k: repr(v) if isinstance(v, Setting) else v for k, v in self.params.items()},
             "binds": list(self.binds),
+            **({"output": self.output} if self.output is not None else {}),
         }
 
 
@@ -213,6 +223,7 @@ def tensor_field(
     params: Mapping[str, Any] | None = None,
     pad: int | float | str | Setting | None = None,
     binds: tuple[str, ...] = (),
+    output: str | None = None,
     doc: str = "",
 ) -> Any:
     """Declare a tensor field; use as the default of a ``Tensor`` annotation.
@@ -220,7 +231,12 @@ def tensor_field(
     ``binds`` names inputs a host op takes for their address only (it binds
     them, e.g. as a FlashInfer CUDA-graph wrapper's buffers, and never reads
     their values): their ops stay inside the graph instead of being hoisted.
+    ``output`` names the output this field takes of an op declared with named outputs
+    (``metadata_op(..., outputs=(...))``); give every output's field the same ``op``,
+    ``inputs`` and ``params``, and the op runs once for them all.
     """
+    if output is not None and op is None:
+        raise SchemaError("output= names an output of an op: it needs op=", actual=output)
     if not set(binds) <= set(inputs):
         raise SchemaError(
             "binds= must name inputs of the field", expected=list(inputs), actual=list(binds)
@@ -244,6 +260,7 @@ def tensor_field(
         params=dict(params or {}),
         binds=tuple(binds),
         doc=doc,
+        output=output,
     )
     info = Field(description=doc or None, json_schema_extra={"plan": spec.to_json()})
     info.metadata.append(spec)
@@ -289,6 +306,11 @@ class Plan(BaseModel):
     row_mask: ClassVar[str | None] = None
     """A ``rows`` field that is 0 on padding rows inside real requests (draft extend's rows
     past a request's accepted tokens): the padding checks cover those rows too."""
+    defaults: ClassVar[Mapping[str, Any]] = {}
+    """The backend's own options and their values when the user gives none (a ``Setting``
+    in a field may also name a limit, or the row layout's ``kernel_next_n`` and
+    ``row_repeat``). An option a user gives must be one of these or a ``Setting`` a field
+    names, of its default's type; an integer setting is also a dimension shapes may use."""
     tensor_specs: ClassVar[dict[str, TensorSpec]] = {}
     scalar_specs: ClassVar[dict[str, ScalarSpec]] = {}
     handle_specs: ClassVar[dict[str, HandleSpec]] = {}
@@ -337,6 +359,7 @@ class Plan(BaseModel):
         cls.tensor_specs = tensors
         cls.scalar_specs = scalars
         cls.handle_specs = handles
+        _check_hooks(cls)
         _check_inputs(cls)
         if cls.backend and "backend" in cls.__dict__:
             register_backend(cls)
@@ -370,6 +393,16 @@ class Plan(BaseModel):
         return {name: getattr(self, name) for name in self.scalar_specs}
 
     @classmethod
+    def check_settings(cls, settings: Mapping[str, Any]) -> None:
+        """Refuse settings this backend's kernels cannot take (accepts all by default).
+
+        Called at planner build, once per mode, with the backend's merged settings (the
+        limits, then :attr:`defaults`, then the user's options, then ``next_n`` and the row
+        layout): raise a ``SchemaError`` naming ``backend.option`` and the limit, so a bad
+        option fails at start-up, not at the first batch.
+        """
+
+    @classmethod
     def derived_dims(cls, dims: Mapping[str, int], settings: Mapping[str, Any]) -> dict[str, int]:
         """Dimensions of this backend's own that follow from the batch's (none by default).
 
@@ -389,6 +422,38 @@ class Plan(BaseModel):
         for spec in cls.tensor_specs.values():
             names |= dim_names(spec.shape)
         return names
+
+
+HOOKS = ("defaults", "check_settings", "derived_dims", "row_mask", "modes")
+"""What a subclass may override: a name close to one of these is a misspelling, refused."""
+
+
+def _check_hooks(cls: type[Plan]) -> None:
+    """A misspelt hook would be silently ignored (the base class's runs instead): refuse a
+    subclass's public name close to a hook's, a hook that is not a classmethod, and
+    ``defaults`` that are not a mapping."""
+    for name in [*vars(cls), *cls.model_fields]:
+        if name.startswith("_") or name in HOOKS:
+            continue
+        close = difflib.get_close_matches(name, HOOKS, n=1, cutoff=0.8)
+        if close:
+            raise SchemaError(
+                f"{name!r} is not a Plan hook: did you mean {close[0]!r}?",
+                field=f"{cls.__name__}.{name}",
+                expected=list(HOOKS),
+            )
+    for name in ("check_settings", "derived_dims"):
+        own = vars(cls).get(name)
+        if own is not None and not isinstance(own, classmethod):
+            raise SchemaError(
+                "a Plan hook must be a classmethod", field=f"{cls.__name__}.{name}", actual=own
+            )
+    if not isinstance(cls.defaults, Mapping):
+        raise SchemaError(
+            "defaults must be a mapping of option to value",
+            field=f"{cls.__name__}.defaults",
+            actual=type(cls.defaults).__name__,
+        )
 
 
 def _named(spec: Any, name: str) -> Any:

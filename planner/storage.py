@@ -15,7 +15,7 @@ allocated.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -26,7 +26,7 @@ from planner.errors import ConfigError
 from planner.host_pass import HostPass, HostPassFailed, Placement, Switch, host_pass_for
 from planner.limits import Limits
 from planner.program import Key, Program, Step, batch_dims, batch_reads
-from planner.schema import dim_names, resolve_shape
+from planner.schema import TensorSpec, dim_names, resolve_shape
 from planner.staging import (
     CopyTransport,
     Ranges,
@@ -166,12 +166,14 @@ class FreshStorage(_Storage):
         # Only the batch tensors the device steps read are bound: with the host pass on, the
         # ragged ops' implied extend lengths are never built (a torch.full per plan).
         self._inputs = {done: batch_reads(program.steps, done) for done in done_sets}
-        names = set().union(*(dim_names(s.spec.shape) for s in program.steps))
+        names = set().union(*(dim_names(x.shape) for s in program.steps for x in s.specs))
         self._key = itemgetter("reqs", "tokens", *sorted(names))
         """The dimensions a layout depends on, read in one call (a tuple: two names at least)."""
         host_names = set()
         if host_pass is not None:
-            host_names = set().union(*(dim_names(s.spec.shape) for s, _ in host_pass.steps))
+            host_names = set().union(
+                *(dim_names(x.shape) for s, _ in host_pass.steps for x in s.specs)
+            )
         self._staged_key = itemgetter("reqs", "tokens", *sorted(host_names))
         """The dimensions its staged part depends on (the host pass's shapes' names)."""
         self._staged: dict[tuple, StagedPart] = {}
@@ -268,12 +270,12 @@ class FreshStorage(_Storage):
         done = frozenset() if host_pass is None else host_pass.outputs
         totals: dict[torch.dtype, int] = {torch.int32: part.sent}
         by_dtype: dict[torch.dtype, list[Piece]] = {torch.int32: []}
-        for step in self.device_steps(done):
-            dtype = step.spec.dtype
+        for key, spec in _outputs(self.device_steps(done)):
+            dtype = spec.dtype
             align = max(1, _ALIGN_BYTES // dtype.itemsize)
             start = -(-totals.get(dtype, 0) // align) * align
-            shape = resolve_shape(step.spec.shape, dims, field=step.key)
-            by_dtype.setdefault(dtype, []).append((step.output, start, shape))
+            shape = resolve_shape(spec.shape, dims, field=f"{key[0]}.{key[1]}")
+            by_dtype.setdefault(dtype, []).append((key, start, shape))
             totals[dtype] = start + math.prod(shape)
         int32_total = totals.pop(torch.int32)
         arenas = tuple(
@@ -287,6 +289,12 @@ class FreshStorage(_Storage):
             part.cuts.then(by_dtype[torch.int32], int32_total),
             arenas,
         )
+
+
+def _outputs(steps: Iterable[Step]) -> Iterator[tuple[Key, TensorSpec]]:
+    """Every field the steps fill (an op with named outputs fills several), with its spec."""
+    for step in steps:
+        yield from zip(step.outputs, step.specs)
 
 
 def _kept(cache: dict, key: tuple, value):
@@ -317,12 +325,12 @@ class StaticStorage(_Storage):
     ) -> None:
         super().__init__(program, segments, stager)
         self.buffers = {
-            step.output: torch.zeros(
-                resolve_shape(step.spec.shape, max_dims, field=step.key),
-                dtype=step.spec.dtype,
+            key: torch.zeros(
+                resolve_shape(spec.shape, max_dims, field=f"{key[0]}.{key[1]}"),
+                dtype=spec.dtype,
                 device=stager.device,
             )
-            for step in program.steps
+            for key, spec in _outputs(program.steps)
         }
         self._views: dict[int, Tensors] = {}
 
@@ -336,12 +344,12 @@ class StaticStorage(_Storage):
                 key: staged[seg.offset : seg.offset + (tokens if seg.per_token else reqs)]
                 for key, seg in self.segments.items()
             }
-            for step in self.program.steps:
+            for key, spec in _outputs(self.program.steps):
                 # Only the leading dimension may follow the batch (a batch dimension, or a
                 # backend's derived one): slicing it keeps views contiguous, and a static
                 # leading dimension slices to the whole.
-                rows = resolve_shape(step.spec.shape[:1], dims, field=step.key)[0]
-                views[step.output] = self.buffers[step.output][:rows]
+                rows = resolve_shape(spec.shape[:1], dims, field=f"{key[0]}.{key[1]}")[0]
+                views[key] = self.buffers[key][:rows]
             for alias, owner in self.program.aliases.items():
                 views[alias] = views[owner]
             self._views[reqs] = views
@@ -492,9 +500,10 @@ class Storages:
                 continue
             steps = self.limits.draft_steps if mode.stepped else 1
             dims = self.max_dims(mode)
-            for step in program.steps:
-                shape = resolve_shape(step.spec.shape, dims, field=step.key)
-                out[(mode, step.key)] = math.prod(shape) * step.spec.dtype.itemsize * steps
+            for (backend, name), spec in _outputs(program.steps):
+                key = f"{backend}.{name}"
+                shape = resolve_shape(spec.shape, dims, field=key)
+                out[(mode, key)] = math.prod(shape) * spec.dtype.itemsize * steps
             staging = max(self.layout(mode, self.limits.max_batch).size, 1) * 4 * steps
             out[(mode, "staging")] = staging
             out[(mode, "staging (host)")] = staging

@@ -16,6 +16,8 @@ import torch  # noqa: E402
 
 import backends.deepgemm._native as native  # noqa: E402
 from planner import PlanSet  # noqa: E402
+from planner import ops as ops_module  # noqa: E402
+from planner import registry as registry_module  # noqa: E402
 from tests.support.dumps import probe_dump  # noqa: E402
 
 # The CPU suite runs tiny tensors on 2 cores: one thread avoids OpenMP spin-waits
@@ -30,6 +32,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _registries_restored():
+    """A test's own backends and ops are forgotten when it ends: the registries are
+    process-wide, and a test schema left registered (one naming an op that does not exist,
+    on purpose) would show up in every later listing of the registered backends."""
+    backends = registry_module.all_plan_classes()  # loads the entry points first
+    ops = dict(ops_module.all_ops())
+    yield
+    registry_module._BACKENDS.clear()
+    registry_module._BACKENDS.update(backends)
+    ops_module._OPS.clear()
+    ops_module._OPS.update(ops)
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""A separate package adds a backend through the entry-point group, without touching this repo."""
+"""A separate package adds a backend through the entry-point group, without touching this repo:
+the example plugin (``examples/plugin``), installed into a directory of its own."""
 
 from __future__ import annotations
 
@@ -7,30 +8,33 @@ import os
 import shutil
 import subprocess
 import sys
+from importlib.metadata import entry_points
 
 import pytest
 
+from planner.registry import ENTRY_POINT_GROUP
 from tests.support import REPO
 
-EXAMPLE = REPO / "tests" / "fixtures" / "example_backend"
+EXAMPLE = REPO / "examples" / "plugin"
 
 PLAN_IT = """
 import torch
 from planner import ForwardBatch, Limits, Planner
-planner = Planner(["example-window"], Limits(max_batch=4, max_context=64), options={"example-window": {"window": 8}})
-table = torch.arange(5 * 64, dtype=torch.int32).view(5, 64)
-batch = ForwardBatch(seq_lens_cpu=torch.tensor([3, 20, 9], dtype=torch.int32),
+planner = Planner(["example-mla"], Limits(max_batch=4, max_context=512, num_sms=8),
+                  options={"example-mla": {"block_n": 128}})
+table = torch.arange(5 * 512, dtype=torch.int32).view(5, 512)
+batch = ForwardBatch(seq_lens_cpu=torch.tensor([300, 20, 129], dtype=torch.int32),
                      req_pool_indices=torch.tensor([1, 2, 3]), req_to_token=table,
                      out_cache_loc=torch.tensor([1, 2, 3], dtype=torch.int32))
-plan = planner.plan(batch)["example-window"]
-print(plan.window_lens.tolist(), plan.cu_window.tolist(), plan.window)
+plan = planner.plan(batch)["example-mla"]
+print(plan.num_splits.tolist(), plan.sm_parts, plan.block_n)
 """
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> dict[str, str]:
     target = tmp_path_factory.mktemp("site")
-    source = tmp_path_factory.mktemp("src") / "example_backend"
+    source = tmp_path_factory.mktemp("src") / "plugin"
     shutil.copytree(EXAMPLE, source)  # building in place would leave build/ in the repository
     subprocess.run(
         [
@@ -67,18 +71,21 @@ def _listed_backends(env: dict[str, str]) -> list[dict]:
 
 def test_third_party_backend_is_listed(installed):
     rows = _listed_backends(installed)
-    assert {"backend": "example-window", "field": "window_lens"}.items() <= next(
-        r for r in rows if r["backend"] == "example-window" and r["field"] == "window_lens"
-    ).items()
+    fields = {r["field"] for r in rows if r["backend"] == "example-mla"}
+    assert {"tile_scheduler_metadata", "num_splits", "block_table"} <= fields
 
 
 def test_third_party_backend_is_planned(installed):
     out = subprocess.run(
         [sys.executable, "-c", PLAN_IT], env=installed, check=True, capture_output=True, text=True
     )
-    assert out.stdout.strip() == "[3, 8, 8] [0, 3, 11, 19] 8"
+    # 3 + 1 + 2 blocks of 128 over 8 // 2 = 4 SM parts, 2 blocks each (sm_parts: 1 KV head,
+    # 128 query heads in two 64-row tiles)
+    assert out.stdout.strip() == "[0, 2, 3, 4] 4 128"
 
 
 def test_not_listed_without_the_package():
+    if any(ep.name == "example-mla" for ep in entry_points(group=ENTRY_POINT_GROUP)):
+        pytest.skip("the example plugin is installed in this environment (CI installs it)")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    assert all(r["backend"] != "example-window" for r in _listed_backends(env))
+    assert all(r["backend"] != "example-mla" for r in _listed_backends(env))
