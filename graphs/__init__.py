@@ -4,9 +4,11 @@
 largest first into one pool, and replays it after the planner refreshed the
 plans in place (``PulledTransport``: its graphs pull the staged inputs themselves, so a
 replay makes no CUDA call); ``EmulatedGraph`` stands in for ``torch.cuda.CUDAGraph`` so
-every phase and all padding logic are tested without a GPU.
+every phase and all padding logic are tested without a GPU, its capture refusing what a
+real one would not survive (``CaptureGuard``: host syncs, data-dependent shapes).
 """
 
+from graphs.capture_guard import CaptureGuard
 from graphs.emulated import EmulatedGraph, EmulatedPool
 from graphs.graph import CudaGraph, Graph, is_capturing, new_graph, new_pool
 from graphs.inputs import InputSpec, StaticInputs
@@ -23,6 +25,7 @@ from graphs.runner import (
 from graphs.sizes import capture_ladder, default_capture_ladder
 from graphs.staging_pull import PulledTransport
 from graphs.stats import GraphStats
+from planner.errors import GraphSafetyError
 
 __all__ = [
     "BATCH_TOO_LARGE",
@@ -30,12 +33,14 @@ __all__ = [
     "MODE_NOT_CAPTURED",
     "RAGGED",
     "SIZE_DROPPED",
+    "CaptureGuard",
     "CudaGraph",
     "EmulatedGraph",
     "EmulatedPool",
     "Graph",
     "GraphOutputError",
     "GraphRunner",
+    "GraphSafetyError",
     "GraphStats",
     "GraphWarning",
     "InputSpec",

@@ -13,10 +13,17 @@ faithful where the runner's bugs would show:
 - replay before capture, capturing twice, or a replay whose outputs change
   shape raise, as they would fail (or corrupt memory) on a GPU.
 
-Where it is *more* forgiving than a GPU: host code in the callable runs again
-on every replay (a graph bakes in the values Python saw at capture), and host
-syncs during capture are allowed. Forwards must not depend on either; the GPU
-tests check the real thing.
+What a GPU capture would not survive is refused during the capture, with a
+``GraphSafetyError`` naming the op and provider (or the line of Python) that did it:
+host syncs (``.item()``, ``.cpu()``, ``.tolist()``, ``.numpy()``, ``bool(tensor)``...),
+shapes that depend on data (``nonzero``, ``unique``, ``x[mask]``...) and allocations
+outside the graph's pool (pinned memory, tensors built from host data). The capture runs
+under ``graphs.capture_guard.CaptureGuard``, which lists every kind and what it cannot see.
+
+Where it is still *more* forgiving than a GPU: host code in the callable runs again on
+every replay (a graph bakes in the values Python saw at capture), and the replay is not
+guarded (it re-runs the code the capture already checked, at no cost). Forwards must not
+depend on the first; the GPU tests check the real thing.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from graphs.capture_guard import CaptureGuard
 
 _capture_depth = 0
 _pool_ids = itertools.count(1)
@@ -89,14 +98,17 @@ class EmulatedGraph:
     def capture(self, fn: Callable[[], Any], *, pool: EmulatedPool | None = None) -> Any:
         """Run ``fn`` once (the capture), keep it and its outputs; return the outputs.
 
-        The outputs hold no valid data until :meth:`replay`, as with a real graph.
+        The outputs hold no valid data until :meth:`replay`, as with a real graph. ``fn``
+        runs under :class:`~graphs.capture_guard.CaptureGuard`: a host sync, a data-dependent
+        shape or an allocation outside the pool raises ``GraphSafetyError``.
         """
         global _capture_depth
         if self._fn is not None:
             raise RuntimeError("graph already captured; reset() it first")
         _capture_depth += 1
         try:
-            outputs = fn()
+            with CaptureGuard():
+                outputs = fn()
         finally:
             _capture_depth -= 1
         flat = flatten_outputs(outputs)

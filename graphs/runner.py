@@ -9,7 +9,8 @@ planner's static plans, the runner's input buffers, the captured outputs,
 ``req_to_token``, the shared pool. Anything the runner cannot replay runs
 eagerly, counted by reason and warned about once, never silently. A size
 whose capture fails is dropped, reported, and its batches pad to the next
-size up.
+size up; a forward or provider an emulated capture refuses as graph-unsafe
+(``GraphSafetyError``) fails the capture outright, as it would fail every size.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from graphs.outputs import GraphOutputError, output_kinds, slice_outputs
 from graphs.sizes import capture_ladder
 from graphs.stats import GraphStats
 from planner.batch import ForwardBatch, ForwardMode
-from planner.errors import BatchError, ConfigError, ReplayError
+from planner.errors import BatchError, ConfigError, GraphSafetyError, ReplayError
 from planner.planner import Planner
 from planner.plans import PlanSet
 
@@ -142,8 +143,8 @@ class GraphRunner:
             failed = False
             try:
                 self._graphs[(mode, bs)] = self._capture_one(mode, bs, stream)
-            except GraphOutputError:
-                raise
+            except (GraphOutputError, GraphSafetyError):
+                raise  # a bug in the forward or a provider, the same at every size: say it
             except Exception as exc:  # any failure drops only this size
                 self._drop(mode, bs, exc)
                 failed = True

@@ -55,6 +55,19 @@ class ReplayError(PlanError):
     """Replay would read stale or moved memory, or disagrees with an eager plan."""
 
 
+class GraphSafetyError(PlanError):
+    """Code under graph capture that a CUDA graph would not survive: a host sync, a shape
+    that depends on data, or memory outside the graph's pool (``graphs.capture_guard``).
+
+    ``what`` the refused call, ``op`` / ``provider`` the metadata op's provider that made it
+    (None outside one), ``where`` the ``path:line in function`` of the Python that did."""
+
+    what: str = ""
+    op: str | None = None
+    provider: str | None = None
+    where: str = ""
+
+
 class PlanWriteError(PlanError):
     """A layer wrote into a plan it was only allowed to read."""
 
