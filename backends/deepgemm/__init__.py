@@ -1,7 +1,10 @@
 """deep_gemm's paged MQA logits API with exact PyTorch references.
 
-Mirrors the signatures of sgl-deep-gemm 0.1.0 so engine code can import from here instead
-of ``deep_gemm``: on CUDA tensors with a working ``deep_gemm`` the real kernels run, on
+Mirrors the signatures of sgl-deep-gemm 0.1.0 (``get_paged_mqa_logits_metadata``,
+``fp8_paged_mqa_logits``, ``fp8_mqa_logits``, ``fp8_fp4_paged_mqa_logits``,
+``fp8_fp4_mqa_logits``: same arguments, order and defaults, our extras keyword-only; what
+the references cannot do is refused naming the argument, see docs/verification.md) so
+engine code can import from here instead of ``deep_gemm``: on CUDA tensors with a working ``deep_gemm`` the real kernels run, on
 anything else the references (bit-exact for the integer schedule, exact fp32 math for the
 logits). The references are exported too, so tests and planners can use them on purpose.
 """
@@ -25,11 +28,13 @@ from .fp8 import (
     write_index_cache,
 )
 from .logits import (
+    fp8_fp4_paged_mqa_logits,
     fp8_paged_mqa_logits,
     reference_fp8_paged_mqa_logits,
     validate_paged_logits_inputs,
 )
 from .mqa_logits import (
+    fp8_fp4_mqa_logits,
     fp8_mqa_logits,
     mqa_logits_row_stride,
     reference_fp8_mqa_logits,
@@ -45,6 +50,7 @@ from .schedule import (
     schedule_numpy,
     schedule_units,
     validate_context_lens,
+    validate_indices,
 )
 
 __all__ = [
@@ -57,6 +63,8 @@ __all__ = [
     "deep_gemm_available",
     "dequantize_fp8_per_vector",
     "gather_index_cache",
+    "fp8_fp4_mqa_logits",
+    "fp8_fp4_paged_mqa_logits",
     "fp8_mqa_logits",
     "fp8_paged_mqa_logits",
     "get_paged_mqa_logits_metadata",
@@ -75,6 +83,7 @@ __all__ = [
     "schedule_units",
     "unpack_index_kv_cache",
     "validate_context_lens",
+    "validate_indices",
     "validate_mqa_logits_inputs",
     "validate_paged_logits_inputs",
     "write_index_cache",

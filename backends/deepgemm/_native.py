@@ -24,6 +24,7 @@ import torch
 from planner.errors import PlanError, ProviderError
 
 __all__ = [
+    "arch_major",
     "available",
     "kernel_module",
     "load",
@@ -93,6 +94,12 @@ def kernel_module(backend: object, tensor: torch.Tensor) -> ModuleType | None:
             "deep_gemm does not import", field="backend", expected="deep_gemm", actual="unavailable"
         )
     return dg
+
+
+def arch_major(tensor: torch.Tensor) -> int:
+    """Compute capability major of the GPU holding ``tensor`` (9 Hopper, 10 Blackwell): the
+    number deep_gemm 0.1.0's host code dispatches on."""
+    return torch.cuda.get_device_capability(tensor.device)[0]
 
 
 def available() -> bool:

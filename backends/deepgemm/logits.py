@@ -17,6 +17,14 @@ tokens that row must not see; ``clean_logits=True`` would mask them but 0.1.0 re
 with 2-D lengths. Row ``i`` of request ``b`` may attend to positions
 ``< context_lens[b, i]`` (per-token causal lengths): callers MUST mask the rest.
 
+``logits_dtype=torch.bfloat16`` (``fp8_fp4_paged_mqa_logits``) makes the kernel round its
+fp32 value once to bf16 at the store; the reference rounds its fp32 result the same way.
+``indices=`` (varlen, ``next_n == 1``, SM100 only in 0.1.0): row ``t`` is one token with
+its own length ``context_lens[t, 0]``; a token paired with the next one (same
+``indices``, see :mod:`.schedule`) is computed over the pair's length through the block-table
+row of the pair's FIRST token, which the reference reproduces. Values below each token's
+length do not depend on the pairing otherwise.
+
 The reference writes ``-inf`` at every position ``>= context_lens[b, i]`` so that
 forgetting to mask shows up on CPU, and otherwise computes the formula above exactly in
 fp32. It returns the same strided view (row stride ``align(max_context_len, 256)``) as the
@@ -33,13 +41,14 @@ from planner.errors import PlanError
 
 from . import _native
 from .fp8 import PAGE, _check_cache, index_cache_views
-from .schedule import SPLIT_KV, validate_context_lens
-from .scores import weighted_head_sum
+from .schedule import SPLIT_KV, validate_context_lens, validate_indices, varlen_block_rows
+from .scores import parse_logits_dtype, refuse_fp4, split_scaled_q, weighted_head_sum
 
 __all__ = [
     "validate_paged_logits_inputs",
     "reference_fp8_paged_mqa_logits",
     "fp8_paged_mqa_logits",
+    "fp8_fp4_paged_mqa_logits",
 ]
 
 _CHUNK_TOKENS = 4096
@@ -59,6 +68,7 @@ def validate_paged_logits_inputs(
     max_context_len: int,
     clean_logits: bool = False,
     *,
+    indices: torch.Tensor | None = None,
     check_values: bool = False,
 ) -> tuple[int, int, int, int]:
     """Shape/dtype checks of deep_gemm 0.1.0 (host side); returns ``(B, next_n, H, D)``.
@@ -143,6 +153,8 @@ def validate_paged_logits_inputs(
         raise _fail(
             "q", "all tensors must be on one device", "one device", sorted(map(str, devices))
         )
+    if indices is not None:
+        validate_indices(indices, context_lens, check_values=check_values)
     return batch, next_n, heads, dim
 
 
@@ -156,12 +168,16 @@ def reference_fp8_paged_mqa_logits(
     max_context_len: int,
     clean_logits: bool = False,
     *,
+    indices: torch.Tensor | None = None,
+    logits_dtype: torch.dtype = torch.float32,
     check_values: bool | None = None,
 ) -> torch.Tensor:
     """Exact fp32 PyTorch version of ``deep_gemm.fp8_paged_mqa_logits`` (CPU or CUDA).
 
     Returns ``[B * next_n, max_context_len]`` float32 (a strided view, like the kernel),
-    ``-inf`` at positions ``>= context_lens[b, i]``. ``schedule_meta`` is validated but not
+    ``-inf`` at positions ``>= context_lens[b, i]``. ``logits_dtype=torch.bfloat16``
+    rounds the same fp32 values to bf16 (to nearest even, as the kernel's store does);
+    ``indices`` is 0.1.0's varlen mode (module doc). ``schedule_meta`` is validated but not
     needed: the reference computes every block. No host syncs, so it is graph-capturable;
     ``check_values`` (default: only for CPU tensors) runs the data-reading length checks.
     Block-table entries past a row's length may hold anything (they are clamped, then
@@ -178,11 +194,13 @@ def reference_fp8_paged_mqa_logits(
         schedule_meta,
         max_context_len,
         clean_logits,
+        indices=indices,
         check_values=check_values,
     )
+    out_dtype = parse_logits_dtype(logits_dtype)
     width = max_context_len
     stride = -(-width // SPLIT_KV) * SPLIT_KV
-    full = torch.full((batch * next_n, stride), float("-inf"), dtype=torch.float32, device=q.device)
+    full = torch.full((batch * next_n, stride), float("-inf"), dtype=out_dtype, device=q.device)
     out = full[:, :width]
     if width == 0:
         return out
@@ -190,6 +208,8 @@ def reference_fp8_paged_mqa_logits(
     k_view, s_view = index_cache_views(kv_cache)
     num_blocks = k_view.shape[0]
     need_blocks = -(-width // PAGE)
+    if indices is not None:  # both tokens of a pair read the first token's row
+        block_table = block_table[varlen_block_rows(indices)]
     table = block_table[:, :need_blocks].to(torch.int64)
     if table.shape[1] < need_blocks:
         table = torch.nn.functional.pad(table, (0, need_blocks - table.shape[1]))
@@ -213,8 +233,24 @@ def reference_fp8_paged_mqa_logits(
         pos = torch.arange(t0, t0 + tokens, device=q.device)
         score = torch.where(pos < lens, score, float("-inf"))
         t1 = min(t0 + tokens, width)
-        out3[:, :, t0:t1] = score[:, :, : t1 - t0]
+        out3[:, :, t0:t1] = score[:, :, : t1 - t0].to(out_dtype)
     return out
+
+
+def _paged_kernel(backend: object, q: torch.Tensor, indices: torch.Tensor | None):
+    """The deep_gemm module to run on, or None for the reference: varlen (``indices``) runs
+    on deep_gemm only where 0.1.0 does, SM100; elsewhere ``"auto"`` takes the reference."""
+    dg = _native.kernel_module(backend, q)
+    if dg is not None and indices is not None and _native.arch_major(q) != 10:
+        if backend == "native":
+            raise _fail(
+                "indices",
+                "deep_gemm 0.1.0 computes varlen logits on SM100 only",
+                "compute capability 10.x, or backend 'auto'/'reference'",
+                f"compute capability {_native.arch_major(q)}.x",
+            )
+        return None
+    return dg
 
 
 def fp8_paged_mqa_logits(
@@ -226,45 +262,60 @@ def fp8_paged_mqa_logits(
     schedule_meta: torch.Tensor,
     max_context_len: int,
     clean_logits: bool = False,
+    indices: torch.Tensor | None = None,
     *,
     backend: Literal["auto", "native", "reference"] = "auto",
 ) -> torch.Tensor:
     """Drop-in for ``deep_gemm.fp8_paged_mqa_logits`` (fp32 ``[B * next_n, max_context_len]``).
 
     ``backend="auto"``: the real kernel for CUDA tensors when deep_gemm imports, else the
-    reference. Entries at or past each row's length are undefined on the real kernel
-    (``-inf`` in the reference): mask them. Inputs are shape-checked on every path; length
-    values only on CPU (reading them on CUDA would sync the host once per layer).
+    reference (varlen ``indices``: the real kernel on SM100 only, as in 0.1.0). Entries at or
+    past each row's length are undefined on the real kernel (``-inf`` in the reference):
+    mask them. Inputs are shape-checked on every path; length values only on CPU (reading
+    them on CUDA would sync the host once per layer).
     """
-    dg = _native.kernel_module(backend, q)
+    args = (q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len)
+    dg = _paged_kernel(backend, q, indices)
     if dg is not None:
-        validate_paged_logits_inputs(
-            q,
-            kv_cache,
-            weights,
-            context_lens,
-            block_table,
-            schedule_meta,
-            max_context_len,
-            clean_logits,
-        )
-        return dg.fp8_paged_mqa_logits(
-            q,
-            kv_cache,
-            weights,
-            context_lens,
-            block_table,
-            schedule_meta,
-            max_context_len,
-            clean_logits,
-        )
+        validate_paged_logits_inputs(*args, clean_logits, indices=indices)
+        return dg.fp8_paged_mqa_logits(*args, clean_logits, indices)
+    return reference_fp8_paged_mqa_logits(*args, clean_logits, indices=indices)
+
+
+def fp8_fp4_paged_mqa_logits(
+    q: tuple[torch.Tensor, torch.Tensor | None],
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    schedule_meta: torch.Tensor,
+    max_context_len: int,
+    clean_logits: bool = False,
+    logits_dtype: torch.dtype = torch.float,
+    indices: torch.Tensor | None = None,
+    *,
+    backend: Literal["auto", "native", "reference"] = "auto",
+) -> torch.Tensor:
+    """Drop-in for ``deep_gemm.fp8_fp4_paged_mqa_logits``: ``q`` is the pair ``(q, q_sf)``.
+
+    ``(q, None)`` with fp8 ``q`` is :func:`fp8_paged_mqa_logits` with a choice of
+    ``logits_dtype`` (float32 or bfloat16). fp4 ``q`` (``q_sf`` given) runs on deep_gemm
+    only (CUDA tensors; 0.1.0 itself wants SM100); the reference refuses it naming ``q``.
+    """
+    q_fp, q_sf = split_scaled_q(q)
+    out_dtype = parse_logits_dtype(logits_dtype)
+    args = (kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len)
+    if q_sf is not None:
+        dg = _native.kernel_module(backend, q_fp) if isinstance(q_fp, torch.Tensor) else None
+        if dg is None:
+            raise refuse_fp4("q")
+        return dg.fp8_fp4_paged_mqa_logits((q_fp, q_sf), *args, clean_logits, out_dtype, indices)
+    if not isinstance(q_fp, torch.Tensor):
+        raise _fail("q", "q[0] must be a tensor", "torch.Tensor", type(q_fp).__name__)
+    dg = _paged_kernel(backend, q_fp, indices)
+    if dg is not None:
+        validate_paged_logits_inputs(q_fp, *args, clean_logits, indices=indices)
+        return dg.fp8_fp4_paged_mqa_logits((q_fp, None), *args, clean_logits, out_dtype, indices)
     return reference_fp8_paged_mqa_logits(
-        q,
-        kv_cache,
-        weights,
-        context_lens,
-        block_table,
-        schedule_meta,
-        max_context_len,
-        clean_logits,
+        q_fp, *args, clean_logits, indices=indices, logits_dtype=out_dtype
     )

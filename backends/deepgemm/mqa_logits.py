@@ -27,6 +27,13 @@ v0.1.0, identical to the headers the wheel ships):
   stride is ``H`` whatever its real stride (the host only checks ``stride(1) == 1``), so a
   strided ``weights`` would be read wrong silently: it must be contiguous here.
 
+``fp8_fp4_mqa_logits`` is the same kernel with ``q`` as a pair ``(q, q_sf)`` (``q_sf``
+None for fp8, int32 UE8M0 scales for packed fp4, SM100 only), the range arguments named
+``cu_seq_len_k_start``/``cu_seq_len_k_end`` and a ``logits_dtype``: bfloat16 logits are
+the fp32 value rounded once at the store (``static_cast`` to ``bfloat16_t``, nearest even),
+in a result of the same shape and the same row stride in ELEMENTS (0.1.0 does not widen
+the alignment for 2-byte elements). ``clean_logits`` writes bf16 ``-inf``.
+
 The reference writes ``-inf`` at every position outside the row's range in BOTH modes and
 whatever ``clean_logits`` says, so code that forgets to mask fails on the CPU. It returns
 the kernel's strided view, so code that assumes a contiguous result fails there too.
@@ -49,13 +56,14 @@ import torch
 from planner.errors import PlanError
 
 from . import _native
-from .scores import weighted_head_sum
+from .scores import parse_logits_dtype, refuse_fp4, split_scaled_q, weighted_head_sum
 
 __all__ = [
     "validate_mqa_logits_inputs",
     "mqa_logits_row_stride",
     "reference_fp8_mqa_logits",
     "fp8_mqa_logits",
+    "fp8_fp4_mqa_logits",
 ]
 
 _BLOCK_KV = 256  # the kernel's KV block: output strides are derived from it
@@ -205,10 +213,13 @@ def reference_fp8_mqa_logits(
     clean_logits: bool = False,
     max_seqlen_k: int = 0,
     *,
+    logits_dtype: torch.dtype = torch.float32,
     check_values: bool | None = None,
 ) -> torch.Tensor:
     """Precise PyTorch version of ``deep_gemm.fp8_mqa_logits`` (CPU or CUDA).
 
+    ``logits_dtype=torch.bfloat16`` rounds the fp32 result once to bf16 (as the kernel's
+    store does), same shape and row stride.
     Returns float32 ``[tokens, kv_tokens]`` (or ``[tokens, max_seqlen_k]`` compressed) as
     the kernel's strided view. Unlike the kernel it writes ``-inf`` at EVERY position
     outside a row's range, with or without ``clean_logits``: uncompressed, columns outside
@@ -222,11 +233,12 @@ def reference_fp8_mqa_logits(
     tokens, kv_tokens, heads, dim = validate_mqa_logits_inputs(
         q, kv, weights, ks, ke, clean_logits, max_seqlen_k, check_values=check_values
     )
+    out_dtype = parse_logits_dtype(logits_dtype)
     k, k_scale = kv
     compressed = max_seqlen_k > 0
     width = max_seqlen_k if compressed else kv_tokens
     stride = mqa_logits_row_stride(kv_tokens, max_seqlen_k)
-    full = torch.full((tokens, stride), float("-inf"), dtype=torch.float32, device=q.device)
+    full = torch.full((tokens, stride), float("-inf"), dtype=out_dtype, device=q.device)
     out = full[:, :width]
     if tokens == 0 or width == 0 or kv_tokens == 0 or heads == 0:
         return out
@@ -253,7 +265,7 @@ def reference_fp8_mqa_logits(
             scale = k_scale[c0:c1].double().unsqueeze(0)
             valid = (cols >= start) & (cols < end)
         score = (weighted_head_sum(dots, w64) * scale).float()
-        out[:, c0:c1] = torch.where(valid, score, float("-inf"))
+        out[:, c0:c1] = torch.where(valid, score, float("-inf")).to(out_dtype)
     return out
 
 
@@ -281,3 +293,45 @@ def fp8_mqa_logits(
         validate_mqa_logits_inputs(q, kv, weights, ks, ke, clean_logits, max_seqlen_k)
         return dg.fp8_mqa_logits(q, tuple(kv), weights, ks, ke, clean_logits, max_seqlen_k)
     return reference_fp8_mqa_logits(q, kv, weights, ks, ke, clean_logits, max_seqlen_k)
+
+
+def fp8_fp4_mqa_logits(
+    q: tuple[torch.Tensor, torch.Tensor | None],
+    kv: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor,
+    cu_seq_len_k_start: torch.Tensor,
+    cu_seq_len_k_end: torch.Tensor,
+    clean_logits: bool = False,
+    max_seqlen_k: int = 0,
+    logits_dtype: torch.dtype = torch.float,
+    *,
+    backend: Literal["auto", "native", "reference"] = "auto",
+) -> torch.Tensor:
+    """Drop-in for ``deep_gemm.fp8_fp4_mqa_logits``: ``q`` is the pair ``(q, q_sf)``.
+
+    ``(q, None)`` with fp8 ``q`` is :func:`fp8_mqa_logits` (``ks``/``ke`` are
+    ``cu_seq_len_k_start``/``cu_seq_len_k_end``) with a choice of ``logits_dtype``
+    (float32 or bfloat16). fp4 ``q`` (``q_sf`` given) runs on deep_gemm only (CUDA tensors;
+    0.1.0 itself wants SM100); the reference refuses it naming ``q``.
+    """
+    q_fp, q_sf = split_scaled_q(q)
+    out_dtype = parse_logits_dtype(logits_dtype)
+    ranges = (cu_seq_len_k_start, cu_seq_len_k_end)
+    if q_sf is not None:
+        dg = _native.kernel_module(backend, q_fp) if isinstance(q_fp, torch.Tensor) else None
+        if dg is None:
+            raise refuse_fp4("q")
+        return dg.fp8_fp4_mqa_logits(
+            (q_fp, q_sf), kv, weights, *ranges, clean_logits, max_seqlen_k, out_dtype
+        )
+    if not isinstance(q_fp, torch.Tensor):
+        raise _fail("q", "q[0] must be a tensor", "torch.Tensor", _describe(q_fp))
+    dg = _native.kernel_module(backend, q_fp)
+    if dg is not None:
+        validate_mqa_logits_inputs(q_fp, kv, weights, *ranges, clean_logits, max_seqlen_k)
+        return dg.fp8_fp4_mqa_logits(
+            (q_fp, None), tuple(kv), weights, *ranges, clean_logits, max_seqlen_k, out_dtype
+        )
+    return reference_fp8_mqa_logits(
+        q_fp, kv, weights, *ranges, clean_logits, max_seqlen_k, logits_dtype=out_dtype
+    )

@@ -22,9 +22,22 @@ What the schedule is (read from the metadata kernel that sgl-deep-gemm 0.1.0 shi
 * The start is located by ``(request, split) = (i, start - prefix[i - 1])`` where ``i`` is
   the number of inclusive prefix sums ``<= start`` (an upper-bound binary search).
 
+Varlen mode (``indices=``, sgl-deep-gemm 0.1.0's ``kIsVarlen`` branch of the same kernel;
+the 0.1.0 host accepts it only on SM100, with ``next_n == 1`` and 32- or 64-token blocks):
+each row of ``context_lens [tokens, 1]`` is one query token and ``indices[t]`` names the
+sequence token ``t`` belongs to. Scanning left to right, token ``t`` and ``t + 1`` form one
+work item (an "atom") when ``indices[t] == indices[t + 1]``, and the scan then resumes at
+``t + 2``; otherwise ``t`` is an atom alone. An atom's KV length is its LAST token's length
+(``context_lens[t + 1]`` for a pair), its units ``ceil(length / 256)``; the SMs are cut as
+above (0.1.0's first-SM remainder rule) over atoms, and row ``s`` holds the atom's first
+TOKEN index and the split; the end row is ``(tokens, 0)``. The logits kernel computes both
+tokens of a pair over the pair's length through the block-table row of the FIRST token.
+
 The reference below is a handful of vectorised tensor ops (cumsum, searchsorted), so it
 runs on the CPU and on CUDA, performs no host synchronisation and can be captured in a
-CUDA graph.
+CUDA graph. The varlen reference works in token space (a pair's second token carries zero
+units), which gives the kernel's atom-space search bit for bit without compacting atoms
+(a data-dependent shape).
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ import numpy as np
 import torch
 
 from planner.errors import PlanError, ProviderError
+from planner.ops import capture_guarded
 
 from . import _native
 from .fp8 import PAGE
@@ -51,6 +65,9 @@ __all__ = [
     "paged_mqa_schedule_into",
     "schedule_numpy",
     "get_paged_mqa_logits_metadata",
+    "validate_indices",
+    "varlen_atom_starts",
+    "varlen_block_rows",
 ]
 
 SPLIT_KV = 256
@@ -67,7 +84,9 @@ _warned_layout_mismatch = False
 
 
 def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    """Under a graph capture: a CUDA one, or the CPU's emulated one (whose guard refuses the
+    value checks' host reads, which a GPU's capture skips)."""
+    return (t.is_cuda and torch.cuda.is_current_stream_capturing()) or capture_guarded()
 
 
 def validate_context_lens(context_lens: object, *, check_values: bool = True) -> None:
@@ -143,7 +162,8 @@ def validate_context_lens(context_lens: object, *, check_values: bool = True) ->
 def _validate_block_kv(block_kv: object) -> None:
     if block_kv != BLOCK_KV or isinstance(block_kv, bool):
         raise PlanError(
-            "deep_gemm 0.1.0 on Hopper supports only 64-token blocks",
+            "the references support only 64-token blocks (all deep_gemm 0.1.0 takes on "
+            "Hopper; its SM100-only 32-token blocks are refused)",
             field="block_kv",
             expected=BLOCK_KV,
             actual=block_kv,
@@ -159,6 +179,116 @@ def _validate_num_sms(num_sms: object) -> int:
 def _validate_layout(layout: object) -> None:
     if layout not in LAYOUTS:
         raise PlanError("unknown schedule layout", field="layout", expected=LAYOUTS, actual=layout)
+
+
+def validate_indices(
+    indices: object, context_lens: torch.Tensor, *, check_values: bool = True
+) -> torch.Tensor:
+    """The varlen ``indices=`` checks of 0.1.0's host code, then ours; returns ``indices``.
+
+    0.1.0: int32, 1-D ``[tokens]`` (``context_lens.shape[0]``), contiguous, ``next_n == 1``.
+    Ours, on values (CPU or outside capture, like :func:`validate_context_lens`): the first
+    token of a pair may not be longer than the second, since the kernel computes the pair
+    only up to the second's length.
+    """
+    if not isinstance(indices, torch.Tensor):
+        raise PlanError(
+            "must be a tensor or None",
+            field="indices",
+            expected="torch.Tensor",
+            actual=type(indices).__name__,
+        )
+    if indices.dtype != torch.int32:
+        raise PlanError(
+            "must be int32", field="indices", expected=torch.int32, actual=indices.dtype
+        )
+    tokens, next_n = context_lens.shape
+    if next_n != 1:
+        raise PlanError(
+            "varlen (indices=) needs next_n == 1: one context length per token",
+            field="indices",
+            expected="context_lens [tokens, 1]",
+            actual=tuple(context_lens.shape),
+        )
+    if indices.dim() != 1 or indices.shape[0] != tokens:
+        raise PlanError(
+            "must be 1-D [tokens] like context_lens' rows",
+            field="indices",
+            expected=(tokens,),
+            actual=tuple(indices.shape),
+        )
+    if not indices.is_contiguous():
+        raise PlanError(
+            "must be contiguous", field="indices", expected="contiguous", actual=indices.stride()
+        )
+    if indices.device != context_lens.device:
+        raise PlanError(
+            "must live with context_lens",
+            field="indices",
+            expected=context_lens.device,
+            actual=indices.device,
+        )
+    if check_values and not _capturing(indices) and tokens > 1:
+        starts = varlen_atom_starts(indices)
+        lens = context_lens[:, 0]
+        paired = starts[:-1] & ~starts[1:]
+        if bool((paired & (lens[:-1] > lens[1:])).any()):
+            raise PlanError(
+                "the first token of a pair is longer than the second, which deep_gemm "
+                "computes the pair up to",
+                field="context_lens",
+                expected="context_lens[t] <= context_lens[t + 1] when indices[t] == indices[t + 1]",
+                actual="longer first token",
+            )
+    return indices
+
+
+def varlen_atom_starts(indices: torch.Tensor) -> torch.Tensor:
+    """bool ``[tokens]``: which tokens start an atom of the varlen scan (see the module doc).
+
+    Inside a run of equal consecutive ``indices`` the scan pairs tokens from the run's start,
+    so a token starts an atom exactly when its offset in the run is even.
+    """
+    tokens = indices.shape[0]
+    pos = torch.arange(tokens, device=indices.device)
+    new_run = torch.ones(tokens, dtype=torch.bool, device=indices.device)
+    new_run[1:] = indices[1:] != indices[:-1]
+    run_start = torch.cummax(torch.where(new_run, pos, torch.zeros_like(pos)), 0).values
+    return (pos - run_start) % 2 == 0
+
+
+def varlen_block_rows(indices: torch.Tensor) -> torch.Tensor:
+    """int64 ``[tokens]``: the block-table row the logits kernel reads for each token (its
+    atom's first token)."""
+    pos = torch.arange(indices.shape[0], device=indices.device)
+    return torch.where(varlen_atom_starts(indices), pos, pos - 1)
+
+
+def _compute_varlen(
+    context_lens: torch.Tensor, indices: torch.Tensor, num_sms: int
+) -> torch.Tensor:
+    """The 0.1.0 varlen schedule as int64 ``[num_sms + 1, 2]``; inputs already validated."""
+    device = context_lens.device
+    lens = context_lens[:, 0].to(torch.int64)
+    starts = varlen_atom_starts(indices)
+    paired = torch.zeros_like(starts)
+    paired[:-1] = starts[:-1] & ~starts[1:]
+    atom_len = lens.clone()
+    atom_len[:-1] = torch.where(paired[:-1], lens[1:], lens[:-1])
+    units = torch.where(
+        starts, torch.div(atom_len + (SPLIT_KV - 1), SPLIT_KV, rounding_mode="floor"), 0
+    )
+    prefix = torch.cumsum(units, 0)
+    total = prefix[-1]
+    q = torch.div(total, num_sms, rounding_mode="floor")
+    r = total - q * num_sms
+    sm = torch.arange(num_sms + 1, device=device, dtype=torch.int64)
+    seg = sm * q + torch.minimum(sm, r)
+    # Tokens whose prefix is <= seg: past every atom the kernel's search counts, so this
+    # lands on the first token of the atom it finds (or on `tokens`, the end).
+    tok = torch.searchsorted(prefix, seg, right=True)
+    exclusive = torch.cat([prefix.new_zeros(1), prefix])
+    return torch.stack([tok, seg - exclusive[tok]], dim=1)
 
 
 def schedule_units(context_lens: torch.Tensor) -> torch.Tensor:
@@ -235,6 +365,7 @@ def reference_paged_mqa_schedule(
     num_sms: int = 132,
     layout: Layout = "0.1.0",
     *,
+    indices: torch.Tensor | None = None,
     check_values: bool = True,
 ) -> torch.Tensor:
     """Exact PyTorch twin of ``deep_gemm.get_paged_mqa_logits_metadata``.
@@ -243,13 +374,28 @@ def reference_paged_mqa_schedule(
     ``layout="new"`` reproduces the mid-2026-onward DeepGEMM builds (remainder on the last
     SMs). Returns a new int32 ``[num_sms + 1, 2]`` tensor on ``context_lens.device``: row
     ``s`` is the (request, 256-token split) where SM ``s`` starts, row ``num_sms`` is the
-    end ``(batch, 0)``.
+    end ``(batch, 0)``. ``indices`` selects 0.1.0's varlen schedule (module doc); it exists
+    only for ``layout="0.1.0"``.
     """
     validate_context_lens(context_lens, check_values=check_values)
     _validate_block_kv(block_kv)
     num_sms = _validate_num_sms(num_sms)
     _validate_layout(layout)
+    if indices is not None:
+        _validate_varlen_layout(layout)
+        validate_indices(indices, context_lens, check_values=check_values)
+        return _compute_varlen(context_lens, indices, num_sms).to(torch.int32)
     return _compute(context_lens, num_sms, layout).to(torch.int32)
+
+
+def _validate_varlen_layout(layout: str) -> None:
+    if layout != "0.1.0":
+        raise PlanError(
+            "the varlen schedule (indices=) is reproduced for sgl-deep-gemm 0.1.0 only",
+            field="indices",
+            expected="layout '0.1.0'",
+            actual=f"layout {layout!r}",
+        )
 
 
 def paged_mqa_schedule_into(
@@ -297,16 +443,21 @@ def get_paged_mqa_logits_metadata(
     context_lens: torch.Tensor,
     block_kv: int,
     num_sms: int,
+    indices: torch.Tensor | None = None,
     *,
     layout: Layout = "0.1.0",
     backend: Literal["auto", "native", "reference"] = "auto",
 ) -> torch.Tensor:
-    """Drop-in for ``deep_gemm.get_paged_mqa_logits_metadata``.
+    """Drop-in for ``deep_gemm.get_paged_mqa_logits_metadata`` (sgl-deep-gemm 0.1.0).
 
     ``backend="auto"`` calls the real kernel when ``context_lens`` is on CUDA, deep_gemm
     imports and its build uses the requested ``layout``; otherwise the exact reference.
     ``"native"`` insists on the real kernel (``ProviderError`` if impossible),
     ``"reference"`` never uses it. Inputs are validated the same way on every path.
+
+    ``indices`` (varlen, one context length per token; see the module doc) runs on the real
+    kernel only where 0.1.0 runs it, SM100 (compute capability 10.x); elsewhere ``"auto"``
+    computes it with the reference on the tensors' device and ``"native"`` refuses.
     """
     global _warned_layout_mismatch
     validate_context_lens(context_lens)
@@ -314,9 +465,23 @@ def get_paged_mqa_logits_metadata(
     num_sms = _validate_num_sms(num_sms)
     _validate_layout(layout)
     _native.validate_backend(backend)
+    if indices is not None:
+        _validate_varlen_layout(layout)
+        validate_indices(indices, context_lens)
     if backend != "reference" and context_lens.is_cuda:
         dg = _native.load()
         native_layout = _native.native_schedule_layout() if dg is not None else None
+        if indices is not None and dg is not None and native_layout == layout:
+            if _native.arch_major(context_lens) == 10:
+                return dg.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices)
+            if backend == "native":
+                raise ProviderError(
+                    "deep_gemm 0.1.0 computes the varlen schedule on SM100 only",
+                    field="indices",
+                    expected="compute capability 10.x, or backend 'auto'/'reference'",
+                    actual=f"compute capability {_native.arch_major(context_lens)}.x",
+                )
+            return _compute_varlen(context_lens, indices, num_sms).to(torch.int32)
         if dg is not None and native_layout == layout:
             return dg.get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms)
         if backend == "native":
@@ -341,4 +506,6 @@ def get_paged_mqa_logits_metadata(
             expected="cuda",
             actual=context_lens.device,
         )
+    if indices is not None:
+        return _compute_varlen(context_lens, indices, num_sms).to(torch.int32)
     return _compute(context_lens, num_sms, layout).to(torch.int32)
