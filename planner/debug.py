@@ -35,9 +35,11 @@ MismatchHook = Callable[["ForwardBatch", "PlanSet", "PlanSet"], None]
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"", "0", "false", "no", "off"}
 
 
-def debug_from_env() -> bool:
-    """``PLANNER_DEBUG``: a misspelt value must not silently leave the checks off."""
-    value = os.environ.get("PLANNER_DEBUG", "").strip().lower()
+def debug_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """``PLANNER_DEBUG`` (of ``environ``, else the process's): a misspelt value must not
+    silently leave the checks off. A CLI checks it up front with its own ``environ`` copy."""
+    env = os.environ if environ is None else environ
+    value = env.get("PLANNER_DEBUG", "").strip().lower()
     if value in _TRUE | _FALSE:
         return value in _TRUE
     raise ConfigError(

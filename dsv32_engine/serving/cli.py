@@ -2,13 +2,17 @@
 
 Building the parser imports nothing heavy (no torch), so ``--help`` and a
 mistyped flag answer at once; a command's module is imported only when that
-command runs.
+command runs. Every refusal, whichever command or layer makes it, is one line on
+stderr starting with :data:`ERROR_PREFIX`, exit status 2; a reader that closes the
+pipe early (``| head``) ends the command quietly with :data:`CLOSED_PIPE`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import io
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +23,20 @@ from planner.errors import PlanError
 
 DEFAULT_DECODE_CONFIG = "dsv32-tiny"
 """The shipped config ``decode`` runs without ``--config``."""
+
+ERROR_PREFIX = "forward-planner: error:"
+"""How every error line of every command starts (argparse's ``prog: error:`` form, under the
+distribution's name, the same whether run as ``python -m planner`` or ``forward-planner``)."""
+
+CLOSED_PIPE = 141
+"""Exit status when stdout's reader went away (``| head``): 128 + SIGPIPE, what a shell reports
+for ``cat`` or ``yes`` in the same place, so ``set -o pipefail`` scripts see the same for this
+command as for any other producer, and a cut-short listing is not mistaken for a whole one."""
+
+
+def error_line(message: str) -> str:
+    """The one line an error prints: the prefix, then the message with its whitespace folded."""
+    return f"{ERROR_PREFIX} {' '.join(message.split())}"
 
 
 def _add_decode(sub: Any) -> None:
@@ -111,6 +129,15 @@ def _add_decode(sub: Any) -> None:
         "--json", type=Path, help="also write the summary and the generated tokens as JSON here"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--threads",
+        type=count,
+        metavar="N",
+        help="torch's intra-op CPU threads (per rank with --tp / --dp-attention); default: "
+        "$OMP_NUM_THREADS when set, else 1 on a CPU device (the tiny model's matrices are too "
+        "small to gain from more, and a busy core stalls every op's thread sync), torch's "
+        "default on CUDA",
+    )
     _add_distributed(p)
     p.set_defaults(run="dsv32_engine.serving.commands.decode:run")
 
@@ -161,6 +188,59 @@ def _add_distributed(p: Any) -> None:
     )
 
 
+def _add_discovery(sub: Any) -> None:
+    p = sub.add_parser(
+        "backends",
+        help="registered backends: each plan (by forward mode), its op fields, their providers",
+        description="Every registered backend's plans, one table per plan labelled with the "
+        "forward modes it serves (NSA: extend/mixed, decode/target_verify/idle, draft_extend), "
+        "each op field with its providers, those usable on --device and the one chosen there. "
+        "Piped output is never cut to the terminal's width.",
+    )
+    p.add_argument("--device", default="cpu", help="device to check providers for (default: cpu)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="machine-readable output: one object per op field (backend, plan, modes, field, "
+        "op, providers, available, chosen)",
+    )
+    p.set_defaults(run="dsv32_engine.serving.commands.backends:run_backends")
+
+    p = sub.add_parser(
+        "schema",
+        help="JSON Schema of each of a backend's plans, keyed by forward mode",
+        description="Print one JSON object mapping each forward mode the backend plans "
+        "(decode, target_verify, extend, mixed, draft_extend, ...) to the JSON Schema of the "
+        "plan made for it; modes planned by one class carry the same schema (its title names "
+        "the class). Idle batches run decode's plan. With --mode, print just that mode's "
+        "schema. E.g. python -m planner schema nsa | jq '.decode.properties | keys'",
+    )
+    p.add_argument("name", help="backend name, as listed by 'backends'")
+    p.add_argument(
+        "--mode",
+        metavar="MODE",
+        help="print only the plan of this forward mode (one JSON Schema, not keyed by mode)",
+    )
+    p.set_defaults(run="dsv32_engine.serving.commands.backends:run_schema")
+
+    p = sub.add_parser(
+        "ops",
+        help="the metadata ops a backend can name: providers, host twin, which plans use them",
+        description="Every registered metadata op (the shared ones of backends.common and each "
+        "backend's own): what it computes, its providers and those usable on --device, "
+        "whether it has a numpy host twin for eager plans, and the backends (with modes) whose "
+        "plans name it. A plugin's schema names an op in TensorSpec(op=...).",
+    )
+    p.add_argument("--device", default="cpu", help="device to check providers for (default: cpu)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="machine-readable output: one object per op (op, package, description, "
+        "providers, available, host_twin, used_by)",
+    )
+    p.set_defaults(run="dsv32_engine.serving.commands.backends:run_ops")
+
+
 def _add_dump_readers(sub: Any) -> None:
     p = sub.add_parser(
         "inspect",
@@ -198,7 +278,7 @@ class Parser(argparse.ArgumentParser):
     """Usage mistakes as one line on stderr (exit 2), like every other error of the CLI."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, error_line(f"{message} (see: {self.prog} --help)") + "\n")
 
 
 def count(text: str) -> int:
@@ -216,20 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="python -m planner",
         description="forward-planner: attention metadata planned once per forward batch, CUDA-graph aware.",
+        epilog=f"Every command reports a refusal as one line on stderr, '{ERROR_PREFIX} ...', "
+        f"naming the flag, variable or config field to change, with exit status 2. Piped into a "
+        f"reader that stops early (| head), a command ends quietly with status {CLOSED_PIPE}.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser(
-        "backends", help="registered backends, their ops and the providers usable here"
-    )
-    p.add_argument("--device", default="cpu", help="device to check providers for (default: cpu)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(run="dsv32_engine.serving.commands.backends:run_backends")
-
-    p = sub.add_parser("schema", help="JSON Schema of a backend's plan")
-    p.add_argument("name", help="backend name, as listed by 'backends'")
-    p.set_defaults(run="dsv32_engine.serving.commands.backends:run_schema")
-
+    _add_discovery(sub)
     _add_decode(sub)
     _add_dump_readers(sub)
     return parser
@@ -241,12 +313,35 @@ def dispatch(args: argparse.Namespace) -> int:
     return int(getattr(importlib.import_module(module), function)(args) or 0)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _stdout_to_devnull() -> None:
+    """Point stdout's descriptor at /dev/null, so the interpreter's last flush cannot fail
+    again (Python's "Note on SIGPIPE"); an in-memory stdout (tests) has none to point."""
     try:
-        return dispatch(args)
-    except PlanError as exc:  # every refusal names its field or flag: one line, exit 2
-        message = " ".join(str(exc).split())
-        print(f"{parser.prog} {args.command}: error: {message}", file=sys.stderr)
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, run the command; a refusal is one line and 2, a closed stdout pipe is quiet."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        code = dispatch(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
+    except PlanError as exc:  # every refusal names its field, flag or variable
+        print(error_line(str(exc)), file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return CLOSED_PIPE
+    except SystemExit as exc:
+        # rich's consoles answer a closed pipe by raising SystemExit(1) while handling the
+        # BrokenPipeError (Console.on_broken_pipe, stdout already on /dev/null): the same case
+        if isinstance(exc.__context__, BrokenPipeError):
+            return CLOSED_PIPE
+        raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from dsv32_engine.distributed.group import (
     shutdown,
     spawn,
 )
+from dsv32_engine.serving.cli import error_line
 from dsv32_engine.serving.model_setup import model_config
 from dsv32_engine.serving.rank_engines import DPEngine, TPEngine
 from dsv32_engine.serving.report import summarize
@@ -48,6 +50,26 @@ KEPT = (
     "graph_kind",
     "device",
 )
+
+
+CPU_THREADS = 1
+"""Intra-op threads of a CPU run when neither ``--threads`` nor ``OMP_NUM_THREADS`` says: the
+tiny model's matrices are too small for a second thread to pay for its synchronisation, and
+with a busy neighbour core every op waits for the thread that lost its core (measured on a
+2-core machine: see the README's CPU timings)."""
+
+
+def cpu_threads(requested: int | None, device: str, env: Mapping[str, str]) -> int | None:
+    """The thread count a run sets (each rank its own), or None to keep torch's.
+
+    ``--threads`` wins; an explicit ``OMP_NUM_THREADS`` is kept (torch read it at import);
+    otherwise a CPU device gets :data:`CPU_THREADS`, a CUDA one torch's default.
+    """
+    if requested is not None:
+        return requested
+    if env.get("OMP_NUM_THREADS", "").strip():
+        return None
+    return CPU_THREADS if torch.device(device).type == "cpu" else None
 
 
 def layout(config: RunConfig) -> str:
@@ -156,8 +178,8 @@ def rank_main(data: dict[str, Any], options: dict[str, Any]) -> None:
             )
         device = rank_device(config, local)
         config = config.model_copy(update={"device": device})
-        if torch.device(device).type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        if options.get("threads") is not None:  # resolved by the launcher: see cpu_threads
+            torch.set_num_threads(options["threads"])
         d = config.distributed
         ctx = init(
             rank,
@@ -181,12 +203,8 @@ def rank_main(data: dict[str, Any], options: dict[str, Any]) -> None:
         if rank == 0:
             _report(layout(config), every, options)
     except PlanError as exc:
-        message = " ".join(str(exc).split())
-        print(
-            f"python -m planner decode: rank {os.environ.get('RANK')}: error: {message}",
-            file=sys.stderr,
-            flush=True,
-        )
+        line = error_line(f"rank {os.environ.get('RANK')}: {exc}")
+        print(line, file=sys.stderr, flush=True)
         sys.exit(2)
 
 
@@ -202,7 +220,7 @@ def _report(kind: str, every: list[dict[str, Any]], options: dict[str, Any]) -> 
         data = {"aggregate": total, "ranks": ranks, "tokens": tokens}
         Path(options["json"]).write_text(json.dumps(data, indent=2))
     if not total["agree"]:
-        print("error: ranks disagree (see the aggregate)", file=sys.stderr, flush=True)
+        print(error_line("ranks disagree (see the aggregate)"), file=sys.stderr, flush=True)
         sys.exit(1)
 
 

@@ -6,6 +6,7 @@ in a YAML key is an error naming the key, not a silently ignored setting.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -286,13 +287,18 @@ class RunConfig(_Section):
             )
 
 
-def _format(exc: ValidationError, origin: str) -> ConfigError:
+def _format(exc: ValidationError, origin: str, overridden: Iterable[str]) -> ConfigError:
+    """The first error, on its dotted field; the file is named only when the value came from
+    it (a value an override set is the caller's to name: the CLI names its flag)."""
     first = exc.errors()[0]
     where = ".".join(str(p) for p in first["loc"]) or "<root>"
     more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     value = first.get("input")
     shown = value if isinstance(value, (int, float, str, bool)) else None
-    return ConfigError(f"{origin}: {first['msg']}{more}", field=where, actual=shown)
+    message = first["msg"].removeprefix("Value error, ")  # pydantic's wrapping of a ValueError
+    if any(where == key or where.startswith(key + ".") for key in overridden):
+        return ConfigError(f"{message}{more}", field=where, actual=shown)
+    return ConfigError(f"{origin}: {message}{more}", field=where, actual=shown)
 
 
 def shipped_configs() -> list[str]:
@@ -356,6 +362,6 @@ def load_run_config(path: str | Path | None, overrides: dict[str, Any] | None = 
     try:
         config = RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise _format(exc, origin) from None
+        raise _format(exc, origin, overrides or {}) from None
     config.check_fits()
     return config

@@ -74,10 +74,11 @@ def test_under_torchrun_each_process_is_one_rank(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "env", "field"),
     [
-        (["--tp", "2", "--dp-attention", "2"], None, "distributed.dp_attention"),
-        (["--tp", "3"], None, "distributed.tp"),  # the tiny model's 8 heads
-        (["--tp", "2", "--draft", "ngram"], None, "speculative.draft"),
-        (["--tp", "2", "--dist-backend", "nccl"], None, "distributed.backend"),
+        # a value a flag set is reported on the flag (the message names the config key too)
+        (["--tp", "2", "--dp-attention", "2"], None, "--dp-attention"),
+        (["--tp", "3"], None, "--tp"),  # the tiny model's 8 heads
+        (["--tp", "2", "--draft", "ngram"], None, "--draft"),
+        (["--tp", "2", "--dist-backend", "nccl"], None, "--dist-backend"),
         (["--tp", "2", "--save-weights", "w.safetensors"], None, "--save-weights"),
         (
             [],

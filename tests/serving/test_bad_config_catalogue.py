@@ -20,6 +20,7 @@ from dsv32_engine.serving.dump_ring import DumpRing
 from dsv32_engine.serving.run_config import load_run_config
 from graphs import GraphRunner
 from planner import ConfigError, ProviderError, SchemaError
+from planner.debug import debug_from_env
 from tests.planner import test_bad_input_catalogue as planner_catalogue
 from tests.serving import test_cli_catalogue as cli_catalogue
 from tests.support import REPO, TINY_YAML
@@ -44,6 +45,29 @@ def _yaml(tmp: Path, text: str) -> Callable[[], object]:
         path = tmp / "bad.yaml"
         path.write_text(text)
         return load_run_config(path)
+
+    return load
+
+
+def _binary(tmp: Path) -> Callable[[], object]:
+    def load() -> object:
+        path = tmp / "binary.yaml"
+        path.write_bytes(bytes(range(256)) * 4)  # not UTF-8
+        return load_run_config(path)
+
+    return load
+
+
+def _not_blaming(path: Path, overrides: dict[str, object]) -> Callable[[], object]:
+    """Load with ``overrides``; the refusal of an overridden value must not name the file
+    (the value came from the caller: the CLI names its flag)."""
+
+    def load() -> object:
+        try:
+            return load_run_config(path, overrides)
+        except ConfigError as exc:
+            assert str(path) not in str(exc) and path.name not in str(exc), str(exc)
+            raise
 
     return load
 
@@ -202,6 +226,42 @@ def config_cases(tmp: Path) -> list[Case]:
             LOAD,
         ),
         Case(
+            "YAML syntax error names the file",
+            "config",
+            _yaml(tmp, "planner: [1\n"),
+            ConfigError,
+            "--config",
+            'in "' + str(tmp / "bad.yaml") + '", line 1',
+            LOAD,
+        ),
+        Case(
+            "binary file as a config",
+            "config",
+            _binary(tmp),
+            ConfigError,
+            "--config",
+            "not a text file",
+            LOAD,
+        ),
+        Case(
+            "bad YAML value names the file",
+            "config",
+            _yaml(tmp, "speculative:\n  draft_tokens: 9\n"),
+            ConfigError,
+            "speculative.draft_tokens",
+            str(tmp / "bad.yaml") + ": Input should be less than or equal to 8",
+            LOAD,
+        ),
+        Case(
+            "bad override value does not blame the file",
+            "config",
+            _not_blaming(TINY_YAML, {"speculative.draft_tokens": 9}),
+            ConfigError,
+            "speculative.draft_tokens",
+            "less than or equal to 8",
+            "dsv32_engine/serving/run_config.py _format",
+        ),
+        Case(
             "YAML that is not a mapping",
             "config",
             _yaml(tmp, "- planner\n"),
@@ -277,6 +337,15 @@ def config_cases(tmp: Path) -> list[Case]:
             "modes",
             "'target_verify'",
             "graphs/runner.py GraphRunner.__init__",
+        ),
+        Case(
+            "debug env value not a boolean",
+            "dump",
+            lambda: debug_from_env({"PLANNER_DEBUG": "maybe"}),
+            ConfigError,
+            "PLANNER_DEBUG",
+            "1/true/yes/on",
+            "planner/debug.py debug_from_env",
         ),
         Case(
             "dump env value not a count",

@@ -26,7 +26,7 @@ import torch
 
 from dsv32_engine.models.config import DSV32Config
 from dsv32_engine.models.model import DSV32Model
-from dsv32_engine.serving.cli import main
+from dsv32_engine.serving.cli import ERROR_PREFIX, main
 from tests.support import REPO
 from tests.support.dumps import probe_dump
 
@@ -40,6 +40,11 @@ class CliCase:
     """What the error line must contain: the flag, variable or field."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables (``{tmp}`` is the scratch directory)."""
+    not_named: str | None = None
+    """What the line must not contain (a flag's value blamed on the default config file)."""
+
+
+DEFAULT_YAML = "dsv32-tiny.yaml"
 
 
 def _decode(*args: str) -> Callable[[Path], list[str]]:
@@ -108,6 +113,64 @@ CASES = [
         {"PLANNER_DUMP_DIR": "{tmp}/ring", "PLANNER_DUMP_KEEP": "0"},
     ),
     CliCase("PLANNER_DEBUG not a boolean", _decode(), "PLANNER_DEBUG", {"PLANNER_DEBUG": "maybe"}),
+    CliCase(
+        "PLANNER_DEBUG not a boolean with --debug",
+        _decode("--debug"),
+        "PLANNER_DEBUG",
+        {"PLANNER_DEBUG": "maybe"},
+    ),
+    CliCase(
+        "PLANNER_DEBUG not a boolean on several ranks",
+        _decode("--tp", "2"),
+        "PLANNER_DEBUG",
+        {"PLANNER_DEBUG": "maybe"},
+    ),
+    CliCase(
+        "PLANNER_DUMP_EVERY not a number without a dump dir",
+        _decode(),
+        "PLANNER_DUMP_EVERY",
+        {"PLANNER_DUMP_EVERY": "abc"},
+    ),
+    CliCase(
+        "PLANNER_DUMP_EVERY not a number with --dump-every",
+        _decode("--dump-dir", "{tmp}/ring", "--dump-every", "2"),
+        "PLANNER_DUMP_EVERY",
+        {"PLANNER_DUMP_EVERY": "abc"},
+    ),
+    CliCase(
+        "PLANNER_DUMP_KEEP zero on several ranks",
+        _decode("--tp", "2"),
+        "PLANNER_DUMP_KEEP",
+        {"PLANNER_DUMP_KEEP": "0"},
+    ),
+    CliCase(
+        "PLANNER_DUMP_DIR on several ranks",
+        _decode("--tp", "2"),
+        "PLANNER_DUMP_DIR",
+        {"PLANNER_DUMP_DIR": "{tmp}/ring"},
+    ),
+    CliCase("--dump-every without a dump dir", _decode("--dump-every", "2"), "--dump-every"),
+    CliCase("--draft-tokens without a draft", _decode("--draft-tokens", "3"), "--draft-tokens"),
+    CliCase(
+        "--draft-tokens with --draft none",
+        _decode("--draft", "none", "--draft-tokens", "3"),
+        "--draft-tokens",
+    ),
+    CliCase("--compare-plain without a draft", _decode("--compare-plain"), "--compare-plain"),
+    CliCase(
+        "--draft-tokens out of range",
+        _decode("--draft", "ngram", "--draft-tokens", "9"),
+        "[--draft-tokens]",
+        not_named=DEFAULT_YAML,
+    ),
+    CliCase(
+        "--dist-timeout not positive",
+        _decode("--dist-timeout", "0"),
+        "[--dist-timeout]",
+        not_named=DEFAULT_YAML,
+    ),
+    CliCase("--tp not dividing the heads", _decode("--tp", "3"), "[--tp]"),
+    CliCase("--threads zero", _decode("--threads", "0"), "--threads"),
     CliCase("--max-steps negative", _decode("--max-steps", "-1"), "--max-steps"),
     CliCase("--max-steps zero", _decode("--max-steps", "0"), "--max-steps"),
     CliCase("--requests zero", _decode("--requests", "0"), "--requests"),
@@ -118,10 +181,24 @@ CASES = [
     CliCase("--provider unknown", _decode("--provider", "page_table=cutlass"), "page_table"),
     CliCase("--config missing", _decode("--config", "{tmp}/none.yaml"), "--config"),
     CliCase("--config not YAML", _decode("--config", "{tmp}/bad.yaml"), "--config"),
-    CliCase("--device unknown (decode)", _decode("--device", "tpu"), "device"),
+    CliCase(
+        "--config YAML error names the file",
+        _decode("--config", "{tmp}/bad.yaml"),
+        'bad.yaml", line 1',
+    ),
+    CliCase("--config a binary file", _decode("--config", "{tmp}/binary.yaml"), "not a text file"),
+    CliCase(
+        "--device unknown (decode)",
+        _decode("--device", "tpu"),
+        "[--device]",
+        not_named=DEFAULT_YAML,
+    ),
     CliCase("unknown flag", _decode("--max-stpes", "3"), "unrecognized arguments"),
     CliCase("backends --device unknown", _args("backends", "--device", "foo"), "--device"),
     CliCase("schema of an unknown backend", _args("schema", "nope"), "backend"),
+    CliCase("schema --mode unknown", _args("schema", "nsa", "--mode", "prefill"), "--mode"),
+    CliCase("schema --mode idle", _args("schema", "nsa", "--mode", "idle"), "--mode"),
+    CliCase("ops --device unknown", _args("ops", "--device", "foo"), "--device"),
     CliCase("inspect a missing dump", _args("inspect", "{tmp}/none"), "does not exist"),
     CliCase("inspect an empty folder", _args("inspect", "{tmp}/dir"), "dump.json is missing"),
     CliCase(
@@ -143,6 +220,7 @@ def scratch(tmp_path_factory) -> Path:
     (tmp / "dir").mkdir()
     (tmp / "file").write_text("not a weights file\n")
     (tmp / "bad.yaml").write_text("planner: [1\n")
+    (tmp / "binary.yaml").write_bytes(bytes(range(256)) * 4)  # not UTF-8
     probe_dump(tmp)  # tmp/d
     tiny = DSV32Config.tiny()
     other = tiny.model_copy(update={"num_hidden_layers": 1})
@@ -171,12 +249,14 @@ def test_bad_arguments_are_one_line_errors(case, scratch, capsys, monkeypatch):
     lines = err.strip().splitlines()
     assert code == 2, (code, err)
     assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(ERROR_PREFIX + " "), lines[0]  # one prefix for every command
     assert case.names in lines[0], lines[0]
+    assert case.not_named is None or case.not_named not in lines[0], lines[0]
     assert sorted(p.name for p in scratch.iterdir()) == before  # nothing written, no run folder
 
 
 PROCESS_CASES = ["--json in a missing directory", "PLANNER_DUMP_EVERY not a number"]
-PROCESS_CASES += ["backends --device unknown", "--max-steps negative"]
+PROCESS_CASES += ["backends --device unknown", "--max-steps negative", "--config a binary file"]
 
 
 def test_the_process_exits_2_with_one_line(scratch):
@@ -188,6 +268,7 @@ def test_the_process_exits_2_with_one_line(scratch):
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2, (case.kind, proc.stderr)
         assert len(lines) == 1 and "Traceback" not in proc.stderr, (case.kind, proc.stderr)
+        assert lines[0].startswith(ERROR_PREFIX + " "), lines[0]
         assert case.names in lines[0] and proc.stdout == "", case.kind
 
 
@@ -200,7 +281,7 @@ def test_help_imports_no_torch_and_is_quick():
         "except SystemExit:\n    pass\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
-    for argv in ([], ["decode"], ["inspect"], ["backends"]):
+    for argv in ([], ["decode"], ["inspect"], ["backends"], ["schema"], ["ops"]):
         cmd = [sys.executable, "-c", probe, *argv, "--help"]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr

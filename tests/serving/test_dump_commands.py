@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv32_engine.serving.cli import build_parser, dispatch
+from dsv32_engine.serving.cli import ERROR_PREFIX, build_parser, dispatch
 from dsv32_engine.serving.dump_ring import install_mismatch_dumps
 from dsv32_engine.serving.dumps import INDEX, dump_plans, load_dump
 from planner import DumpError, ForwardMode, PlanSet, ReplayError
@@ -309,7 +309,7 @@ def test_corrupt_dumps_raise_dump_error_naming_the_file(one_dump, case, capsys):
     for argv in (("inspect", str(path)), ("diff", str(path), str(path))):
         code, out, err = _run(capsys, *argv)
         assert code == 2 and out == ""
-        assert err.startswith(f"planner {argv[0]}: error: ") and len(err.strip().splitlines()) == 1
+        assert err.startswith(f"{ERROR_PREFIX} {argv[0]}: ") and len(err.strip().splitlines()) == 1
 
 
 def test_missing_and_foreign_paths(tmp_path, capsys):

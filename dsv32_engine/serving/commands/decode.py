@@ -10,59 +10,89 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError
 
 from dsv32_engine.distributed.group import launched_by_torchrun
 from dsv32_engine.serving.cli import DEFAULT_DECODE_CONFIG
 from dsv32_engine.serving.dump_ring import DEFAULT_KEEP, ENV_DIR, ENV_EVERY, ENV_KEEP
 from dsv32_engine.serving.engine import DecodeEngine, DumpSettings, RunResult
-from dsv32_engine.serving.launch import launch
+from dsv32_engine.serving.launch import cpu_threads, launch
 from dsv32_engine.serving.outputs import check_output_file, env_count, env_path, new_run_dir
 from dsv32_engine.serving.report import render, summarize
 from dsv32_engine.serving.run_config import RunConfig, load_run_config
+from planner.debug import debug_from_env
 from planner.errors import ConfigError
 
+FLAGS = {
+    "device": ("--device", "device"),
+    "requests": ("--requests", "loop.requests"),
+    "draft": ("--draft", "speculative.draft"),
+    "draft_tokens": ("--draft-tokens", "speculative.draft_tokens"),
+    "mla_kernel": ("--mla-kernel", "planner.mla_kernel"),
+    "tp": ("--tp", "distributed.tp"),
+    "dp_attention": ("--dp-attention", "distributed.dp_attention"),
+    "dist_backend": ("--dist-backend", "distributed.backend"),
+    "dist_timeout": ("--dist-timeout", "distributed.timeout_s"),
+    "dp_split": ("--dp-split", "distributed.dp_split"),
+}
+"""Flags that set one config key to their value: ``args`` name -> (the flag, the key)."""
 
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if args.device:
-        out["device"] = args.device
-    if args.requests is not None:
-        out["loop.requests"] = args.requests
-    if args.draft is not None:
-        out["speculative.draft"] = args.draft
-    if args.draft_tokens is not None:
-        out["speculative.draft_tokens"] = args.draft_tokens
+
+@dataclass(frozen=True)
+class Overrides:
+    """The config keys the command line sets, and the flag (or variable) that set each, so a
+    value the config refuses is reported on the flag the user typed, not on the YAML file."""
+
+    values: dict[str, Any]
+    flags: dict[str, str]
+
+    def named(self, exc: ConfigError) -> ConfigError:
+        """``exc`` reported on the flag that set its field (unchanged if no flag did)."""
+        key = exc.field or ""
+        owner = next((k for k in self.flags if key == k or key.startswith(k + ".")), None)
+        if owner is None:
+            return exc
+        return ConfigError(
+            f"{exc.message} (overrides {key})",
+            field=self.flags[owner],
+            expected=exc.expected,
+            actual=exc.actual,
+        )
+
+
+def _overrides(args: argparse.Namespace, env: Mapping[str, str]) -> Overrides:
+    values: dict[str, Any] = {}
+    flags: dict[str, str] = {}
+
+    def put(key: str, value: Any, flag: str) -> None:
+        values[key] = value
+        flags[key] = flag
+
+    for name, (flag, key) in FLAGS.items():
+        value = getattr(args, name, None)
+        if value is not None:
+            put(key, value, flag)
     if args.compare_plain:
-        out["speculative.compare_plain"] = True
-    if args.mla_kernel is not None:
-        out["planner.mla_kernel"] = args.mla_kernel
+        put("speculative.compare_plain", True, "--compare-plain")
     if args.staging is not None:
-        out["planner.staging_in_graph"] = {"auto": "auto", "graph": True, "copy": False}[
-            args.staging
-        ]
+        staging = {"auto": "auto", "graph": True, "copy": False}[args.staging]
+        put("planner.staging_in_graph", staging, "--staging")
     if args.no_graphs:
-        out["graphs.enabled"] = False
+        put("graphs.enabled", False, "--no-graphs")
     if args.debug:
-        out["planner.debug"] = True
+        put("planner.debug", True, "--debug")
+    elif debug_from_env(env):  # the planner reads it too; here it also turns on --tp's digests
+        put("planner.debug", True, "PLANNER_DEBUG")
     if args.load_weights:
-        out["model.weights"] = str(args.load_weights)
-    flags = {
-        "tp": "distributed.tp",
-        "dp_attention": "distributed.dp_attention",
-        "dist_backend": "distributed.backend",
-        "dist_timeout": "distributed.timeout_s",
-        "dp_split": "distributed.dp_split",
-    }
-    for name, key in flags.items():
-        if getattr(args, name, None) is not None:
-            out[key] = getattr(args, name)
+        put("model.weights", str(args.load_weights), "--load-weights")
     if getattr(args, "digests", False):
-        out["distributed.digests"] = True
+        put("distributed.digests", True, "--digests")
     providers = {}
     for item in args.provider:
         op, sep, name = item.partition("=")
@@ -70,8 +100,38 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError("expected OP=PROVIDER", field="--provider", actual=item)
         providers[op] = name
     if providers:
-        out["planner.providers"] = providers
-    return out
+        put("planner.providers", providers, "--provider")
+    return Overrides(values, flags)
+
+
+def check_environment(env: Mapping[str, str]) -> None:
+    """Every ``PLANNER_*`` variable ``decode`` reads, checked up front whatever the flags:
+    a flag that takes precedence, or a run on several ranks, must not hide a typo."""
+    debug_from_env(env)
+    env_count(env, ENV_EVERY, 1)
+    env_count(env, ENV_KEEP, DEFAULT_KEEP)
+
+
+def check_flags(config: RunConfig, args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Flags the run would accept and never use are refused, naming the flag."""
+    spec = config.speculative
+    for flag, given in (
+        ("--draft-tokens", args.draft_tokens),
+        ("--compare-plain", args.compare_plain),
+    ):
+        if given and not spec.enabled:
+            raise ConfigError(
+                "speculative decoding is off: give --draft ngram|mtp, or a config whose "
+                "speculative.draft is not none",
+                field=flag,
+                actual=f"speculative.draft = {spec.draft}",
+            )
+    if args.dump_dir is None and env_path(env, ENV_DIR) is None:
+        for flag, given in (("--dump-every", args.dump_every), ("--dump-keep", args.dump_keep)):
+            if given is not None:
+                raise ConfigError(
+                    f"no plan dumps are written: give --dump-dir or {ENV_DIR}", field=flag
+                )
 
 
 @dataclass(frozen=True)
@@ -83,7 +143,7 @@ class Outputs:
     dumps: DumpSettings | None
 
 
-def _dump_settings(args: argparse.Namespace, env: dict[str, str]) -> DumpSettings | None:
+def _dump_settings(args: argparse.Namespace, env: Mapping[str, str]) -> DumpSettings | None:
     """The flags first, then ``PLANNER_DUMP_*``; each value named by where it came from."""
     every = args.dump_every or env_count(env, ENV_EVERY, 1)
     keep = args.dump_keep or env_count(env, ENV_KEEP, DEFAULT_KEEP)
@@ -95,7 +155,7 @@ def _dump_settings(args: argparse.Namespace, env: dict[str, str]) -> DumpSetting
     return DumpSettings(new_run_dir(base, field), every=every, keep=keep)
 
 
-def check_outputs(args: argparse.Namespace, env: dict[str, str]) -> Outputs:
+def check_outputs(args: argparse.Namespace, env: Mapping[str, str]) -> Outputs:
     """Check every path the run writes before it starts (the dump folder is made last)."""
     json_path = check_output_file(args.json, "--json") if args.json else None
     weights = check_output_file(args.save_weights, "--save-weights") if args.save_weights else None
@@ -139,11 +199,26 @@ def _dump_line(engine: DecodeEngine, directory: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the engine from the config and flags, serve the workload, print the summary."""
-    config = load_run_config(args.config or DEFAULT_DECODE_CONFIG, _overrides(args))
+    """Build the engine from the config and flags, serve the workload, print the summary;
+    a value the config refuses is reported on the flag that set it."""
+    env = dict(os.environ)
+    check_environment(env)
+    overrides = _overrides(args, env)
+    try:
+        return _run(args, env, overrides)
+    except ConfigError as exc:
+        raise overrides.named(exc) from None
+
+
+def _run(args: argparse.Namespace, env: dict[str, str], overrides: Overrides) -> int:
+    config = load_run_config(args.config or DEFAULT_DECODE_CONFIG, overrides.values)
+    check_flags(config, args, env)
+    threads = cpu_threads(args.threads, config.device, env)
     if config.distributed.world > 1 or launched_by_torchrun():
-        return run_ranks(config, args)
-    outputs = check_outputs(args, dict(os.environ))
+        return run_ranks(config, args, env, threads)
+    outputs = check_outputs(args, env)
+    if threads is not None:
+        torch.set_num_threads(threads)  # before the model is built: the first heavy work
     try:
         engine = DecodeEngine(config, dumps=outputs.dumps)
     except BaseException:
@@ -159,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         keep_tokens=outputs.json is not None or compare,
     )
     summary = summarize(engine, result)
+    summary["cpu_threads"] = torch.get_num_threads()
     if compare:
         summary["plain"] = plain_baseline(config, engine, result, args)
     render(summary)
@@ -170,17 +246,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_ranks(config: RunConfig, args: argparse.Namespace) -> int:
-    """Several ranks: only the flags that make sense there; per-rank and aggregate summaries."""
-    for flag in ("save_weights", "dump_dir", "compare_plain"):
-        if getattr(args, flag, None):
+def run_ranks(
+    config: RunConfig, args: argparse.Namespace, env: Mapping[str, str], threads: int | None
+) -> int:
+    """Several ranks: only the flags that make sense there; per-rank and aggregate summaries.
+    Each rank sets ``threads`` (None: torch's own, from ``OMP_NUM_THREADS``) itself."""
+    unsupported = [
+        ("--save-weights", args.save_weights),
+        ("--dump-dir", args.dump_dir),
+        ("--compare-plain", args.compare_plain),
+        (ENV_DIR, env_path(env, ENV_DIR)),
+    ]
+    for flag, given in unsupported:
+        if given:
             raise ConfigError(
                 "not supported with several ranks yet",
-                field="--" + flag.replace("_", "-"),
+                field=flag,
                 expected=f"a single-rank run (distributed world {config.distributed.world})",
             )
     json_path = check_output_file(args.json, "--json") if args.json else None
-    options = {"max_steps": args.max_steps, "json": str(json_path) if json_path else None}
+    options = {
+        "max_steps": args.max_steps,
+        "json": str(json_path) if json_path else None,
+        "threads": threads,
+    }
     return launch(config, options)
 
 

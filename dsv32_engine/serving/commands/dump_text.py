@@ -10,6 +10,7 @@ from typing import Any, TextIO
 import torch
 from rich.console import Console
 
+from dsv32_engine.serving.cli import error_line
 from dsv32_engine.serving.dumps import FieldRecord, LoadedDump, json_value
 
 
@@ -20,8 +21,11 @@ def make_console(out: TextIO) -> Console:
 
 
 def fail(command: str, exc: BaseException) -> int:
-    message = " ".join(str(exc).split()) or type(exc).__name__
-    print(f"planner {command}: error: {message}", file=sys.stderr)
+    """A dump that cannot be read: one line (the CLI's prefix, the command), exit status 2."""
+    print(
+        error_line(f"{command}: {exc}" if str(exc) else f"{command}: {type(exc).__name__}"),
+        file=sys.stderr,
+    )
     return 2
 
 
