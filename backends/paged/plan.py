@@ -1,7 +1,8 @@
 """The paged backend's plan: what a paged decode / verify attention kernel reads.
 
 The smallest complete backend: one schema, no ops of its own (it reuses the
-shared ones in ``backends.common``). The README's example of registering one.
+shared ones in ``backends.common``). The README and docs/backends.md point here as
+the in-tree model of a backend.
 """
 
 from __future__ import annotations
