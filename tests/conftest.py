@@ -34,11 +34,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def _registries_restored():
-    """A test's own backends and ops are forgotten when it ends: the registries are
+@pytest.fixture
+def isolated_registries():
+    """The test's own backends and ops are forgotten when it ends: the registries are
     process-wide, and a test schema left registered (one naming an op that does not exist,
-    on purpose) would show up in every later listing of the registered backends."""
+    on purpose) would show up in every later listing of the registered backends. For tests
+    that declare throwaway schemas inside the test (not for schemas built once per
+    process and cached)."""
     backends = registry_module.all_plan_classes()  # loads the entry points first
     ops = dict(ops_module.all_ops())
     yield

@@ -65,7 +65,8 @@ from tests.support.catalogue import (
 )
 from tests.support.spec_batches import draft_decode_batch, draft_extend_batch
 
-pytestmark = pytest.mark.usefixtures("fresh_deep_gemm")  # a CUDA planner tries deep_gemm once
+# a CUDA planner tries deep_gemm once; throwaway schemas are forgotten after each test
+pytestmark = pytest.mark.usefixtures("fresh_deep_gemm", "isolated_registries")
 
 VERIFY = ForwardMode.TARGET_VERIFY
 DOOR = "planner/checks.py validate_batch"

@@ -22,6 +22,9 @@ from planner import (
 from planner.errors import ProviderError
 from planner.schema import parse_dim, resolve_shape
 
+# The tests declare throwaway schemas (one naming an op that does not exist): forgotten after.
+pytestmark = pytest.mark.usefixtures("isolated_registries")
+
 
 def test_specs_are_collected_in_declaration_order():
     assert list(PagedPlan.tensor_specs)[:3] == ["seq_lens", "req_pool_indices", "out_cache_loc"]

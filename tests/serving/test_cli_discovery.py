@@ -60,6 +60,8 @@ def test_backends_json_labels_every_plan_by_mode(capsys):
     plans = {(r["backend"], r["plan"]): r["modes"] for r in rows}
     for backend, classes in all_plan_classes().items():
         for cls in classes:
+            if backend.startswith("test-"):
+                continue  # other tests' throwaway schemas, some built once per process
             if any(spec.op for spec in cls.tensor_specs.values()):
                 assert set(plans[(backend, cls.__name__)]) == {m.value for m in cls.modes}
     (schedule,) = [r for r in rows if r["plan"] == "NSAPlan" and r["field"] == "schedule"]
@@ -71,6 +73,8 @@ def test_backends_table_names_every_plan_and_full_names_when_piped(capsys):
     out = _run(capsys, "backends")
     for backend, classes in all_plan_classes().items():
         for cls in classes:
+            if backend.startswith("test-"):
+                continue  # other tests' throwaway schemas, some built once per process
             if any(spec.op for spec in cls.tensor_specs.values()):
                 modes = [m.value for m in sorted(cls.modes, key=list(ForwardMode).index)]
                 assert f"{backend}: {cls.__name__} (modes: {', '.join(modes)})" in out
