@@ -29,9 +29,10 @@ class ForwardMode(str, enum.Enum):
     - ``idle``: no request at all, for a data-parallel rank with no work; it
       replays a decode graph whose every row is padding;
     - ``extend``: new tokens after an optional cached prefix, a different number
-      per request (prefill, chunked prefill); eager;
+      per request (prefill, chunked prefill); a full graph per (requests, tokens)
+      bucket, eager past the stated bounds (``Limits.ragged_kv_tokens``, ``max_tokens``);
     - ``mixed``: extend and decode requests in one batch (a decode request is an
-      extend of one token); eager.
+      extend of one token); captured like extend.
     - ``draft_extend``: the draft model catches up on each request's accepted
       tokens (1..``next_n``, a different number per request), padded to
       ``next_n`` rows per request so shapes stay static (full graph);

@@ -310,32 +310,96 @@ def check_table_width(table: torch.Tensor, longest: int) -> None:
         )
 
 
-def check_pad_to(pad_to: object, bs: int, max_batch: int, mode: ForwardMode) -> int | None:
-    """``plan(batch, pad_to=n)``: a captured size that holds the batch, for a uniform mode;
-    the size as a Python int."""
-    if pad_to is None:
-        return None
-    pad_to = check_size("pad_to", pad_to, bs, max_batch, "pad_to out of range")
-    if mode.ragged:
+def check_pad_to(
+    pad_to: object,
+    pad_tokens: object,
+    bs: int,
+    max_batch: int,
+    max_tokens: int,
+    mode: ForwardMode,
+) -> tuple[int | None, int | None]:
+    """``plan(batch, pad_to=n, pad_tokens=t)``: a captured bucket's shape (a ragged one names
+    both, a uniform one only ``pad_to``, which holds the batch); both as Python ints."""
+    if pad_tokens is not None and not mode.ragged:
         raise BatchError(
-            "ragged batches are planned eagerly, never padded to a captured size",
-            field="pad_to",
-            actual=pad_to,
+            f"a {mode.value} batch pads requests only: leave pad_tokens out",
+            field="pad_tokens",
+            expected=None,
+            actual=pad_tokens,
         )
-    return pad_to
-
-
-def check_capture(mode: ForwardMode, bs: object, max_batch: int) -> int:
-    """``capture(bs, mode)``: a uniform mode (idle replays decode's graphs) and a size in range;
-    the size as a Python int."""
-    if mode.ragged or mode is ForwardMode.IDLE:
+    if pad_to is None:
+        if pad_tokens is not None:
+            raise BatchError("pad_tokens comes with pad_to", field="pad_to", actual=None)
+        return None, None
+    pad_to = check_size("pad_to", pad_to, bs, max_batch, "pad_to out of range")
+    if not mode.ragged:
+        return pad_to, None
+    if pad_tokens is None:
         raise BatchError(
-            "only uniform modes are captured (idle batches replay the decode graphs)",
+            "a ragged batch padded to a bucket names its token bucket too",
+            field="pad_tokens",
+            expected=f"an int in [1, {max_tokens}]",
+            actual=None,
+        )
+    return pad_to, check_size("pad_tokens", pad_tokens, 1, max_tokens, "out of range")
+
+
+def check_capture(
+    mode: ForwardMode, bs: object, tokens: object, max_batch: int, max_tokens: int
+) -> tuple[int, int | None]:
+    """``capture(bs, mode, tokens=)``: a capturable mode (idle replays decode's graphs), a
+    size in range, and for a ragged mode its token bucket in ``[1, max_tokens]`` (a bucket
+    smaller than ``bs`` holds batches of as many requests as tokens at most), else none;
+    both as Python ints."""
+    if mode is ForwardMode.IDLE:
+        raise BatchError(
+            "idle batches replay the decode graphs",
             field="mode",
-            expected=[m.value for m in ForwardMode if not m.ragged and m is not ForwardMode.IDLE],
+            expected=[m.value for m in ForwardMode if m is not ForwardMode.IDLE],
             actual=mode.value,
         )
-    return check_size("bs", bs, 1, max_batch, "capture size out of range")
+    bs = check_size("bs", bs, 1, max_batch, "capture size out of range")
+    if not mode.ragged:
+        if tokens is not None:
+            raise BatchError(
+                f"a {mode.value} capture's tokens follow from bs: leave tokens out",
+                field="tokens",
+                expected=None,
+                actual=tokens,
+            )
+        return bs, None
+    if tokens is None:
+        raise BatchError(
+            f"a {mode.value} capture names its token bucket",
+            field="tokens",
+            expected=f"an int in [1, {max_tokens}]",
+            actual=None,
+        )
+    return bs, check_size("tokens", tokens, 1, max_tokens, "token bucket out of range")
+
+
+def check_bucket(batch: ForwardBatch, tokens: int, kv_tokens: int, name: str) -> None:
+    """A ragged batch fits a bucket of ``tokens`` query tokens (padding requests add none)
+    and its KV lengths' sum the stated bound ``kv_tokens`` (``Limits.kv_token_capacity``;
+    the flat KV holds the padding requests' entries on top). ``name``: the argument that
+    named the token bucket."""
+    real = batch.num_tokens
+    if real > tokens:
+        raise BatchError(
+            "more query tokens than the token bucket",
+            field=name,
+            expected=f">= {real}",
+            actual=tokens,
+        )
+    kv = int(batch.seq_lens_cpu.numpy().sum(dtype=np.int64))
+    if kv > kv_tokens:
+        raise BatchError(
+            "KV tokens past the bound of a captured ragged batch (Limits.ragged_kv_tokens): "
+            "the step runs eagerly",
+            field="seq_lens_cpu",
+            expected=f"<= {kv_tokens} in all",
+            actual=kv,
+        )
 
 
 _INT32 = (np.iinfo(np.int32).min, np.iinfo(np.int32).max)

@@ -18,6 +18,12 @@ class Limits(BaseModel):
     default one whole longest request fits. ``num_sms`` sizes the deep_gemm
     schedule (132 on an H200). ``kv_slots``, when given, lets the planner
     range-check ``out_cache_loc`` and the token table's entries.
+    ``ragged_kv_tokens`` is the stated bound of a captured extend or mixed batch's total KV
+    (the sum of its KV lengths, one per padding request included): the flat gathered KV of a
+    ragged capture is that long, and a ragged step past it cannot replay (it runs eagerly).
+    Unset, it is ``max_batch * max_context`` (:attr:`kv_token_capacity`), and ragged static
+    buffers count against ``max_static_bytes`` only once a ragged capture is made; set, they
+    count from the start.
     ``max_static_bytes`` bounds the static buffers a planner will allocate for
     its captured plans: past it, the planner refuses to build (naming the field
     that takes the most) instead of trying to allocate.
@@ -38,6 +44,9 @@ class Limits(BaseModel):
     )
     max_tokens: int | None = Field(
         default=None, ge=1, le=1 << 24, description="query tokens of one extend or mixed batch"
+    )
+    ragged_kv_tokens: int | None = Field(
+        default=None, ge=1, le=(1 << 31) - 1, description="total KV of a captured ragged batch"
     )
     num_sms: int = Field(
         default=132, ge=1, le=4096, description="SMs the schedule splits work over"
@@ -95,6 +104,14 @@ class Limits(BaseModel):
         if self.max_tokens is not None:
             return self.max_tokens
         return max(self.max_batch * self.next_n, self.max_context)
+
+    @property
+    def kv_token_capacity(self) -> int:
+        """The total KV a captured ragged batch may hold (``ragged_kv_tokens``, by default
+        every request at ``max_context``)."""
+        if self.ragged_kv_tokens is not None:
+            return self.ragged_kv_tokens
+        return self.max_batch * self.max_context
 
     @property
     def max_pages(self) -> int:

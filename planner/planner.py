@@ -7,6 +7,22 @@
 - ``replay(batch)``: stage raw inputs (one host buffer, one transfer), run host ops, and
   hand back the very plan objects of the capture.
 
+Ragged modes (extend, mixed) are captured per bucket: ``bs`` requests and ``tokens`` query
+tokens (``capture(bs, mode, tokens=)``). A bucket holds batches of at most ``bs`` requests,
+``tokens`` tokens and ``Limits.kv_token_capacity`` KV tokens in all; its flat KV is
+``min(bs * max_context, kv_token_capacity)`` entries long plus the padding requests'.
+Padding layout: the real requests' tokens come first, request-major, as unpadded; padding
+requests (``bs - real``) hold the per-request pads (``extend_lens`` 0: they add no token;
+``seq_lens`` 1 on pool row 0, the null request, whose column 0 is the null slot 0); every
+padding token (``tokens - real tokens``) lies past the last request's tokens and holds the
+per-token pads (``out_cache_loc`` 0: it writes the null slot). The ops then give
+``qo_indptr`` flat at the real token count over the padding requests, ``kv_indptr`` one up
+per padding request (whose flat KV entry is the null slot), each padding token its op's
+pads (``token_request`` the op's ``pad``, lengths 1, ``kv_ranges`` (0, 1): a read of flat
+entry 0, never a write), and each padding request's ``logit_rows`` the last real token's
+row. Real rows equal the unpadded eager plan's; ``plan(batch, pad_to=bs,
+pad_tokens=tokens)`` is what a replay of the bucket equals bit for bit.
+
 All three go through :func:`materialise` (stage, lay out, run steps); a phase only says
 which storage and which steps it uses. Debug mode runs the same replay and then proves its
 plans equal a fresh eager plan (:meth:`Planner.verify`). Layers receive a :class:`PlanSet`
@@ -27,11 +43,13 @@ from planner.batch import (
     BATCH,
     BATCH_TABLES,
     HOST_INPUTS,
+    RAGGED_MODES,
     ForwardBatch,
     ForwardMode,
     batches_of,
 )
 from planner.checks import (
+    check_bucket,
     check_capture,
     check_pad_to,
     check_replay_size,
@@ -318,7 +336,8 @@ class Planner:
         self.staging = "copy" if transport is None else getattr(transport, "name", "custom")
         """How captured plans' inputs reach the device (the transport's name), for reports."""
         self.storages.check_budget()  # before any static buffer is allocated
-        self._captured: dict[tuple[ForwardMode, int], CapturedBatch] = {}
+        self._captured: dict[tuple[ForwardMode, int | tuple[int, int]], CapturedBatch] = {}
+        """By (mode, bucket): the size, or in a ragged mode (size, token bucket)."""
         self._last: CapturedBatch | None = None
         """The capture the last replay staged into (its graph's launch comes next)."""
         self._warmed = False
@@ -428,22 +447,31 @@ class Planner:
 
     # ---- eager ----------------------------------------------------------------------------
 
-    def plan(self, batch: ForwardBatch, *, pad_to: int | None = None) -> PlanSet:
+    def plan(
+        self, batch: ForwardBatch, *, pad_to: int | None = None, pad_tokens: int | None = None
+    ) -> PlanSet:
         """Eager plans in tensors of their own.
 
-        ``pad_to`` plans the batch padded to that many requests at the static shapes a
-        captured plan has: what a replay of that size must equal. An idle batch is planned
-        as one padding request, so kernels never see an empty batch (deep_gemm cannot
-        compile one).
+        ``pad_to`` plans the batch padded to that many requests (a ragged batch also to
+        ``pad_tokens`` query tokens) at the static shapes a captured plan has: what a replay
+        of that bucket must equal. An idle batch is planned as one padding request, so
+        kernels never see an empty batch (deep_gemm cannot compile one).
         """
-        return self._plan(batch, pad_to=pad_to, count=True)
+        return self._plan(batch, pad_to=pad_to, pad_tokens=pad_tokens, count=True)
 
-    def _plan(self, batch: ForwardBatch, *, pad_to: int | None, count: bool) -> PlanSet:
+    def _plan(
+        self, batch: ForwardBatch, *, pad_to: int | None, pad_tokens: int | None, count: bool
+    ) -> PlanSet:
         start = time.perf_counter()
         mode = self._validate(batch, device_reads=True)
-        pad_to = check_pad_to(pad_to, batch.bs, self.limits.max_batch, mode)
+        limits = self.limits
+        pad_to, pad_tokens = check_pad_to(
+            pad_to, pad_tokens, batch.bs, limits.max_batch, limits.extend_tokens, mode
+        )
+        if pad_tokens is not None:
+            check_bucket(batch, pad_tokens, limits.kv_token_capacity, "pad_tokens")
         reqs = pad_to or max(batch.bs, 1)
-        sets = [self._plan_one(one, mode, reqs, pad_to) for one in batches_of(batch)]
+        sets = [self._plan_one(one, mode, reqs, pad_to, pad_tokens) for one in batches_of(batch)]
         plans = PlanSet.stepped(sets, "eager", mode, reqs, batch.bs) if mode.stepped else sets[0]
         if count:
             steps = self.program(mode).steps
@@ -451,13 +479,18 @@ class Planner:
         return plans
 
     def _plan_one(
-        self, batch: ForwardBatch, mode: ForwardMode, reqs: int, pad_to: int | None
+        self,
+        batch: ForwardBatch,
+        mode: ForwardMode,
+        reqs: int,
+        pad_to: int | None,
+        pad_tokens: int | None = None,
     ) -> PlanSet:
         """One eager plan set (of one step, for a stepped batch) in fresh tensors."""
         program, planned = self.program(mode), mode.plans_as
         # Only sizes so far: staging range-checks the lengths before anything is allocated.
         if pad_to is not None:
-            dims = self.dims(mode, reqs, self.limits.max_context)
+            dims = self._static_dims(mode, reqs, pad_tokens)
         else:
             max_len, kv_tokens = lengths_max_sum(batch.seq_lens_cpu, program.next_n)
             tokens = batch.num_tokens if mode.ragged else reqs * program.next_n
@@ -469,15 +502,28 @@ class Planner:
         ((tensors, handles),) = materialise(
             [storage], [batch], reqs, dims, ranges, None, read_device=True, read_table=table_read
         )
-        return PlanSet(build_plans(program, tensors, handles, dims), "eager", mode, reqs, batch.bs)
+        plans = build_plans(program, tensors, handles, dims)
+        return PlanSet(plans, "eager", mode, reqs, batch.bs, tokens=pad_tokens)
+
+    def _static_dims(self, mode: ForwardMode, bs: int, tokens: int | None) -> dict[str, int]:
+        """The dimensions of a capture of ``bs`` requests (and in a ragged mode ``tokens``)."""
+        if tokens is None:
+            return self.dims(mode, bs, self.limits.max_context)
+        kv_tokens = self.storages.kv_tokens(mode, bs)
+        return self.dims(mode, bs, self.limits.max_context, tokens, kv_tokens)
 
     # ---- capture --------------------------------------------------------------------------
 
-    def dummy_batch(self, bs: int, mode: ForwardMode, req_to_token: torch.Tensor) -> ForwardBatch:
+    def dummy_batch(
+        self, bs: int, mode: ForwardMode, req_to_token: torch.Tensor, tokens: int | None = None
+    ) -> ForwardBatch:
         """What a capture runs its ops on: ``bs`` requests of the shortest legal length, all on
         the null request (row 0 of the token table, slot 0), so nothing real is read or
-        written. A draft extend accepts all ``next_n`` tokens of each."""
+        written. A draft extend accepts all ``next_n`` tokens of each; a ragged batch of a
+        ``tokens`` bucket has ``min(bs, tokens)`` requests of one token (the rest padding)."""
         n = self.tokens_per_request(mode)
+        if tokens is not None:
+            bs = min(bs, tokens)
         return ForwardBatch(
             seq_lens_cpu=torch.full((bs,), n, dtype=torch.int32),
             req_pool_indices=torch.zeros(bs, dtype=torch.int32),
@@ -485,23 +531,35 @@ class Planner:
             out_cache_loc=torch.zeros(bs * n, dtype=torch.int32),
             mode=mode,
             next_n=n,
-            extend_lens_cpu=torch.full((bs,), n, dtype=torch.int32) if mode.padded_rows else None,
+            extend_lens_cpu=(
+                torch.full((bs,), n, dtype=torch.int32) if mode.padded_rows or mode.ragged else None
+            ),
         )
 
     def capture(
-        self, bs: int, mode: ForwardMode = ForwardMode.DECODE, *, req_to_token: torch.Tensor
+        self,
+        bs: int,
+        mode: ForwardMode = ForwardMode.DECODE,
+        *,
+        req_to_token: torch.Tensor,
+        tokens: int | None = None,
     ) -> PlanSet:
-        """Plans over static buffers for batches padded to ``bs``, filled from a dummy batch.
+        """Plans over static buffers for batches padded to ``bs``, filled from a dummy batch;
+        a ragged mode's also to ``tokens`` query tokens (its token bucket, in ``[1,
+        Limits.extend_tokens]``; see the module docstring for the padding layout).
 
         Every op runs once here (warming up JIT kernels before the graph is captured). Call
         :meth:`record` inside the graph capture, before the layers.
         """
         mode = ForwardMode(mode)
-        bs = check_capture(mode, bs, self.limits.max_batch)
-        dummy = self.dummy_batch(bs, mode, req_to_token)
+        limits = self.limits
+        bs, tokens = check_capture(mode, bs, tokens, limits.max_batch, limits.extend_tokens)
+        dummy = self.dummy_batch(bs, mode, req_to_token, tokens)
         self._validate(dummy, device_reads=True)
         program = self.program(mode)
-        dims = self.dims(mode, bs, self.limits.max_context)
+        if tokens is not None:
+            _check_ragged_pads(program)
+        dims = self._static_dims(mode, bs, tokens)
         batches = batches_of(dummy)
         storages = self.storages.static(mode, len(batches))
         ranges = self.storages.ranges(mode, req_to_token)
@@ -510,7 +568,8 @@ class Planner:
         )
         steps, sets = [], []
         for batch, (tensors, handles) in zip(batches, results):
-            plans = PlanSet(build_plans(program, tensors, handles, dims), "capture", mode, bs, bs)
+            plans = build_plans(program, tensors, handles, dims)
+            plans = PlanSet(plans, "capture", mode, bs, bs, tokens=tokens)
             named = [(f"{b}.{n}", t) for b, p in plans.items() for n, t in p.tensors().items()]
             steps.append(CapturedStep(plans, tensors, handles, batch, named))
             sets.append(plans)
@@ -521,7 +580,7 @@ class Planner:
             or any(who != BATCH and name not in step.spec.binds for who, name in step.input_keys)
             for step in host_steps
         )
-        self._captured[(mode, bs)] = CapturedBatch(
+        self._captured[(mode, bs if tokens is None else (bs, tokens))] = CapturedBatch(
             top,
             steps,
             storages,
@@ -536,15 +595,28 @@ class Planner:
         return top
 
     def captured_batch_sizes(self, mode: ForwardMode = ForwardMode.DECODE) -> list[int]:
-        """Sizes :meth:`capture` has made plans for in ``mode``, ascending."""
-        return sorted(bs for m, bs in self._captured if m is ForwardMode(mode))
+        """Sizes :meth:`capture` has made plans for in ``mode``, ascending (a ragged mode's
+        request buckets, each once: :meth:`captured_buckets` has their token buckets)."""
+        return sorted({bs for bs, _ in self.captured_buckets(mode)})
 
-    def record(self, bs: int, mode: ForwardMode = ForwardMode.DECODE) -> None:
+    def captured_buckets(self, mode: ForwardMode = ForwardMode.DECODE) -> list[tuple[int, int]]:
+        """``(bs, tokens)`` of every capture in ``mode``, ascending: a ragged mode's token
+        buckets, a uniform mode's ``bs`` times its tokens per request."""
+        mode, per = ForwardMode(mode), self.tokens_per_request(mode)
+        return sorted(
+            bucket if isinstance(bucket, tuple) else (bucket, bucket * per)
+            for m, bucket in self._captured
+            if m is mode
+        )
+
+    def record(
+        self, bs: int, mode: ForwardMode = ForwardMode.DECODE, *, tokens: int | None = None
+    ) -> None:
         """Run the graph-safe ops on the static views; call inside graph capture, before the
         layers. First what the transport records (a graph that pulls its inputs itself)."""
         mode = ForwardMode(mode).plans_as  # an idle batch's graph is decode's
         captured = self._captured_for(
-            mode, check_size("bs", bs, 1, self.limits.max_batch, "size out of range")
+            mode, check_size("bs", bs, 1, self.limits.max_batch, "size out of range"), tokens
         )
         stager = captured.storages[0].stager
         stager.transport.record(stager.device_buf, first=not captured.recorded)
@@ -553,22 +625,29 @@ class Planner:
         for each in captured.steps:  # a stepped mode: every step's ops, in one graph
             run_steps(in_graph, each.tensors, each.dummy, static=True)
 
-    def _captured_for(self, mode: ForwardMode, bs: int) -> CapturedBatch:
-        captured = self._captured.get((mode, bs))
+    def _captured_for(self, mode: ForwardMode, bs: int, tokens: int | None) -> CapturedBatch:
+        captured = self._captured.get((mode, bs if tokens is None else (bs, tokens)))
         if captured is None:
+            ragged = tokens is not None and bs in self.captured_batch_sizes(mode)
             raise ReplayError(
-                f"no capture for mode {mode.value} at this size",
-                field="bs",
-                expected=self.captured_batch_sizes(mode),
-                actual=bs,
+                f"no capture for mode {mode.value} at this {'token bucket' if ragged else 'size'}",
+                field="tokens" if ragged else "bs",
+                expected=self.captured_buckets(mode)
+                if mode.ragged
+                else self.captured_batch_sizes(mode),
+                actual=(bs, tokens) if mode.ragged else bs,
             )
         return captured
 
     # ---- replay ---------------------------------------------------------------------------
 
-    def replay(self, batch: ForwardBatch, bs: int | None = None) -> PlanSet:
-        """Refresh the captured plans of size ``bs`` in place for ``batch``; return those same
-        objects.
+    def replay(
+        self, batch: ForwardBatch, bs: int | None = None, *, tokens: int | None = None
+    ) -> PlanSet:
+        """Refresh the captured plans of size ``bs`` (a ragged batch's: of bucket ``(bs,
+        tokens)``) in place for ``batch``; return those same objects. A batch the bucket
+        cannot hold (more requests, more tokens, KV past the bound) is refused before any
+        buffer is touched.
 
         Ops recorded in the graph run when the caller replays it; host ops (and, with
         ``ops_in_graph=False``, all ops) run here. Debug mode takes this same path, and also
@@ -578,7 +657,9 @@ class Planner:
         mode = self._validate(batch, device_reads=self.debug)
         real = batch.bs
         bs = check_replay_size(bs, real, self.limits.max_batch)
-        captured = self._captured_for(mode.plans_as, bs)
+        if tokens is not None or mode in RAGGED_MODES:
+            tokens = self._replay_tokens(batch, mode, bs, tokens)
+        captured = self._captured_for(mode.plans_as, bs, tokens)
         captured.check_table(batch.req_to_token)
         batches = batches_of(batch) if mode.stepped else [batch]
         captured.refresh(batches, bs, debug=self.debug)
@@ -588,6 +669,29 @@ class Planner:
             "replay", mode, captured.program_steps, len(batches), time.perf_counter() - start
         )
         return captured.plans
+
+    def _replay_tokens(
+        self, batch: ForwardBatch, mode: ForwardMode, bs: int, tokens: object
+    ) -> int:
+        """The token bucket of a ragged replay, checked to hold ``batch``; a uniform one has
+        none."""
+        if not mode.ragged:
+            raise BatchError(
+                f"a {mode.value} replay's tokens follow from bs: leave tokens out",
+                field="tokens",
+                expected=None,
+                actual=tokens,
+            )
+        if tokens is None:
+            raise BatchError(
+                f"a {mode.value} replay names its token bucket",
+                field="tokens",
+                expected=self.captured_buckets(mode),
+                actual=None,
+            )
+        tokens = check_size("tokens", tokens, 1, self.limits.extend_tokens, "out of range")
+        check_bucket(batch, tokens, self.limits.kv_token_capacity, "tokens")
+        return tokens
 
     def graph_launched(self) -> None:
         """The last :meth:`replay`'s graph was launched: its transport is told (a graph that
@@ -607,7 +711,7 @@ class Planner:
         Call after the graph has replayed (so graph-recorded ops have run). Also checks that
         padding rows hold the schemas' pad values.
         """
-        eager = self._plan(batch, pad_to=plans.reqs, count=False)
+        eager = self._plan(batch, pad_to=plans.reqs, pad_tokens=plans.tokens, count=False)
         program = self.program(plans.mode)
         self.stats.verified += 1
         real = self.real_rows(plans.mode, batch)
@@ -622,3 +726,18 @@ class Planner:
         """Debug mode: digest plans before and after the forward; a layer that wrote raises."""
         with guard(plans, self.debug):
             yield
+
+
+def _check_ragged_pads(program: Program) -> None:
+    """A captured ragged batch's padding requests add no tokens (the padding layout of the
+    module docstring): every staged ``extend_lens`` field pads with 0."""
+    for backend, cls in program.schemas.items():
+        for name, spec in cls.tensor_specs.items():
+            if spec.source == "extend_lens" and program.pads[(backend, name)] != 0:
+                raise SchemaError(
+                    "a captured ragged batch's padding requests add no tokens: extend_lens "
+                    "fields pad with 0",
+                    field=f"{backend}.{name}",
+                    expected=0,
+                    actual=program.pads[(backend, name)],
+                )

@@ -28,10 +28,12 @@ class PlanSet(Mapping[str, Plan]):
     A stepped batch (draft decode) has one plan set per step in ``steps``;
     layers of step ``s`` read ``plans.step(s)``. As a mapping it then holds
     every step's plans under ``backend@s`` (what diffs, digests and dumps walk),
-    so no code can read one step's plan believing it is the batch's.
+    so no code can read one step's plan believing it is the batch's. ``tokens`` is the token
+    bucket of a ragged plan set padded to static shapes (captured, or ``plan(pad_tokens=)``),
+    else None.
     """
 
-    __slots__ = ("_plans", "phase", "mode", "reqs", "real_reqs", "steps")
+    __slots__ = ("_plans", "phase", "mode", "reqs", "real_reqs", "steps", "tokens")
 
     def __init__(
         self,
@@ -41,8 +43,10 @@ class PlanSet(Mapping[str, Plan]):
         reqs: int,
         real_reqs: int,
         steps: Sequence[PlanSet] = (),
+        tokens: int | None = None,
     ):
         self._plans = plans
+        self.tokens = tokens
         self.phase = phase
         self.mode = mode
         self.reqs = reqs
@@ -99,7 +103,8 @@ class PlanSet(Mapping[str, Plan]):
         steps = f", {len(self.steps)} steps" if self.steps else ""
         return (
             f"PlanSet({self.phase}, {self.mode.value}, reqs={self.reqs}/{self.real_reqs}"
-            f"{steps}, {sorted(self._plans)})"
+            f"{'' if self.tokens is None else f', tokens={self.tokens}'}{steps}, "
+            f"{sorted(self._plans)})"
         )
 
 

@@ -155,6 +155,9 @@ class Program:
     def real_rows(self, batch: ForwardBatch) -> dict[str, int]:
         """How many leading entries of each batch dimension are real in a (step's) plan of
         ``batch``: the rest is padding, which must hold the schemas' pad values."""
+        if self.mode.ragged:  # one row per query token, padding tokens after the real ones
+            tokens = batch.num_tokens
+            return {"reqs": batch.bs, "rows": tokens, "tokens": tokens, "kernel_reqs": tokens}
         rows = batch.bs * self.next_n
         tokens = batch.num_tokens if self.mode.padded_rows else rows
         kernel = rows // int(self.settings.get("kernel_next_n", 1))
@@ -281,7 +284,7 @@ def build_program(
     next_n = int(base_settings["next_n"]) if mode in VERIFY_ROWS_MODES else 1
     layout = row_layout(mode, next_n, [s.get("native_next_n") for s in merged.values()])
     for backend, plan_cls in schemas.items():
-        if not mode.ragged:  # ragged modes run eagerly: no static buffers to keep contiguous
+        if not mode.ragged:  # ragged fields are flat views of their buffers (``(2, "tokens")``)
             check_static_shapes(plan_cls)
         settings = {**merged[backend], **layout}
         plan_cls.check_settings(settings)

@@ -47,8 +47,8 @@ _ATTR = {
 positions the engine left out) go through ``ForwardBatch.source``."""
 _BOUNDS_KEPT = 64
 """Bounds arrays kept per layout, for uniform batches (one key per batch size, on the replay
-hot path). Ragged batches' are not kept: their key is their token count, so a cache would
-grow with traffic, and they are planned eagerly anyway."""
+hot path). Ragged batches' are not kept: their key is their real token count, so a cache
+would grow with traffic (they pay the two-comparison pass instead)."""
 
 
 @dataclass(frozen=True)

@@ -307,10 +307,14 @@ def _kept(cache: dict, key: tuple, value):
 
 
 class StaticStorage(_Storage):
-    """Capture and replay: max-size buffers for one mode, and views of them per captured size.
+    """Capture and replay: max-size buffers for one mode, and views of them per captured size
+    (a ragged mode's per (size, token bucket)).
 
     The views of a size are made once and handed out again on every replay: the plans a
-    graph was captured with hold exactly these tensors.
+    graph was captured with hold exactly these tensors. Each field's view is the leading
+    part of its flat buffer, so a batch dimension anywhere in the shape (``(2, "tokens")``)
+    still gives a contiguous view. A bucket whose derived dimension exceeds what the
+    buffers were sized for gets a larger buffer for that field (earlier buckets keep theirs).
     """
 
     static = True
@@ -326,39 +330,44 @@ class StaticStorage(_Storage):
         super().__init__(program, segments, stager)
         self.buffers = {
             key: torch.zeros(
-                resolve_shape(spec.shape, max_dims, field=f"{key[0]}.{key[1]}"),
+                math.prod(resolve_shape(spec.shape, max_dims, field=f"{key[0]}.{key[1]}")),
                 dtype=spec.dtype,
                 device=stager.device,
             )
             for key, spec in _outputs(program.steps)
         }
-        self._views: dict[int, Tensors] = {}
+        self._grown: list[torch.Tensor] = []
+        self._views: dict[tuple[int, int], Tensors] = {}
 
     def tensors(self, staged: torch.Tensor, reqs: int, dims: Mapping[str, int]) -> Tensors:
-        """The plan tensors of a batch padded to ``reqs``: views of the staged region and of
-        the buffers, made once per size."""
-        views = self._views.get(reqs)
+        """The plan tensors of a batch padded to ``reqs`` requests and ``dims["tokens"]``
+        tokens: views of the staged region and of the buffers, made once per bucket."""
+        tokens = dims["tokens"]
+        views = self._views.get((reqs, tokens))
         if views is None:
-            tokens = dims["tokens"]
             views = {
                 key: staged[seg.offset : seg.offset + (tokens if seg.per_token else reqs)]
                 for key, seg in self.segments.items()
             }
             for key, spec in _outputs(self.program.steps):
-                # Only the leading dimension may follow the batch (a batch dimension, or a
-                # backend's derived one): slicing it keeps views contiguous, and a static
-                # leading dimension slices to the whole.
-                rows = resolve_shape(spec.shape[:1], dims, field=f"{key[0]}.{key[1]}")[0]
-                views[key] = self.buffers[key][:rows]
+                shape = resolve_shape(spec.shape, dims, field=f"{key[0]}.{key[1]}")
+                size, flat = math.prod(shape), self.buffers[key]
+                if size > flat.numel():
+                    flat = self.buffers[key] = torch.zeros(
+                        size, dtype=spec.dtype, device=flat.device
+                    )
+                    self._grown.append(flat)
+                views[key] = flat[:size].view(shape)
             for alias, owner in self.program.aliases.items():
                 views[alias] = views[owner]
-            self._views[reqs] = views
+            self._views[(reqs, tokens)] = views
         return views
 
     @property
     def nbytes(self) -> int:
         """Bytes of the plan buffers (the stager, maybe shared by steps, is counted apart)."""
-        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+        held = {id(t): t for t in (*self.buffers.values(), *self._grown)}
+        return sum(t.numel() * t.element_size() for t in held.values())
 
 
 Storage = FreshStorage | StaticStorage
@@ -395,6 +404,25 @@ class Storages:
         if mode.ragged:
             return self.limits.extend_tokens
         return reqs * self.programs[mode].next_n
+
+    def kv_tokens(self, mode: ForwardMode, reqs: int) -> int:
+        """Flat KV entries of a static batch of ``reqs`` requests: ``reqs * max_context``; for a
+        ragged mode at most :attr:`Limits.kv_token_capacity` (the stated bound), plus room
+        for the padding requests' KV (``seq_lens``' pad each)."""
+        full = reqs * self.limits.max_context
+        if not mode.ragged:
+            return full
+        program = self.programs[mode]
+        pad = max(  # what each padding request's KV length is: on top of the bound
+            (
+                int(program.pads[(backend, name)] or 0)
+                for backend, cls in program.schemas.items()
+                for name, spec in cls.tensor_specs.items()
+                if spec.source == "seq_lens"
+            ),
+            default=0,
+        )
+        return min(full, self.limits.kv_token_capacity) + reqs * pad
 
     def layout(self, mode: ForwardMode, reqs: int) -> StagingLayout:
         """Sized by request count, not by tokens: a ragged batch's layout holds the token
@@ -448,6 +476,8 @@ class Storages:
         ``steps``), all staged through one stager, so one transfer moves every step's inputs."""
         storages = self._static.get(mode)
         if storages is None:
+            if mode.ragged and self.limits.ragged_kv_tokens is None:
+                self.check_budget({mode})  # counted from the first capture: see static_estimate
             limits, program = self.limits, self.programs[mode]
             layout = self.layout(mode, limits.max_batch)
             segments = source_segments(program, layout)
@@ -467,8 +497,9 @@ class Storages:
     def max_dims(self, mode: ForwardMode) -> dict[str, int]:
         """The dimensions static buffers are sized for: the largest batch's, and for a
         backend's derived dimensions the largest value over every batch size (a split
-        count shrinks as the batch grows). Worked out once per mode: the budget check at build
-        and the first capture both need it, over every batch size."""
+        count shrinks as the batch grows), a ragged mode's at its token capacity (a token
+        bucket needing more grows the field: ``StaticStorage.tensors``). Worked out once per
+        mode: the budget check at build and the first capture both need it."""
         known = self._max_dims.get(mode)
         if known is not None:
             return known
@@ -481,22 +512,30 @@ class Storages:
                 reqs=reqs,
                 max_len=limits.max_context,
                 tokens=self.token_capacity(mode, reqs),
-                kv_tokens=reqs * limits.max_context,
+                kv_tokens=self.kv_tokens(mode, reqs),
             )
             for reqs in range(1, limits.max_batch + 1)
         ]
         known = self._max_dims[mode] = {name: max(d[name] for d in sizes) for name in sizes[-1]}
         return known
 
-    def static_estimate(self) -> dict[tuple[ForwardMode, str], int]:
+    def static_estimate(
+        self, include: frozenset[ForwardMode] | set[ForwardMode] = frozenset()
+    ) -> dict[tuple[ForwardMode, str], int]:
         """Bytes each static buffer will take, before any is made, in the modes a graph runner
-        captures (decode, and target-verify when ``next_n`` > 1; ragged modes are planned into
-        fresh tensors): each op field at the limits' largest shape, the staging buffer, and
-        the host buffer it is filled in (``"staging (host)"``, pinned on CUDA; not counted by
-        :meth:`nbytes`). A stepped mode (draft decode) keeps every buffer once per step."""
+        captures: decode, target-verify when ``next_n`` > 1, and a ragged mode (extend,
+        mixed) once it is captured, in ``include``, or from the start when
+        ``Limits.ragged_kv_tokens`` is set (unset, ragged buffers would count
+        ``max_batch * max_context`` KV entries against a planner that may never capture one).
+        Each op field at the limits' largest shape, the staging buffer, and the host buffer it
+        is filled in (``"staging (host)"``, pinned on CUDA; not counted by :meth:`nbytes`). A
+        stepped mode (draft decode) keeps every buffer once per step."""
         out: dict[tuple[ForwardMode, str], int] = {}
+        counted = set(include) | set(self._static)
         for mode, program in self.programs.items():
-            if mode.ragged or (mode is ForwardMode.TARGET_VERIFY and self.limits.next_n == 1):
+            if mode.ragged and mode not in counted and self.limits.ragged_kv_tokens is None:
+                continue
+            if mode is ForwardMode.TARGET_VERIFY and self.limits.next_n == 1:
                 continue
             steps = self.limits.draft_steps if mode.stepped else 1
             dims = self.max_dims(mode)
@@ -509,10 +548,13 @@ class Storages:
             out[(mode, "staging (host)")] = staging
         return out
 
-    def check_budget(self) -> None:
+    def check_budget(
+        self, include: frozenset[ForwardMode] | set[ForwardMode] = frozenset()
+    ) -> None:
         """Refuse limits whose static buffers would exceed ``Limits.max_static_bytes``, naming
-        the field that takes the most, before anything is allocated."""
-        estimate = self.static_estimate()
+        the field that takes the most, before anything is allocated (``include``: ragged
+        modes about to be captured, see :meth:`static_estimate`)."""
+        estimate = self.static_estimate(include)
         total, budget = sum(estimate.values()), self.limits.max_static_bytes
         if total <= budget:
             return
@@ -520,7 +562,8 @@ class Storages:
         raise ConfigError(
             f"static plan buffers would take {_gib(total)}, over Limits.max_static_bytes "
             f"({_gib(budget)}); the largest is {key} in {mode.value} ({_gib(most)}), sized by "
-            f"max_batch {self.limits.max_batch} and max_context {self.limits.max_context}: "
+            f"max_batch {self.limits.max_batch} and max_context {self.limits.max_context}"
+            f"{' (ragged: max_tokens, ragged_kv_tokens)' if mode.ragged else ''}: "
             "lower them, or raise max_static_bytes",
             field=key,
             expected=f"<= {budget} bytes",

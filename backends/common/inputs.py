@@ -49,15 +49,17 @@ class RaggedInputsPlan(Plan, modes=RAGGED_MODES):
     """The inputs of an extend or mixed batch: each request adds its own number of tokens.
 
     Per-token inputs are over ``tokens`` (the extend lengths' sum), per-request
-    ones over ``reqs``. Ragged batches run eagerly and are never padded, so the
-    pads only matter to tests that pad on purpose; they are the legal minimum.
+    ones over ``reqs``. A captured ragged batch is padded to its bucket: a padding
+    request adds no token (``extend_lens`` 0) and holds one null KV entry (``seq_lens``
+    1, pool row 0); padding tokens, after every request's, write the null slot 0
+    (``planner.planner`` states the layout).
     """
 
     seq_lens: Tensor = tensor_field(
         I32, ("reqs",), source="seq_lens", pad=1, doc="KV length per request, new tokens included"
     )
     extend_lens: Tensor = tensor_field(
-        I32, ("reqs",), source="extend_lens", pad=1, doc="tokens each request adds this step"
+        I32, ("reqs",), source="extend_lens", pad=0, doc="tokens each request adds this step"
     )
     req_pool_indices: Tensor = tensor_field(
         I32, ("reqs",), source="req_pool_indices", pad=0, doc="row of req_to_token"
