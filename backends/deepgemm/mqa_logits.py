@@ -54,6 +54,7 @@ from typing import Literal
 import torch
 
 from planner.errors import PlanError
+from planner.ops import capture_guarded
 
 from . import _native
 from .scores import parse_logits_dtype, refuse_fp4, split_scaled_q, weighted_head_sum
@@ -224,12 +225,14 @@ def reference_fp8_mqa_logits(
     the kernel's strided view. Unlike the kernel it writes ``-inf`` at EVERY position
     outside a row's range, with or without ``clean_logits``: uncompressed, columns outside
     ``[ks, ke)``; compressed, columns at or past ``ke - ks``. No host syncs (graph-safe);
-    ``check_values`` (default: only for CPU tensors) runs the data-reading range checks.
+    ``check_values`` (default: only for CPU tensors outside an emulated capture) runs the
+    data-reading range checks.
     Unchecked out-of-range values stay defined: KV indices are clamped, then masked.
     Works in chunks of KV columns to bound memory.
     """
     if check_values is None:
-        check_values = not q.is_cuda
+        # Off CUDA only, and not under an emulated capture: it reads the ranges on the host.
+        check_values = not q.is_cuda and not capture_guarded()
     tokens, kv_tokens, heads, dim = validate_mqa_logits_inputs(
         q, kv, weights, ks, ke, clean_logits, max_seqlen_k, check_values=check_values
     )

@@ -1,105 +1,61 @@
-"""The NSA extend plan's host op: how the prefill indexer's logits are cut into chunks.
+"""The extend indexer's static chunking: how many query tokens one ``fp8_mqa_logits`` call scores.
 
-The ragged indexer (deep_gemm's ``fp8_mqa_logits``) writes one fp32 score per
-query token and KV token it reads: a 16k-token prefill over a 16k context is
-a gigabyte. The chunking depends only on the batch's lengths, so it is
-planned once per batch, on the host, from ``seq_lens_cpu`` and
-``extend_lens_cpu``, and every layer walks the same chunks:
+The ragged indexer (deep_gemm's ``fp8_mqa_logits``) writes one fp32 score per query token
+and KV token it reads: a 16k-token prefill over a 16k context is a gigabyte, so the tokens
+are scored in chunks whose logits fit a budget (the ``indexer_logits_bytes`` setting).
+For a CUDA graph the chunks must not depend on the batch's values, so they are cut from
+shapes and plan scalars alone:
 
-- a token whose causal KV length is at most ``topk`` takes all its KV tokens
-  and needs no scores (the engines' "skip the indexer when the KV fits");
-- the other tokens are cut, in order, into chunks of consecutive tokens
-  whose compressed logits (``rows x widest row``, deep_gemm's
-  ``max_seqlen_k`` layout, rows padded to 256 columns) fit the budget.
+- every query token is scored, in chunks of ``C`` consecutive tokens (the last one shorter),
+  ``C = max(1, budget // (align(W, 256) * 4))`` (:func:`indexer_chunk_rows`);
+- every row is ``W = max_seq_len`` columns wide (deep_gemm's compressed ``max_seqlen_k``
+  layout, rows padded to 256 columns): the longest request's KV, which covers every token's
+  causal range. In an eager plan ``W`` is the batch's; in a captured one the static bound,
+  so the graph's chunks serve every batch it replays;
+- a token whose causal KV length is at most ``topk`` still takes all its KV (the engines'
+  "skip the indexer when the KV fits"): the layer selects it per row with ``torch.where``.
+  When ``W <= topk`` no token can be scored, and the layer scores nothing (a plan scalar,
+  so a graph decides it at capture).
 
-The op writes a 4-entry summary (chunks, scored tokens, tokens taken whole,
-largest chunk's logits bytes) for dumps, and returns the chunks as the plan's
-handle: extend batches run eagerly, so the layers read them on the host.
+``C`` is a derived dimension of :class:`~backends.nsa.extend_plan.NSAExtendPlan`
+(``indexer_chunk_rows``, a plan scalar): a pure function of ``max_len`` and the budget,
+as the sparse MLA split count is of the rows. A row's scores do not depend on its chunk
+or on ``W`` (columns past its range are never read: ``row_topk`` is length-aware), so the
+top-k is what scoring only the long tokens in value-dependent chunks gave.
+
+Cost (computed, not measured: DeepSeek-V3.2's 64 index heads x 128, top-k 2048, per
+layer). Scoring the tokens that fit (positions < 2048) adds ``2 * 64 * 128`` FLOPs and 4
+written bytes per (token, causal KV token) pair. A 1,024-token chunk at positions
+0-1023: 524,800 pairs, 8.6 GFLOP and 2.0 MiB of scores where none were computed (at
+1024-2047: 25.8 GFLOP; a chunk at 2048-3071 is scored either way, 43.0 GFLOP). A 64-token
+chunk at 0-63: 2,080 pairs, 34 MFLOP (each decode row of a mixed batch under 2048 KV adds
+up to 2048 pairs, 34 MFLOP). Eager plans whose longest KV fits score nothing, as before; in a
+graph the buffer is ``tokens x align(W, 256) x 4`` bytes per chunk, e.g. 32 MiB for 1,024
+tokens and 2 MiB for 64 at W = 8192, of which only the pairs above are written and read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
-import torch
-
-from planner.ops import metadata_op
-
 ROW_ALIGN = 256
 """deep_gemm pads each compressed logits row to a multiple of 256 columns."""
 
-indexer_chunks = metadata_op(
-    "indexer_chunks",
-    "Host op: cut the scored tokens (causal KV length > topk) into consecutive chunks whose "
-    "compressed fp32 logits fit the budget; out = [chunks, scored tokens, whole tokens, "
-    "largest chunk bytes].",
-)
+LOGIT_BYTES = 4
+"""fp32 logits."""
 
 
-@dataclass(frozen=True)
-class IndexerChunks:
-    """The chunks every indexer layer of one extend batch walks: ``(first, end, width)``.
-
-    Tokens ``first .. end-1`` are scored together, each row ``width`` columns
-    wide (the widest causal range among them). Tokens in no chunk take all
-    their KV tokens.
-    """
-
-    chunks: tuple[tuple[int, int, int], ...]
-    scored: int
-    whole: int
+def indexer_row_bytes(width: int) -> int:
+    """Bytes one compressed logits row of ``width`` columns takes (padded to 256 columns)."""
+    return -(-max(width, 0) // ROW_ALIGN) * ROW_ALIGN * LOGIT_BYTES
 
 
-def plan_chunks(
-    seq_lens: np.ndarray, extend_lens: np.ndarray, topk: int, budget_bytes: int
-) -> IndexerChunks:
-    """Greedy, in token order: each chunk takes as many scored tokens as fit the budget."""
-    seq = seq_lens.astype(np.int64)
-    new = extend_lens.astype(np.int64)
-    owner = np.repeat(np.arange(seq.shape[0]), new)
-    start = np.repeat(np.cumsum(new) - new, new)
-    causal = (seq - new)[owner] + (np.arange(owner.shape[0]) - start) + 1
-    scored = np.flatnonzero(causal > topk)
-    chunks = []
-    # Runs of consecutive scored tokens: a chunk never spans a token taken whole.
-    bounds = np.flatnonzero(np.diff(scored) != 1) + 1
-    for run in np.split(scored, bounds) if scored.size else ():
-        i = 0
-        while i < run.shape[0]:
-            widths = np.maximum.accumulate(causal[run[i:]])  # each row as wide as the widest
-            padded = -(-widths // ROW_ALIGN) * ROW_ALIGN
-            cost = np.arange(1, widths.shape[0] + 1) * padded * 4
-            take = max(1, int(np.searchsorted(cost, budget_bytes, side="right")))
-            first = int(run[i])
-            chunks.append((first, first + take, int(widths[take - 1])))
-            i += take
-    return IndexerChunks(tuple(chunks), int(scored.shape[0]), int(owner.shape[0] - scored.shape[0]))
+def indexer_chunk_rows(width: int, budget_bytes: int) -> int:
+    """Query tokens one indexer chunk scores: as many ``width``-column rows as fit the
+    budget, at least one (a row wider than the budget is scored alone)."""
+    row = indexer_row_bytes(width)
+    return max(1, budget_bytes // row) if row else 1
 
 
-@indexer_chunks.provider("torch", graph_safe=False)
-def _plan_chunks(
-    out: torch.Tensor,
-    seq_lens_cpu: torch.Tensor,
-    extend_lens_cpu: torch.Tensor,
-    *,
-    topk: int,
-    budget_bytes: int,
-    static: bool,
-) -> IndexerChunks:
-    chunks = plan_chunks(seq_lens_cpu.numpy(), extend_lens_cpu.numpy(), topk, budget_bytes)
-    largest = max(
-        (
-            (end - first) * -(-width // ROW_ALIGN) * ROW_ALIGN * 4
-            for first, end, width in chunks.chunks
-        ),
-        default=0,
-    )
-    # Pinned, so the copy to a device plan is asynchronous: from pageable memory torch
-    # synchronises the stream, and an eager extend plan would wait for queued GPU work.
-    summary = torch.tensor(
-        [len(chunks.chunks), chunks.scored, chunks.whole, largest],
-        pin_memory=out.is_cuda,
-    )
-    out.copy_(summary, non_blocking=out.is_cuda)
-    return chunks
+def indexer_chunk_bounds(tokens: int, rows: int) -> list[tuple[int, int]]:
+    """``(first, end)`` of each chunk of ``rows`` tokens over ``tokens`` query tokens, in
+    order, the last one shorter: what the layer walks, from the shape alone."""
+    return [(first, min(first + rows, tokens)) for first in range(0, tokens, rows)]

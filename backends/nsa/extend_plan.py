@@ -6,7 +6,9 @@ reads every request's KV gathered flat, in request order, and each query
 token its causal range of it: token ``t`` at position ``p`` of request ``b``
 reads ``[kv_indptr[b], kv_indptr[b] + p + 1)``. Sparse MLA then reads the
 top-k of those, as in decode. Mixed batches (decode requests are extends of
-one token) use the same plan; both run eagerly.
+one token) use the same plan. The indexer's chunks (``indexer_chunk_rows``) follow
+from ``max_seq_len`` and the logits budget alone (``extend_ops``), so nothing the layers
+read depends on host values other than the plan's scalars.
 """
 
 from __future__ import annotations
@@ -17,15 +19,13 @@ from typing import Any, ClassVar
 import torch
 
 from backends.common.inputs import RaggedInputsPlan
-from backends.nsa import extend_ops as _ops  # noqa: F401  (registers indexer_chunks)
 from backends.nsa import mla_split
+from backends.nsa.extend_ops import indexer_chunk_rows
 from planner.errors import SchemaError
 from planner.schema import (
     PAD_DERIVED,
-    Handle,
     Setting,
     Tensor,
-    handle_field,
     scalar_field,
     tensor_field,
 )
@@ -120,28 +120,25 @@ class NSAExtendPlan(RaggedInputsPlan, backend="nsa"):
         pad=PAD_DERIVED,
         doc="row of each request's last token: the LM head runs on these rows only",
     )
-    indexer_plan: Tensor = tensor_field(
-        torch.int64,
-        (4,),
-        op="indexer_chunks",
-        inputs=("seq_lens_cpu", "extend_lens_cpu"),
-        params={"topk": Setting("topk"), "budget_bytes": Setting("indexer_logits_bytes")},
-        pad=PAD_DERIVED,
-        doc="[chunks, scored tokens, tokens taken whole, largest chunk bytes] (host op)",
-    )
-    indexer_chunks: Handle = handle_field(
-        "indexer_plan", doc="the chunks every indexer layer scores, in token order"
-    )
     mla_split_plan: Tensor = mla_split.split_table_field("tokens")
     topk: int = scalar_field("topk", doc="tokens each query token attends to, at most")
-    max_seq_len: int = scalar_field("max_len", doc="longest KV length of a request")
+    max_seq_len: int = scalar_field(
+        "max_len", doc="longest KV length of a request: the indexer's logits row width"
+    )
+    indexer_chunk_rows: int = scalar_field(
+        "indexer_chunk_rows",
+        doc="query tokens one indexer chunk scores: max_seq_len-wide fp32 rows in the budget",
+    )
     mla_splits: int = mla_split.splits_field()
     mla_kernel: str = mla_split.kernel_field()
 
     @classmethod
     def derived_dims(cls, dims: Mapping[str, int], settings: Mapping[str, Any]) -> dict[str, int]:
-        """The sparse MLA kernel's split count for this many query tokens (see ``mla_split``)."""
-        return mla_split.split_dims(dims["tokens"], dims, settings)
+        """The sparse MLA kernel's split count for this many query tokens (see ``mla_split``),
+        and the indexer's chunk rows for this KV width (see ``extend_ops``): both pure
+        functions of the dimensions, so a captured plan holds the static bound's."""
+        chunk = indexer_chunk_rows(dims["max_len"], settings["indexer_logits_bytes"])
+        return {**mla_split.split_dims(dims["tokens"], dims, settings), "indexer_chunk_rows": chunk}
 
     @classmethod
     def check_settings(cls, settings: dict[str, Any]) -> None:
