@@ -27,9 +27,9 @@ import torch
 from graphs.graph import Graph, GraphKind, new_graph, new_pool, recover_after_failed_capture
 from graphs.inputs import InputSpec, StaticInputs, as_specs
 from graphs.outputs import GraphOutputError, output_kinds, slice_outputs
-from graphs.sizes import capture_ladder
+from graphs.sizes import capture_ladder, token_ladder
 from graphs.stats import GraphStats
-from planner.batch import ForwardBatch, ForwardMode
+from planner.batch import RAGGED_MODES, ForwardBatch, ForwardMode
 from planner.errors import BatchError, ConfigError, GraphSafetyError, ReplayError
 from planner.planner import Planner
 from planner.plans import PlanSet
@@ -44,7 +44,13 @@ MODE_NOT_CAPTURED = "mode_not_captured"
 BATCH_TOO_LARGE = "batch_too_large"
 SIZE_DROPPED = "size_dropped"
 RAGGED = "ragged"
-"""Extend and mixed batches: eager by design (piecewise graphs would go here), counted, never warned."""
+"""Extend and mixed batches of a runner without token buckets: eager by design, counted,
+never warned."""
+TOKENS_OVER_BUCKETS = "tokens_over_buckets"
+"""A ragged batch with more query tokens than the largest token bucket."""
+KV_OVER_BOUND = "kv_tokens_over_bound"
+"""A ragged batch whose KV (the sum of its lengths) exceeds the planner's static bound
+(``Limits.ragged_kv_tokens``): its flat KV gathers would not fit the captured buffers."""
 PEER_EAGER = "peer_eager"
 """Data-parallel attention: a peer rank runs eagerly this step, so every rank does (counted)."""
 
@@ -64,6 +70,13 @@ class CapturedGraph:
     plans: PlanSet
     outputs: Any
     kinds: list[str]
+    tokens: int | None = None
+    """The token bucket of a ragged graph (its ``rows``); None for a uniform one."""
+
+    @property
+    def label(self) -> str:
+        """``decode/8``, or ``extend/t512`` for a ragged graph's token bucket."""
+        return f"{self.mode.value}/{self.bs if self.tokens is None else f't{self.tokens}'}"
 
 
 class GraphRunner:
@@ -84,6 +97,7 @@ class GraphRunner:
         static_inputs: Mapping[str, InputSpec | torch.dtype] | None = None,
         modes: Iterable[ForwardMode | str] | None = None,
         sizes: Sequence[int] | None = None,
+        token_sizes: Sequence[int] | bool | None = None,
         use_cuda_graph: bool | None = None,
         enabled: bool = True,
         warmup: WarmupHook | None = None,
@@ -94,15 +108,34 @@ class GraphRunner:
         self.req_to_token = req_to_token
         self.enabled = enabled
         self.kind: GraphKind = _graph_kind(planner.device, use_cuda_graph)
-        self.modes = _modes(planner, modes)
-        self.sizes = capture_ladder(planner.limits.max_batch, sizes)
+        limits = planner.limits
+        ragged = token_sizes is not None and token_sizes is not False
+        self.modes = _modes(planner, modes, ragged)
+        self.sizes = capture_ladder(limits.max_batch, sizes)
+        self.ragged_reqs = limits.max_batch
+        """The request bucket of every ragged graph: per-request buffers are small, so one
+        bucket keeps ragged graphs to one per token bucket."""
+        self.token_sizes: list[int] = (
+            token_ladder(
+                limits.extend_tokens,
+                self.ragged_reqs,
+                None if token_sizes is True else token_sizes,  # type: ignore[arg-type]
+            )
+            if ragged and any(m.ragged for m in self.modes)
+            else []
+        )
         self.warmup_hook = warmup
         self.warmup_runs = warmup_runs
         top = self.sizes[-1] if enabled else 0
-        rows = max((top * self._next_n(m) for m in self.modes), default=top)
+        rows = max((top * self._next_n(m) for m in self.modes if not m.ragged), default=top)
+        if enabled and self.token_sizes:
+            rows = max(rows, self.token_sizes[-1])
+            top = max(top, self.ragged_reqs)
         self.inputs = StaticInputs(as_specs(static_inputs), top, rows, planner.device)
         self.stats = GraphStats(kind=self.kind if enabled else "off")
         self._graphs: dict[tuple[ForwardMode, int], CapturedGraph] = {}
+        """By (mode, size): the request bucket of a uniform graph, the token bucket of a
+        ragged one."""
         self._ladders: dict[ForwardMode, list[int]] = {}
         self._warned: set[str] = set()
         self._captured = False
@@ -132,8 +165,8 @@ class GraphRunner:
             self.stats.pool_allocated_bytes = self.stats.pool_reserved_bytes = 0
         # Largest first: later, smaller graphs reuse the blocks the larger ones freed.
         order = sorted(
-            ((m, bs) for m in self.modes for bs in self.sizes),
-            key=lambda key: (-key[1] * self._next_n(key[0]), key[0].value),
+            ((m, size) for m in self.modes for size in self._ladder_of(m)),
+            key=lambda key: (-self._rows(*key), key[0].value),
         )
         broken: Exception | None = None  # torch cannot capture any more: drop the rest
         for mode, bs in order:
@@ -160,16 +193,21 @@ class GraphRunner:
         if cuda:
             torch.cuda.synchronize(self.planner.device)
         for mode in self.modes:
-            self._ladders[mode] = sorted(bs for m, bs in self._graphs if m is mode)
+            self._ladders[mode] = sorted(size for m, size in self._graphs if m is mode)
             self.stats.captured[mode.value] = list(self._ladders[mode])
         self.stats.planner_static_bytes = self.planner.static_bytes()
         self.stats.input_bytes = self.inputs.nbytes
         self.stats.capture_seconds = time.perf_counter() - start
         return self.stats
 
-    def _capture_one(self, mode: ForwardMode, bs: int, stream: Any) -> CapturedGraph:
-        rows = bs * self._next_n(mode)
-        plans = self.planner.capture(bs, mode, req_to_token=self.req_to_token)
+    def _capture_one(self, mode: ForwardMode, size: int, stream: Any) -> CapturedGraph:
+        """Capture one graph: ``size`` requests of a uniform mode, or ``size`` tokens (of
+        :attr:`ragged_reqs` requests) of a ragged one."""
+        start = time.perf_counter()
+        tokens = size if mode.ragged else None
+        bs = self.ragged_reqs if mode.ragged else size
+        rows = self._rows(mode, size)
+        plans = self.planner.capture(bs, mode, req_to_token=self.req_to_token, tokens=tokens)
         views = self.inputs.views(bs, rows)
         self.inputs.pad(bs, rows)
         self.planner.warm_up()  # providers' JIT work, once, before the first capture
@@ -181,7 +219,7 @@ class GraphRunner:
 
         def body() -> Any:
             # Binds the very objects the graph reads; nothing is looked up again at replay.
-            planner.record(bs, mode)
+            planner.record(bs, mode, tokens=tokens)
             return forward(dict(views), plans)
 
         graph = new_graph(self.kind, stream)
@@ -189,10 +227,22 @@ class GraphRunner:
         outputs = graph.capture(body, pool=self._pool)
         after = self._memory()
         kinds = output_kinds(outputs, bs, rows)
+        entry = CapturedGraph(mode, bs, rows, graph, plans, outputs, kinds, tokens)
+        cost: dict[str, float | int | None] = {"seconds": time.perf_counter() - start}
         if before is not None and after is not None:
             self.stats.pool_allocated_bytes += after[0] - before[0]
             self.stats.pool_reserved_bytes += after[1] - before[1]
-        return CapturedGraph(mode, bs, rows, graph, plans, outputs, kinds)
+            cost["pool_allocated_bytes"] = after[0] - before[0]
+        self.stats.capture_costs[entry.label] = cost
+        return entry
+
+    def _ladder_of(self, mode: ForwardMode) -> list[int]:
+        """What is captured of ``mode``: request buckets, or a ragged mode's token buckets."""
+        return self.token_sizes if mode.ragged else self.sizes
+
+    def _rows(self, mode: ForwardMode, size: int) -> int:
+        """Per-token rows of the graph of ``size`` in ``mode``."""
+        return size if mode.ragged else size * self._next_n(mode)
 
     def _memory(self) -> tuple[int, int] | None:
         if self.kind != "cuda":
@@ -218,12 +268,17 @@ class GraphRunner:
         """Sizes with a working graph for ``mode``, ascending (after capture)."""
         return list(self._ladders.get(ForwardMode(mode), []))
 
-    def route(self, mode: ForwardMode, bs: int) -> tuple[int | None, str | None]:
+    def route(
+        self, mode: ForwardMode, bs: int, tokens: int = 0, kv_tokens: int = 0
+    ) -> tuple[int | None, str | None]:
         """(graph size, None) for a batch that replays, or (None, fallback reason).
 
-        An idle batch replays the smallest decode graph with every row padding.
+        A uniform batch of ``bs`` requests replays the smallest request bucket that holds
+        it; an idle batch the smallest decode graph with every row padding. A ragged batch
+        of ``tokens`` query tokens and ``kv_tokens`` of KV replays the smallest token
+        bucket that holds it, within the planner's static KV bound.
         """
-        if mode.ragged:
+        if mode.ragged and not self.token_sizes:
             return None, RAGGED
         if not self.enabled:
             return None, GRAPHS_DISABLED
@@ -231,10 +286,18 @@ class GraphRunner:
         if mode not in self.modes:
             return None, MODE_NOT_CAPTURED
         ladder = self._ladders.get(mode, [])
-        i = bisect.bisect_left(ladder, max(bs, 1))
+        if mode.ragged:
+            if kv_tokens > self.planner.limits.kv_token_capacity:
+                return None, KV_OVER_BOUND
+            want, top = max(tokens, 1), self.token_sizes[-1]
+        else:
+            want, top = max(bs, 1), self.sizes[-1]
+        i = bisect.bisect_left(ladder, want)
         if i < len(ladder):
             return ladder[i], None
-        return None, SIZE_DROPPED if bs <= self.sizes[-1] else BATCH_TOO_LARGE
+        if want <= top:
+            return None, SIZE_DROPPED
+        return None, TOKENS_OVER_BUCKETS if mode.ragged else BATCH_TOO_LARGE
 
     def step(
         self,
@@ -246,8 +309,8 @@ class GraphRunner:
     ) -> Any:
         """Run one model step for ``batch``; outputs cover the real rows only.
 
-        ``at_least`` replays a graph of at least that many requests (data-parallel ranks
-        agree on one size); ``eager`` runs eagerly, counted under that reason (a peer
+        ``at_least`` replays a graph of at least that many requests, or of a ragged batch
+        that many tokens (data-parallel ranks agree on one size); ``eager`` runs eagerly, counted under that reason (a peer
         rank's batch cannot replay). Graph outputs are views of the graph's output
         memory: valid until the next step, as in every graph runner. Copy what must
         outlive it.
@@ -260,7 +323,13 @@ class GraphRunner:
             raise BatchError("unknown mode", field="mode", actual=batch.mode) from None
         self.capture()
         inputs = inputs or {}
-        size, reason = (None, eager) if eager else self.route(mode, max(batch.bs, at_least))
+        if eager:
+            size, reason = None, eager
+        elif mode.ragged:
+            kv_tokens = int(batch.seq_lens_cpu.sum()) if self.token_sizes else 0
+            size, reason = self.route(mode, batch.bs, max(batch.num_tokens, at_least), kv_tokens)
+        else:
+            size, reason = self.route(mode, max(batch.bs, at_least))
         if size is None:
             return self._eager(batch, inputs, reason or GRAPHS_DISABLED)
         return self._replay(batch, inputs, self._graphs[(mode.plans_as, size)])
@@ -271,7 +340,7 @@ class GraphRunner:
         reqs, rows = batch.bs, batch.num_tokens
         self.inputs.check(inputs, reqs, rows)
         t0 = time.perf_counter()
-        plans = self.planner.replay(batch, entry.bs)
+        plans = self.planner.replay(batch, entry.bs, tokens=entry.tokens)
         if plans is not entry.plans:
             raise ReplayError(
                 "planner replay returned other plans than the graph captured", field="plans"
@@ -292,7 +361,7 @@ class GraphRunner:
         host["replay"] += t3 - t2
         host["verify"] += t4 - t3
         self.stats.steps += 1
-        self.stats.replays[(entry.mode.value, entry.bs)] += 1
+        self.stats.replays[(entry.mode.value, entry.tokens or entry.bs)] += 1
         self.stats.real_rows += rows
         self.stats.padded_rows += entry.rows - rows
         return slice_outputs(entry.outputs, iter(entry.kinds), reqs, rows)
@@ -372,14 +441,18 @@ def _graph_kind(device: torch.device, use_cuda_graph: bool | None) -> GraphKind:
     return "cuda" if use_cuda_graph else "emulated"
 
 
-def _modes(planner: Planner, modes: Iterable[ForwardMode | str] | None) -> tuple[ForwardMode, ...]:
-    """DECODE, plus TARGET_VERIFY when the planner verifies more than one token.
+def _modes(
+    planner: Planner, modes: Iterable[ForwardMode | str] | None, ragged: bool
+) -> tuple[ForwardMode, ...]:
+    """DECODE, plus TARGET_VERIFY when the planner verifies more than one token, plus the
+    ragged modes (extend, mixed) the planner plans when the runner has token buckets.
 
-    Idle batches replay decode's graphs; ragged modes are never captured.
+    Idle batches replay decode's graphs.
     """
     if modes is None:
         verify = (ForwardMode.TARGET_VERIFY,) if planner.limits.next_n > 1 else ()
-        return (ForwardMode.DECODE, *verify)
+        extra = tuple(m for m in ForwardMode if m in RAGGED_MODES and ragged and m in planner.modes)
+        return (ForwardMode.DECODE, *verify, *extra)
     out = []
     for mode in modes:
         try:
@@ -391,9 +464,9 @@ def _modes(planner: Planner, modes: Iterable[ForwardMode | str] | None) -> tuple
                 expected=[m.value for m in ForwardMode],
                 actual=mode,
             ) from None
-        if mode.ragged:
+        if mode.ragged and not ragged:
             raise ConfigError(
-                "extend and mixed batches run eagerly; only uniform modes are captured",
+                "extend and mixed batches are captured only with token buckets (token_sizes)",
                 field="modes",
                 expected=[ForwardMode.DECODE.value, ForwardMode.TARGET_VERIFY.value],
                 actual=mode.value,

@@ -17,6 +17,8 @@ from planner.errors import ConfigError
 
 FIELD = "capture_sizes"
 """The config field an override comes from; errors name it."""
+TOKEN_FIELD = "token_sizes"
+"""The config field a ragged (extend, mixed) token ladder override comes from."""
 
 
 def default_capture_ladder(max_batch: int) -> list[int]:
@@ -26,7 +28,48 @@ def default_capture_ladder(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
 
 
-def capture_ladder(max_batch: int, sizes: Sequence[int] | None = None) -> list[int]:
+def default_token_ladder(max_tokens: int, reqs: int) -> list[int]:
+    """Token buckets of ragged (extend, mixed) graphs: 16, 32, 64, ... and ``max_tokens``.
+
+    Doubling keeps the graphs few (each captures the whole forward at that many tokens)
+    and the padding under half a bucket. No bucket equals ``reqs``, the request bucket of
+    ragged graphs: an output with that many rows could be per token or per request, so it
+    could not be sliced; such a bucket moves up by one token (down, at ``max_tokens``: a
+    batch of exactly ``max_tokens`` tokens then runs eagerly, counted).
+    """
+    _check_max_batch(max_tokens, "max_tokens")
+    sizes = {s for s in (1 << k for k in range(4, max_tokens.bit_length())) if s < max_tokens}
+    sizes.add(max_tokens)
+    if reqs in sizes:
+        sizes.discard(reqs)
+        sizes.add(reqs + 1 if reqs < max_tokens else reqs - 1)
+    return sorted(s for s in sizes if s >= 1)
+
+
+def token_ladder(max_tokens: int, reqs: int, sizes: Sequence[int] | None = None) -> list[int]:
+    """The ragged token buckets: the default ladder, or a validated override (the rules of
+    :func:`capture_ladder`, bounded by ``max_tokens``; ``reqs`` itself is refused)."""
+    if sizes is None:
+        return default_token_ladder(max_tokens, reqs)
+    values = capture_ladder(max_tokens, sizes, field=TOKEN_FIELD, limit="max_tokens")
+    if reqs in values:
+        raise ConfigError(
+            "a token bucket equal to the request bucket (max_batch) makes per-token and "
+            "per-request outputs indistinguishable",
+            field=TOKEN_FIELD,
+            expected=f"no bucket of {reqs}",
+            actual=values,
+        )
+    return values
+
+
+def capture_ladder(
+    max_batch: int,
+    sizes: Sequence[int] | None = None,
+    *,
+    field: str = FIELD,
+    limit: str = "max_batch",
+) -> list[int]:
     """The sizes to capture, ascending: the default ladder, or a validated override.
 
     An override is taken as written (it need not reach ``max_batch``: larger
@@ -36,28 +79,28 @@ def capture_ladder(max_batch: int, sizes: Sequence[int] | None = None) -> list[i
     """
     if sizes is None:
         return default_capture_ladder(max_batch)
-    _check_max_batch(max_batch)
+    _check_max_batch(max_batch, limit)
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
-        raise ConfigError("capture sizes must be a list of integers", field=FIELD, actual=sizes)
+        raise ConfigError("capture sizes must be a list of integers", field=field, actual=sizes)
     values = list(sizes)
     if not values:
         raise ConfigError(
             "capture sizes are empty (disable graphs instead)",
-            field=FIELD,
+            field=field,
             expected=">= 1 size",
             actual=values,
         )
     for value in values:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError("capture size is not an integer", field=FIELD, actual=value)
+            raise ConfigError("capture size is not an integer", field=field, actual=value)
         if value < 1:
             raise ConfigError(
-                "capture size must be positive", field=FIELD, expected=">= 1", actual=value
+                "capture size must be positive", field=field, expected=">= 1", actual=value
             )
         if value > max_batch:
             raise ConfigError(
-                "capture size exceeds max_batch",
-                field=FIELD,
+                f"capture size exceeds {limit}",
+                field=field,
                 expected=f"<= {max_batch}",
                 actual=value,
             )
@@ -65,15 +108,13 @@ def capture_ladder(max_batch: int, sizes: Sequence[int] | None = None) -> list[i
         if right <= left:
             raise ConfigError(
                 "capture sizes must be sorted and unique",
-                field=FIELD,
+                field=field,
                 expected="strictly ascending",
                 actual=values,
             )
     return values
 
 
-def _check_max_batch(max_batch: int) -> None:
+def _check_max_batch(max_batch: int, name: str = "max_batch") -> None:
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ConfigError(
-            "max_batch must be a positive integer", field="max_batch", actual=max_batch
-        )
+        raise ConfigError(f"{name} must be a positive integer", field=name, actual=max_batch)

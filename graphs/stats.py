@@ -37,6 +37,10 @@ class GraphStats:
     real_rows: int = 0
     padded_rows: int = 0
     replays: Counter = field(default_factory=Counter)
+    """Replays by (mode, size): a uniform graph's request bucket, a ragged one's token bucket."""
+    capture_costs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per captured graph (``decode/8``, ``extend/t512``): capture seconds (warm-up runs
+    included) and, on CUDA, the bytes its capture added to the pool."""
     eager: Counter = field(default_factory=Counter)
     """Eager fallbacks by reason: batches a graph should have served."""
     ragged: Counter = field(default_factory=Counter)
@@ -84,7 +88,8 @@ class GraphStats:
             "steps": self.steps,
             "graph_steps": self.graph_steps,
             "hit_rate": self.hit_rate,
-            "replays": {f"{mode}/{bs}": n for (mode, bs), n in sorted(self.replays.items())},
+            "replays": {_label(mode, size): n for (mode, size), n in sorted(self.replays.items())},
+            "capture_costs": {label: dict(cost) for label, cost in self.capture_costs.items()},
             "eager_fallbacks": dict(sorted(self.eager.items())),
             "ragged_steps": dict(sorted(self.ragged.items())),
             "padding_fraction": self.padded_rows / (self.real_rows + self.padded_rows)
@@ -109,6 +114,13 @@ class GraphStats:
         table.add_row("pool reserved", _bytes(s["pool_reserved_bytes"]))
         table.add_row("static buffers", _bytes(s["static_bytes"]))
         table.add_row("capture time", f"{s['capture_seconds']:.3f} s")
+        for label, cost in s["capture_costs"].items():
+            if label.split("/")[0] in RAGGED_LABELS:  # the uniform ones: in the JSON summary
+                pool = cost.get("pool_allocated_bytes")
+                table.add_row(
+                    f"capture {label}",
+                    f"{cost['seconds']:.3f} s" + (f", {_bytes(pool)}" if pool is not None else ""),
+                )
         table.add_row("steps / graph hit rate", f"{s['steps']} / {s['hit_rate']:.1%}")
         table.add_row("padding rows", f"{s['padding_fraction']:.1%}")
         for reason, n in s["eager_fallbacks"].items():
@@ -125,6 +137,14 @@ class GraphStats:
         console = Console(width=width, record=True, file=io.StringIO())
         console.print(self.table())
         return console.export_text()
+
+
+RAGGED_LABELS = ("extend", "mixed")
+"""Modes whose graphs are keyed by token bucket (``extend/t512``)."""
+
+
+def _label(mode: str, size: int) -> str:
+    return f"{mode}/t{size}" if mode in RAGGED_LABELS else f"{mode}/{size}"
 
 
 def _sizes(sizes: list[int]) -> str:

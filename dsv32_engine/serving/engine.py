@@ -22,7 +22,7 @@ from dsv32_engine.serving.dump_ring import DumpRing, MismatchDumper
 from dsv32_engine.serving.model_setup import build_model, kv_pages, model_config, resolve_device
 from dsv32_engine.serving.plan_setup import kernel_name, plan_schemas
 from dsv32_engine.serving.requests import Request, make_workload
-from dsv32_engine.serving.run_config import PlannerSection, RunConfig
+from dsv32_engine.serving.run_config import GraphsSection, PlannerSection, RunConfig
 from dsv32_engine.serving.samples import Samples
 from dsv32_engine.serving.scheduler import Scheduler
 from dsv32_engine.serving.speculative import Speculation
@@ -101,6 +101,7 @@ class DecodeEngine:
             next_n=spec.next_n,
             draft_steps=spec.decode_steps,
             max_tokens=config.loop.chunk_tokens + p.max_batch,  # a chunk plus decode rows (mixed)
+            ragged_kv_tokens=p.ragged_kv_tokens,
             num_sms=num_sms,
             kv_slots=self.cache.num_slots,
             device=str(self.device),
@@ -125,12 +126,19 @@ class DecodeEngine:
             else DumpRing(dumps.directory, every=dumps.every, keep_last=dumps.keep)
         )
         enabled = config.graphs.enabled
+        token_sizes = _token_sizes(config.graphs, self.device)
+        # What the loop runs: decode (or verify), prefill chunks, and mixed steps if it mixes.
+        modes = [ForwardMode.DECODE, *([ForwardMode.TARGET_VERIFY] if spec.next_n > 1 else [])]
+        if token_sizes is not None:
+            modes += [ForwardMode.EXTEND, *([ForwardMode.MIXED] if config.loop.mixed else [])]
         self.runner = GraphRunner(
             self.planner,
             self._forward,
             req_to_token=self.pool.req_to_token,
             static_inputs={"input_ids": torch.int64},
+            modes=modes,
             sizes=config.graphs.sizes,
+            token_sizes=token_sizes,
             enabled=enabled if isinstance(enabled, bool) else True,
         )
         self.scheduler = Scheduler(self.cache, self.pool, p.max_batch, page)
@@ -341,6 +349,16 @@ class DecodeEngine:
         bar.close()
         result.wall_seconds = time.perf_counter() - start
         return result
+
+
+def _token_sizes(g: GraphsSection, device: torch.device) -> list[int] | bool | None:
+    """The runner's ragged token buckets: None (extend and mixed batches run eagerly), True
+    (the default ladder) or the configured list. ``auto`` captures them with emulated graphs
+    only: under CUDA graphs they are not yet measured (docs/benchmarks.md)."""
+    on = g.ragged if isinstance(g.ragged, bool) else device.type != "cuda"
+    if not on:
+        return None
+    return g.token_sizes if g.token_sizes is not None else True
 
 
 def _stages_in_graph(p: PlannerSection) -> bool:

@@ -91,7 +91,8 @@ class DPEngine(DecodeEngine):
         """Forwards by agreed graph size (``eager`` for slots all ranks ran eagerly)."""
         self.trace: list[tuple[int, int, str, int, str, int]] | None = None
         """Set to a list to record every forward: (loop step, slot, mode, own requests,
-        phase the plans were made in, their padded requests). Tests compare it across ranks."""
+        phase the plans were made in, their padded size: requests, or a ragged plan's token
+        bucket). Tests compare it across ranks."""
 
     def workload(self) -> list[Request]:
         everything = super().workload()
@@ -110,7 +111,7 @@ class DPEngine(DecodeEngine):
         if decision is None:  # warm-up forwards: the same on every rank, outside the loop
             return super()._run_forward(batch, ids)
         inputs = {"input_ids": ids}
-        if decision.size is not None:
+        if decision.size is not None:  # requests, or a ragged slot's tokens
             return self.runner.step(batch, inputs, at_least=decision.size)
         ragged = ForwardMode(batch.mode).ragged
         self.peer_eager += not ragged
@@ -126,8 +127,9 @@ class DPEngine(DecodeEngine):
         mode = ForwardMode.EXTEND
         if work and decoding and self.config.loop.mixed:
             work, decoding, mode = work + [(r, 1) for r in decoding], [], ForwardMode.MIXED
+        kv = sum(r.fed + n for r, n in work)  # the extend batch's KV: its lengths' sum
         slots = (
-            Slot(mode, len(work), sum(n for _, n in work)) if work else Slot(),
+            Slot(mode, len(work), sum(n for _, n in work), kv) if work else Slot(),
             Slot(ForwardMode.DECODE, len(decoding), len(decoding)) if decoding else Slot(),
         )
         plan = agree(self.ctx, self.loop_steps, self._active, slots, self.runner.route)
@@ -146,13 +148,19 @@ class DPEngine(DecodeEngine):
                 elif index == 1 and decoding:
                     self._decode_step(decoding, result)
                 else:
-                    batch, ids = sched.idle()
+                    peers = {ForwardMode(m) for m in decision.modes if m != "idle"}
+                    ragged = next((m for m in peers if m.ragged), None)
+                    if ragged is not None and decision.size is not None:
+                        batch, ids = sched.idle_ragged(ragged)  # the peers' token bucket
+                    else:
+                        batch, ids = sched.idle()
                     self._forward_step(batch, ids, result)
                     self.idle_forwards += 1
                 if self.trace is not None:
                     plans = self.runner.last_plans
                     step, kind = self.loop_steps - 1, plans.mode.value
-                    self.trace.append((step, index, kind, own, plans.phase, plans.reqs))
+                    size = plans.reqs if plans.tokens is None else plans.tokens
+                    self.trace.append((step, index, kind, own, plans.phase, size))
         finally:
             self._decision, self.exchange.rows = None, None
         return [r for r in sched.running if r.done]

@@ -57,6 +57,13 @@ class PlannerSection(_Section):
         "themselves, so a replay makes no CUDA call; auto: whenever ops_in_graph",
     )
     schedule_layout: Literal["0.1.0", "new"] = "0.1.0"
+    ragged_kv_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="the most KV (sum of lengths) a prompt-chunk or mixed batch may hold and "
+        "still replay a ragged graph, whose flat KV gathers are this long; None: max_batch x "
+        "max_context (set it on a GPU: every ragged replay gathers this many index keys)",
+    )
     mla_kernel: Literal["auto", "triton", "torch", "flashinfer"] = Field(
         "auto",
         description="sparse MLA: auto (the Triton kernel on CUDA), triton, torch, or flashinfer "
@@ -69,6 +76,14 @@ class GraphsSection(_Section):
 
     enabled: bool | Literal["auto"] = "auto"
     sizes: list[int] | None = None
+    ragged: bool | Literal["auto"] = Field(
+        "auto",
+        description="capture extend and mixed batches too, in token buckets; auto: with "
+        "emulated graphs (the CPU) only, until ragged graphs are measured on a GPU",
+    )
+    token_sizes: list[int] | None = Field(
+        None, description="token buckets of ragged graphs; None: 16, 32, 64, ... max_tokens"
+    )
 
 
 class LoopSection(_Section):

@@ -113,6 +113,21 @@ class Scheduler:
         device = self.pool.req_to_token.device
         return batch, torch.zeros(0, dtype=torch.int64, device=device)
 
+    def idle_ragged(self, mode: ForwardMode) -> tuple[ForwardBatch, torch.Tensor]:
+        """A ragged batch that touches nothing real, for a data-parallel rank with no work in
+        a slot its peers replay as a ragged graph: one token of the null request (row 0 of
+        the token table, written to the null slot 0), in the peers' ``mode``."""
+        batch = ForwardBatch(
+            seq_lens_cpu=torch.ones(1, dtype=torch.int32),
+            req_pool_indices=torch.zeros(1, dtype=torch.int32),
+            req_to_token=self.pool.req_to_token,
+            out_cache_loc=torch.zeros(1, dtype=torch.int32),
+            mode=mode,
+            extend_lens_cpu=torch.ones(1, dtype=torch.int32),
+        )
+        device = self.pool.req_to_token.device
+        return batch, torch.zeros(1, dtype=torch.int64, device=device)
+
     def warm_up_batches(
         self, topk: int, chunk: int, max_context: int
     ) -> list[tuple[ForwardBatch, torch.Tensor]]:

@@ -128,7 +128,15 @@ class Speculation:
             r.tokens[p + 1] for (r, n), first in zip(work, firsts) for p in range(first, first + n)
         ]
         ids_t = torch.tensor(ids, dtype=torch.int64, device=hidden.device)
-        out = self.mtp(ids_t, hidden.to(self.mtp.dtype), plans, self.cache)
+        hidden = hidden.to(self.mtp.dtype)
+        if plans.tokens is not None and plans.tokens > len(ids):
+            # The target replayed a ragged graph: its plans hold a token bucket, so the
+            # draft reads them with padding rows too (token 0, a zero state; their KV goes
+            # to the null slot, their outputs are never read).
+            pad = plans.tokens - len(ids)
+            ids_t = torch.nn.functional.pad(ids_t, (0, pad))
+            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
+        out = self.mtp(ids_t, hidden, plans, self.cache)
         self.stats.draft_forwards["draft_prefill"] += 1
         for i, (request, _) in enumerate(work):
             if not request.prefilling and not request.done:

@@ -117,8 +117,14 @@ def tp_engine(ctx: DistContext, overrides: dict[str, Any]) -> dict[str, Any]:
         "tokens": {str(k): v for k, v in result.tokens.items()},
         "forwards": engine.forward_steps,
         "layers": len(engine.model.layers),
-        "captured": engine.runner.captured_sizes(),
+        "captured": _captured(engine),
     }
+
+
+def _captured(engine) -> list[str]:
+    """Every captured graph, decode sizes and prompt-chunk token buckets: ``decode/4``."""
+    runner = engine.runner
+    return [f"{m.value}/{s}" for m in runner.modes for s in runner.captured_sizes(m)]
 
 
 def dp_engine(ctx: DistContext, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -131,7 +137,7 @@ def dp_engine(ctx: DistContext, overrides: dict[str, Any]) -> dict[str, Any]:
         **engine.rank_summary(),
         "trace": engine.trace,
         "tokens": {str(k): v for k, v in result.tokens.items()},
-        "captured": engine.runner.captured_sizes(),
+        "captured": _captured(engine),
     }
 
 

@@ -12,13 +12,28 @@ from dsv32_engine.distributed.group import backend_for, env_rank, launched_by_to
 from planner.batch import ForwardMode
 from planner.errors import ConfigError
 
-D, E = ForwardMode.DECODE, ForwardMode.EXTEND
+D, E, M = ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED
 LADDER = (1, 2, 4, 8)
+TOKENS = (16, 32, 64)
+KV_BOUND = 500
 
 
-def route(mode, bs):
+def route(mode, bs, tokens=0, kv_tokens=0):
+    """A runner without ragged graphs: extend and mixed batches run eagerly."""
+    if mode.ragged:
+        return None, "ragged"
     fits = [s for s in LADDER if s >= max(bs, 1)]
     return (fits[0], None) if fits else (None, "batch_too_large")
+
+
+def ragged_route(mode, bs, tokens=0, kv_tokens=0):
+    """A runner with token buckets (``GraphRunner.route``'s rules)."""
+    if not mode.ragged:
+        return route(mode, bs)
+    if kv_tokens > KV_BOUND:
+        return None, "kv_tokens_over_bound"
+    fits = [s for s in TOKENS if s >= max(tokens, 1)]
+    return (fits[0], None) if fits else (None, "tokens_over_buckets")
 
 
 def table(*ranks, step=3):
@@ -39,6 +54,24 @@ def test_skipped_replayed_and_eager_slots():
     # larger than every graph: eager together
     plan = decide(table([Slot(), Slot(D, 9, 9)], [Slot(), Slot(D, 1, 1)]), 2, route)
     assert plan.slots[1].size is None and plan.slots[1].max_rows == 9
+
+
+def test_ragged_slots_agree_on_one_token_bucket():
+    """One rank's prefill no longer sends its peers eager: every rank replays the token
+    bucket of the most tokens (an idle rank its null extend), within the KV bound."""
+    plan = decide(table([Slot(E, 2, 40, 300), Slot()], [Slot(), Slot()]), 2, ragged_route)
+    assert plan.slots[0].size == 64 and plan.slots[0].modes == ("extend", "idle")
+    plan = decide(table([Slot(E, 1, 10, 50)], [Slot(E, 3, 20, 80)]), 1, ragged_route)
+    assert plan.slots[0].size == 32
+    # over the KV bound, over the largest bucket, or modes that differ: eager together
+    for ranks in (
+        ([Slot(E, 1, 10, 400)], [Slot(E, 1, 10, 200)]),  # 400 + 200 is fine: max 400
+        ([Slot(E, 1, 10, 501)], [Slot()]),
+        ([Slot(E, 1, 65, 100)], [Slot()]),
+        ([Slot(E, 1, 10, 100)], [Slot(M, 2, 11, 100)]),
+    ):
+        size = decide(table(*ranks), 1, ragged_route).slots[0].size
+        assert size == (16 if ranks[0][0].kv_tokens == 400 else None), ranks
 
 
 def test_activity_and_steps():

@@ -3,9 +3,11 @@
 The workload is split in contiguous blocks, with slow arrivals: rank 1 waits while rank
 0's first requests run, rank 0 idles at the end, and in between the two batches differ
 in size. Every step, both ranks must run the same forwards at the same graph size (the
-plans' padded size, as the runner replayed them, recorded per forward), a rank without
-requests running an IDLE batch; eager forwards (a prompt being prefilled on either rank)
-are run by both. Greedy tokens must equal one process serving every request alone.
+plans' padded size, as the runner replayed them, recorded per forward: requests, or a
+prompt chunk's token bucket), a rank without requests running an IDLE batch (in a prompt
+chunk's slot, a one-token extend of the null request at the peer's token bucket); with
+ragged graphs off, prompt chunks run eagerly on both. Greedy tokens must equal one process
+serving every request alone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ WORKLOAD = {
 }
 VARIANTS = {
     "graphs": {},
+    "prompts_eager": {"graphs.ragged": False},
     "mixed_eager": {"loop.mixed": True, "graphs.enabled": False},
 }
 
@@ -63,16 +66,34 @@ def test_every_rank_runs_every_forward_at_one_size(dp_run):
             assert sizes.pop() >= max(own)
         unequal += len(set(own)) > 1
         empty += min(own) == 0 < max(own)
-        for mode, o, _, _ in seen.values():
-            assert (mode == "idle") == (o == 0)
+        for mode, o, phase, _ in seen.values():
+            if o:
+                assert mode != "idle", (key, seen)
+            else:  # an IDLE batch, or in a replayed prompt-chunk slot the null extend
+                assert mode == "idle" or (key[1] == 0 and phase == "replay"), (key, seen)
     assert unequal > 10 and empty > 5, (unequal, empty)
     assert all(r["idle_forwards"] > 0 for r in ranks)  # both ranks idle for stretches
     for key in ("replays_by_size", "forwards_by_size", "ffn_exchanges", "loop_steps"):
         assert ranks[0][key] == ranks[1][key], key
-    if name == "graphs":
-        replayed = {k for k in ranks[0]["replays_by_size"]}
+    replayed = set(ranks[0]["replays_by_size"])
+    peer_eager = sum(r["peer_eager_forwards"] for r in ranks)
+    if name == "graphs":  # one rank's prompt chunk: both replay its token bucket
+        assert any(k.startswith("extend:") for k in replayed), replayed
+        assert any(k.startswith("decode:") for k in replayed), replayed
+        assert peer_eager == 0
+        # a rank without a prompt chunk replayed its peer's bucket with the null extend
+        idle_chunks = [
+            seen
+            for (_, slot), seen in table.items()
+            if slot == 0 and min(o for _, o, _, _ in seen.values()) == 0
+        ]
+        assert idle_chunks and all(
+            {phase for _, _, phase, _ in seen.values()} == {"replay"} for seen in idle_chunks
+        )
+    elif name == "prompts_eager":
         assert len(replayed) >= 3, replayed  # several graph sizes, idle ones padded too
-        assert sum(r["peer_eager_forwards"] for r in ranks) > 0  # a peer prefilled
+        assert not any(k.startswith("extend:") for k in replayed)
+        assert peer_eager > 0  # a peer prefilled
     else:
         assert ranks[0]["replays_by_size"] == {}
 

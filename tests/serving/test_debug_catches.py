@@ -22,8 +22,8 @@ from tests.support.engines import SMALL_LOOP, tiny_engine
 SMALL = {**SMALL_LOOP, "planner.debug": True}
 
 
-def _engine():
-    engine = tiny_engine(SMALL)
+def _engine(**overrides):
+    engine = tiny_engine({**SMALL, **overrides})
     engine.runner.capture()  # the graphs (emulated here) as the loop captures them
     return engine
 
@@ -72,7 +72,7 @@ def test_a_layer_that_writes_a_replayed_plan_is_named(monkeypatch):
 
 
 def test_a_layer_that_writes_an_eager_plan_is_named(monkeypatch):
-    engine = _engine()
+    engine = _engine(**{"graphs.ragged": False})  # prompt chunks run eagerly
     monkeypatch.setattr(type(engine.model), "forward", _writing_layer(engine, "eager"))
     with pytest.raises(PlanWriteError) as err:
         engine.run(progress=False)

@@ -1,0 +1,80 @@
+"""The graph runner's ragged graphs: prompt chunks and mixed steps replayed per token bucket.
+
+The tiny model's decode loop with emulated graphs: every extend and mixed step replays
+the smallest token bucket that holds it (requests padded to ``max_batch``), greedy tokens
+equal the loop with those steps eager, and a step past a stated bound (more tokens than
+the largest bucket, more KV than ``Limits.ragged_kv_tokens``) runs eagerly, counted under
+its reason and warned once.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from graphs.runner import KV_OVER_BOUND, TOKENS_OVER_BUCKETS, GraphWarning
+from graphs.sizes import default_token_ladder, token_ladder
+from planner.batch import ForwardMode
+from planner.errors import ConfigError
+from tests.support.engines import SMALL_LOOP, tiny_engine
+
+LOOP = {**SMALL_LOOP, "loop.prompt_len": [3, 40], "loop.chunk_tokens": 16}
+
+
+def _serve(**overrides):
+    engine = tiny_engine({**LOOP, **overrides}, share_model=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", GraphWarning)
+        result = engine.run(progress=False, keep_tokens=True)
+    said = [str(w.message) for w in caught if issubclass(w.category, GraphWarning)]
+    return engine, result, said
+
+
+@pytest.fixture(scope="module")
+def eager_chunks():
+    """The same loops with prompt chunks eager (ragged graphs off): the tokens to equal."""
+    plain = _serve(**{"graphs.ragged": False})[1].tokens
+    mixed = _serve(**{"graphs.ragged": False, "loop.mixed": True})[1].tokens
+    return {False: plain, True: mixed}
+
+
+def test_the_token_ladder_doubles_and_never_equals_the_request_bucket():
+    assert default_token_ladder(264, 8) == [16, 32, 64, 128, 256, 264]
+    assert default_token_ladder(100, 16) == [17, 32, 64, 100]  # 16 is the request bucket
+    assert default_token_ladder(16, 16) == [15]  # at the top: one token down
+    assert token_ladder(100, 16, [8, 40]) == [8, 40]
+    with pytest.raises(ConfigError) as err:
+        token_ladder(100, 16, [8, 16])
+    assert err.value.field == "token_sizes"
+    with pytest.raises(ConfigError, match="exceeds max_tokens") as err:
+        token_ladder(100, 16, [8, 101])
+    assert err.value.field == "token_sizes"
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["prefill_first", "mixed"])
+def test_every_forward_replays_and_tokens_equal_eager_chunks(eager_chunks, mixed):
+    engine, result, said = _serve(**{"loop.mixed": mixed, "planner.debug": True})
+    stats = engine.runner.stats
+    assert said == [] and not stats.eager and not stats.ragged  # nothing eager at all
+    ragged = ForwardMode.MIXED if mixed else ForwardMode.EXTEND
+    buckets = {size for (mode, size), n in stats.replays.items() if mode == ragged.value and n}
+    assert buckets and buckets <= set(engine.runner.token_sizes)
+    assert engine.planner.stats.verified == stats.graph_steps  # debug: each replay re-planned
+    assert result.tokens == eager_chunks[mixed]
+    # the summary reports each bucket's capture cost
+    labels = set(stats.summary()["capture_costs"])
+    assert {f"{ragged.value}/t{t}" for t in engine.runner.token_sizes} <= labels
+    assert f"capture {ragged.value}/t{engine.runner.token_sizes[0]}" in stats.render(200)
+
+
+def test_past_the_stated_bounds_a_step_runs_eagerly_counted_and_said_once(eager_chunks):
+    # buckets of at most 8 tokens: 16-token chunks do not fit; KV of at most 20 tokens
+    engine, result, said = _serve(**{"graphs.token_sizes": [3, 8], "planner.ragged_kv_tokens": 20})
+    stats = engine.runner.stats
+    assert stats.eager[TOKENS_OVER_BUCKETS] > 0 and stats.eager[KV_OVER_BOUND] > 0
+    assert any(mode == "extend" for mode, _ in stats.replays)  # the small ones still replay
+    assert len(said) == 2  # once per reason, never per step
+    for reason in (KV_OVER_BOUND, TOKENS_OVER_BUCKETS):
+        assert sum(f"running eagerly ({reason}:" in s for s in said) == 1, said
+    assert result.tokens == eager_chunks[False]
