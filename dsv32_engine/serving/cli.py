@@ -102,6 +102,15 @@ def _add_decode(sub: Any) -> None:
         help="force a provider for an op",
     )
     p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="settings",
+        help="override any config key, dotted, the value read as YAML "
+        "(--set graphs.ragged=true --set planner.ragged_kv_tokens=262144); flags win",
+    )
+    p.add_argument(
         "--load-weights",
         type=Path,
         help="safetensors weights saved by --save-weights; their model config must equal the "

@@ -179,6 +179,10 @@ CASES = [
     CliCase("--next-n 3", _decode("--next-n", "3"), "--next-n"),
     CliCase("--provider without a name", _decode("--provider", "page_table"), "--provider"),
     CliCase("--provider unknown", _decode("--provider", "page_table=cutlass"), "page_table"),
+    CliCase("--set without a value", _decode("--set", "graphs.ragged"), "--set"),
+    CliCase("--set value not YAML", _decode("--set", "planner.max_batch=[1"), "--set"),
+    CliCase("--set unknown key", _decode("--set", "graphs.raged=true"), "--set"),
+    CliCase("--set bad value", _decode("--set", "planner.ragged_kv_tokens=0"), "--set"),
     CliCase("--config missing", _decode("--config", "{tmp}/none.yaml"), "--config"),
     CliCase("--config not YAML", _decode("--config", "{tmp}/bad.yaml"), "--config"),
     CliCase(

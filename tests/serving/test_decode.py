@@ -93,6 +93,21 @@ def test_debug_mode_verifies_every_replay():
     assert result.prefill_steps > 0  # ragged replays are verified too
 
 
+def test_set_overrides_any_config_key_and_flags_win(tmp_path):
+    out = tmp_path / "summary.json"
+    proc = planner_cli(
+        "decode", "--set", "loop.requests=9", "--set", "loop.mixed=true", "--requests", "4",
+        "--set", "loop.arrival_rate=0.5", "--set", "graphs.ragged=false",
+        "--quiet", "--json", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["summary"]["requests_finished"] == 4  # --requests wins over --set
+    # mixed steps ran, and eagerly: ragged graphs were set off
+    assert data["summary"]["steps_by_mode"].get("mixed", 0) > 0
+    assert data["summary"]["ragged_steps"].get("mixed", 0) > 0
+
+
 def test_cli_prints_the_summary(tmp_path):
     out = tmp_path / "summary.json"
     proc = planner_cli("decode", "--requests", "3", "--quiet", "--json", str(out))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from safetensors import SafetensorError
 
 from dsv32_engine.distributed.group import launched_by_torchrun
@@ -74,6 +75,15 @@ def _overrides(args: argparse.Namespace, env: Mapping[str, str]) -> Overrides:
         values[key] = value
         flags[key] = flag
 
+    for item in getattr(args, "settings", []):
+        key, sep, text = item.partition("=")
+        if not sep or not key or key != key.strip():
+            raise ConfigError("expected KEY=VALUE (a dotted config key)", field="--set", actual=item)
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise ConfigError("the value is not YAML", field="--set", actual=item) from None
+        put(key, value, "--set")
     for name, (flag, key) in FLAGS.items():
         value = getattr(args, name, None)
         if value is not None:
