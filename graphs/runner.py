@@ -357,6 +357,8 @@ class GraphRunner:
         t4 = time.perf_counter()
         host = self.stats.host_seconds
         host["refresh"] += t1 - t0
+        if entry.tokens is not None:
+            self.stats.ragged_refresh_seconds += t1 - t0
         host["inputs"] += t2 - t1
         host["replay"] += t3 - t2
         host["verify"] += t4 - t3

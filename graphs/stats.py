@@ -38,6 +38,9 @@ class GraphStats:
     padded_rows: int = 0
     replays: Counter = field(default_factory=Counter)
     """Replays by (mode, size): a uniform graph's request bucket, a ragged one's token bucket."""
+    ragged_refresh_seconds: float = 0.0
+    """Planner host time of the ragged replays (extend, mixed), inside ``host_seconds``'s
+    refresh: what a prompt chunk's replay costs on the host."""
     capture_costs: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per captured graph (``decode/8``, ``extend/t512``): capture seconds (warm-up runs
     included) and, on CUDA, the bytes its capture added to the pool."""
@@ -50,6 +53,11 @@ class GraphStats:
     @property
     def graph_steps(self) -> int:
         return sum(self.replays.values())
+
+    @property
+    def ragged_replays(self) -> int:
+        """Replays of ragged graphs (prompt chunks, mixed steps)."""
+        return sum(n for (mode, _), n in self.replays.items() if mode in RAGGED_LABELS)
 
     @property
     def hit_rate(self) -> float:
@@ -66,6 +74,7 @@ class GraphStats:
         self.replays.clear()
         self.eager.clear()
         self.host_seconds.clear()
+        self.ragged_refresh_seconds = 0.0
 
     def summary(self) -> dict[str, Any]:
         """A JSON-ready dict of everything above."""
@@ -90,6 +99,10 @@ class GraphStats:
             "hit_rate": self.hit_rate,
             "replays": {_label(mode, size): n for (mode, size), n in sorted(self.replays.items())},
             "capture_costs": {label: dict(cost) for label, cost in self.capture_costs.items()},
+            "ragged_replays": self.ragged_replays,
+            "planner_us_per_ragged_replay": 1e6 * self.ragged_refresh_seconds / self.ragged_replays
+            if self.ragged_replays
+            else 0.0,
             "eager_fallbacks": dict(sorted(self.eager.items())),
             "ragged_steps": dict(sorted(self.ragged.items())),
             "padding_fraction": self.padded_rows / (self.real_rows + self.padded_rows)

@@ -71,8 +71,12 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         "planner_us_per_extend_plan": _per(
             host["eager_extend"] + host["eager_mixed"], eager_extend, 1e6
         ),
+        "planner_us_per_ragged_replay": graph["planner_us_per_ragged_replay"],
         "graph_pool_bytes": graph.get("pool_allocated_bytes"),
+        "graph_capture_seconds": graph["capture_seconds"],
+        "graph_capture_costs": graph["capture_costs"],
         "graph_replays": graph["graph_steps"],
+        "ragged_replays": graph["ragged_replays"],
         "eager_fallbacks": graph["eager_fallbacks"],
         "ragged_steps": graph["ragged_steps"],
         "graph_kind": graph["kind"],
@@ -131,7 +135,17 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
             f"{summary['planner_us_per_eager_plan']:.0f} / "
             f"{summary['planner_us_per_extend_plan']:.0f} us",
         ),
-        (f"graph replays ({summary['graph_kind']})", f"{summary['graph_replays']}"),
+        (
+            f"graph replays ({summary['graph_kind']}): all / prompt chunks and mixed",
+            f"{summary['graph_replays']} / {summary['ragged_replays']}",
+        ),
+        (
+            "planner host time per ragged replay",
+            f"{summary['planner_us_per_ragged_replay']:.0f} us"
+            if summary["ragged_replays"]
+            else "n/a (none replayed)",
+        ),
+        ("graph capture time (all graphs)", f"{summary['graph_capture_seconds']:.2f} s"),
         (
             "staged inputs reach the device by",
             "the graph's own pull"
@@ -143,7 +157,7 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
             ", ".join(f"{k}: {v}" for k, v in summary["eager_fallbacks"].items()) or "0",
         ),
         (
-            "eager extend/mixed steps (by design)",
+            "extend/mixed steps eager (ragged graphs off)",
             ", ".join(f"{k}: {v}" for k, v in summary["ragged_steps"].items()) or "0",
         ),
         (

@@ -66,6 +66,11 @@ def test_every_forward_replays_and_tokens_equal_eager_chunks(eager_chunks, mixed
     labels = set(stats.summary()["capture_costs"])
     assert {f"{ragged.value}/t{t}" for t in engine.runner.token_sizes} <= labels
     assert f"capture {ragged.value}/t{engine.runner.token_sizes[0]}" in stats.render(200)
+    summary = stats.summary()
+    assert summary["ragged_replays"] == sum(
+        n for (m, _), n in stats.replays.items() if m == ragged.value
+    )
+    assert summary["ragged_replays"] > 0 and summary["planner_us_per_ragged_replay"] > 0
 
 
 def test_past_the_stated_bounds_a_step_runs_eagerly_counted_and_said_once(eager_chunks):

@@ -78,7 +78,9 @@ def _overrides(args: argparse.Namespace, env: Mapping[str, str]) -> Overrides:
     for item in getattr(args, "settings", []):
         key, sep, text = item.partition("=")
         if not sep or not key or key != key.strip():
-            raise ConfigError("expected KEY=VALUE (a dotted config key)", field="--set", actual=item)
+            raise ConfigError(
+                "expected KEY=VALUE (a dotted config key)", field="--set", actual=item
+            )
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
