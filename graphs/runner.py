@@ -101,7 +101,7 @@ class GraphRunner:
         use_cuda_graph: bool | None = None,
         enabled: bool = True,
         warmup: WarmupHook | None = None,
-        warmup_runs: int = 1,
+        warmup_runs: int | None = None,
     ) -> None:
         self.planner = planner
         self.forward = forward
@@ -125,7 +125,10 @@ class GraphRunner:
             else []
         )
         self.warmup_hook = warmup
-        self.warmup_runs = warmup_runs
+        self.warmup_runs = (1 if self.kind == "cuda" else 0) if warmup_runs is None else warmup_runs
+        """Eager runs of each graph's forward before its capture: one on CUDA (kernels JIT-
+        compile and lazy state is made outside the capture), none for emulated graphs, whose
+        capture is itself an eager run."""
         top = self.sizes[-1] if enabled else 0
         rows = max((top * self._next_n(m) for m in self.modes if not m.ragged), default=top)
         if enabled and self.token_sizes:
@@ -220,7 +223,9 @@ class GraphRunner:
         def body() -> Any:
             # Binds the very objects the graph reads; nothing is looked up again at replay.
             planner.record(bs, mode, tokens=tokens)
-            return forward(dict(views), plans)
+            out = forward(dict(views), plans)
+            output_kinds(out, bs, rows)  # shapes only: a forward that cannot be sliced fails
+            return out
 
         graph = new_graph(self.kind, stream)
         before = self._memory()
