@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from planner.batch import RAGGED_MODES, ForwardBatch, ForwardMode, implied_positions
+from planner.batch import RAGGED_MODES, ForwardBatch, ForwardMode
 from planner.errors import BatchError
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -118,8 +118,9 @@ def validate_batch(
     max_tokens: int,
     next_n: Mapping[ForwardMode, int],
     device_reads: bool,
-) -> ForwardMode:
-    """Reject a malformed batch, naming the field, before anything is staged; its mode.
+) -> tuple[ForwardMode, int]:
+    """Reject a malformed batch, naming the field, before anything is staged; its mode and
+    its query tokens (summed here once: a ragged replay's bucket check reads them).
 
     Structure only (types, ranks, devices, lengths, counts): value ranges are
     checked where the inputs are staged. ``next_n`` is each mode's tokens per
@@ -193,7 +194,7 @@ def validate_batch(
         )
     if batch.seq_lens is not None or batch.extend_lens is not None:
         _check_device_lens(batch, seq, bs, on_device, device_reads)
-    return mode
+    return mode, tokens
 
 
 def _check_idle(mode: ForwardMode, bs: int) -> None:
@@ -252,15 +253,14 @@ def _check_extend_lens(batch: ForwardBatch, mode: ForwardMode, bs: int, max_toke
         )
     else:
         _check_tensor("extend_lens_cpu", lens, _INT32_ONLY, 1, _HOST, bs)
-        values = lens.numpy()
-        if bs and int(values.min()) < 1:  # the token layout itself is undefined: not a range
+        least, tokens = min_sum(lens)
+        if least < 1:  # the token layout itself is undefined: not a range
             raise BatchError(
                 "every request adds at least one token",
                 field="extend_lens_cpu",
                 expected=">= 1",
-                actual=int(values.min()),
+                actual=least,
             )
-        tokens = int(values.sum()) if bs else 0
     if mode.ragged and tokens > max_tokens:
         raise BatchError(
             "more query tokens than max_tokens",
@@ -269,6 +269,20 @@ def _check_extend_lens(batch: ForwardBatch, mode: ForwardMode, bs: int, max_toke
             actual=tokens,
         )
     return tokens
+
+
+_SHORT = 64
+"""Up to this many values a host tensor is reduced in Python, on its list: numpy's per-call
+cost is most of the time of a short array's reductions (past about 96 numpy's wins)."""
+
+
+def min_sum(values: torch.Tensor) -> tuple[int, int]:
+    """The least (1 if empty) and the total of a host int32 tensor, the total in int64."""
+    if values.shape[0] <= _SHORT:
+        listed = values.tolist()
+        return min(listed, default=1), sum(listed)
+    array = values.numpy()
+    return int(np.minimum.reduce(array)), int(np.add.reduce(array, dtype=np.int64))
 
 
 def check_size(name: str, value: object, lo: int, hi: int, what: str) -> int:
@@ -378,12 +392,11 @@ def check_capture(
     return bs, check_size("tokens", tokens, 1, max_tokens, "token bucket out of range")
 
 
-def check_bucket(batch: ForwardBatch, tokens: int, kv_tokens: int, name: str) -> None:
-    """A ragged batch fits a bucket of ``tokens`` query tokens (padding requests add none)
-    and its KV lengths' sum the stated bound ``kv_tokens`` (``Limits.kv_token_capacity``;
-    the flat KV holds the padding requests' entries on top). ``name``: the argument that
-    named the token bucket."""
-    real = batch.num_tokens
+def check_bucket(batch: ForwardBatch, real: int, tokens: int, kv_tokens: int, name: str) -> None:
+    """A ragged batch of ``real`` query tokens fits a bucket of ``tokens`` (padding requests
+    add none) and its KV lengths' sum the stated bound ``kv_tokens``
+    (``Limits.kv_token_capacity``; the flat KV holds the padding requests' entries on top).
+    ``name``: the argument that named the token bucket."""
     if real > tokens:
         raise BatchError(
             "more query tokens than the token bucket",
@@ -391,7 +404,7 @@ def check_bucket(batch: ForwardBatch, tokens: int, kv_tokens: int, name: str) ->
             expected=f">= {real}",
             actual=tokens,
         )
-    kv = int(batch.seq_lens_cpu.numpy().sum(dtype=np.int64))
+    kv = min_sum(batch.seq_lens_cpu)[1]
     if kv > kv_tokens:
         raise BatchError(
             "KV tokens past the bound of a captured ragged batch (Limits.ragged_kv_tokens): "
@@ -429,12 +442,13 @@ class ElementBounds:
                 self.lo = low.astype(np.int32)
                 self.span = (high - low).astype(np.uint32)
 
-    def outside(self, flat: np.ndarray) -> bool:
-        """Whether any element of ``flat`` (int32) is outside its range."""
+    def outside(self, flat: np.ndarray, allowed: int = 0) -> bool:
+        """Whether more than ``allowed`` elements of ``flat`` (int32) are outside their range
+        (a bucket's padding rows whose pad is outside by design)."""
         if self.span is None:
-            return bool(np.count_nonzero((flat < self.lo64) | (flat > self.hi64)))
+            return np.count_nonzero((flat < self.lo64) | (flat > self.hi64)) > allowed
         # count_nonzero rather than any(): the cheaper reduction of the two
-        return bool(np.count_nonzero((flat - self.lo).view(np.uint32) > self.span))
+        return np.count_nonzero((flat - self.lo).view(np.uint32) > self.span) > allowed
 
     def first_outside(self, flat: np.ndarray) -> int:
         """The index of the first element outside its range (there is one)."""
@@ -516,8 +530,9 @@ def check_positions(positions: np.ndarray, lens: np.ndarray, new: np.ndarray | i
         implied = lens - 1
     elif isinstance(new, int):  # n tokens each: L - n .. L - 1, one broadcast add
         implied = (lens[:, None] + _tails(new)).reshape(-1)
-    else:
-        implied = implied_positions(lens, new)
+    else:  # token i of request b at L_b - ends_b + i: int32 (range-checked, <= max_tokens)
+        implied = np.repeat(lens - np.add.accumulate(new, dtype=np.int32), new)
+        implied += _first(implied.size)
     differ = positions != implied
     if np.count_nonzero(differ):  # one count in the usual case; the index only when wrong
         i = int(differ.argmax())
@@ -528,6 +543,17 @@ def check_positions(positions: np.ndarray, lens: np.ndarray, new: np.ndarray | i
             expected=int(implied[i]),
             actual=int(positions[i]),
         )
+
+
+_COUNT = [np.arange(0, dtype=np.int32)]
+
+
+def _first(n: int) -> np.ndarray:
+    """``0 .. n - 1`` as int32, a view of one array kept (grown to the largest ``n`` asked)."""
+    have = _COUNT[0]
+    if have.size < n:
+        have = _COUNT[0] = np.arange(max(n, 2 * have.size), dtype=np.int32)
+    return have[:n]
 
 
 _TAILS: dict[int, np.ndarray] = {}

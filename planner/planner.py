@@ -430,10 +430,11 @@ class Planner:
         """Bytes held in static buffers (plans and staging) for every captured mode."""
         return self.storages.nbytes()
 
-    def _validate(self, batch: ForwardBatch, *, device_reads: bool) -> ForwardMode:
+    def _validate(self, batch: ForwardBatch, *, device_reads: bool) -> tuple[ForwardMode, int]:
+        """The batch checked at the door: its mode and query tokens."""
         if isinstance(batch, ForwardBatch) and batch.mode is ForwardMode.DRAFT_DECODE:
             self.program(batch.mode)  # unplanned (no draft_steps): say so before next_n does
-        mode = validate_batch(
+        mode, tokens = validate_batch(
             batch,
             device=self.device,
             max_batch=self.limits.max_batch,
@@ -443,7 +444,7 @@ class Planner:
         )
         if mode not in self._modes:
             self.program(mode)  # raises, naming the modes this planner plans
-        return mode
+        return mode, tokens
 
     # ---- eager ----------------------------------------------------------------------------
 
@@ -463,13 +464,13 @@ class Planner:
         self, batch: ForwardBatch, *, pad_to: int | None, pad_tokens: int | None, count: bool
     ) -> PlanSet:
         start = time.perf_counter()
-        mode = self._validate(batch, device_reads=True)
+        mode, real = self._validate(batch, device_reads=True)
         limits = self.limits
         pad_to, pad_tokens = check_pad_to(
             pad_to, pad_tokens, batch.bs, limits.max_batch, limits.extend_tokens, mode
         )
         if pad_tokens is not None:
-            check_bucket(batch, pad_tokens, limits.kv_token_capacity, "pad_tokens")
+            check_bucket(batch, real, pad_tokens, limits.kv_token_capacity, "pad_tokens")
         reqs = pad_to or max(batch.bs, 1)
         sets = [self._plan_one(one, mode, reqs, pad_to, pad_tokens) for one in batches_of(batch)]
         plans = PlanSet.stepped(sets, "eager", mode, reqs, batch.bs) if mode.stepped else sets[0]
@@ -654,11 +655,11 @@ class Planner:
         reads device-resident inputs and the token table to check them.
         """
         start = time.perf_counter()
-        mode = self._validate(batch, device_reads=self.debug)
+        mode, real_tokens = self._validate(batch, device_reads=self.debug)
         real = batch.bs
         bs = check_replay_size(bs, real, self.limits.max_batch)
         if tokens is not None or mode in RAGGED_MODES:
-            tokens = self._replay_tokens(batch, mode, bs, tokens)
+            tokens = self._replay_tokens(batch, real_tokens, mode, tokens)
         captured = self._captured_for(mode.plans_as, bs, tokens)
         captured.check_table(batch.req_to_token)
         batches = batches_of(batch) if mode.stepped else [batch]
@@ -671,10 +672,10 @@ class Planner:
         return captured.plans
 
     def _replay_tokens(
-        self, batch: ForwardBatch, mode: ForwardMode, bs: int, tokens: object
+        self, batch: ForwardBatch, real: int, mode: ForwardMode, tokens: object
     ) -> int:
-        """The token bucket of a ragged replay, checked to hold ``batch``; a uniform one has
-        none."""
+        """The token bucket of a ragged replay, checked to hold ``batch`` (``real`` query
+        tokens); a uniform one has none."""
         if not mode.ragged:
             raise BatchError(
                 f"a {mode.value} replay's tokens follow from bs: leave tokens out",
@@ -690,7 +691,7 @@ class Planner:
                 actual=None,
             )
         tokens = check_size("tokens", tokens, 1, self.limits.extend_tokens, "out of range")
-        check_bucket(batch, tokens, self.limits.kv_token_capacity, "tokens")
+        check_bucket(batch, real, tokens, self.limits.kv_token_capacity, "tokens")
         return tokens
 
     def graph_launched(self) -> None:

@@ -46,9 +46,9 @@ _ATTR = {
 """The batch attribute each source is read from as it is; the others (extend lengths, and
 positions the engine left out) go through ``ForwardBatch.source``."""
 _BOUNDS_KEPT = 64
-"""Bounds arrays kept per layout, for uniform batches (one key per batch size, on the replay
-hot path). Ragged batches' are not kept: their key is their real token count, so a cache
-would grow with traffic (they pay the two-comparison pass instead)."""
+"""Bounds arrays kept per layout: one per captured (requests, tokens) bucket, on the replay
+hot path, and per size of eager uniform plans. An eager ragged plan's are not kept: their
+key is its token count, so a cache would grow with traffic (it pays the two-comparison pass)."""
 
 
 @dataclass(frozen=True)
@@ -155,39 +155,45 @@ class StagingLayout:
         *,
         read_device: bool,
         read_table: bool,
+        static: bool = False,
     ) -> list[tuple[Segment, torch.Tensor]]:
         """Fill, :meth:`check` and (``read_table``) :meth:`check_table` one batch's region;
-        the device-resident inputs left for after the copy."""
+        the device-resident inputs left for after the copy. ``static``: a captured bucket
+        of ``reqs`` and ``tokens`` (few: its range bounds are kept)."""
         counts = real_counts(batch)
         on_device = self._fill(host, batch, reqs, tokens, ranges, read_device, counts)
-        self.check(host, batch, ranges, on_device, counts)
+        self.check(host, batch, ranges, on_device, counts, (reqs, tokens) if static else None)
         if read_table:
             self.check_table(host, batch, ranges)
         return on_device
 
     def _bounds_for(
         self, reqs: int, tokens: int, ranges: Ranges, skip: frozenset, *, keep: bool = True
-    ) -> ElementBounds:
+    ) -> tuple[ElementBounds, tuple[bool, ...]]:
+        """The bounds of the first ``reqs`` / ``tokens`` elements of each segment, and the
+        ``per_token`` of each checked segment whose pad is outside its range (the padding
+        rows of a bucket's bounds that are outside by design)."""
         key = (reqs, tokens, id(ranges), skip)  # ranges are cached per planner: ids are stable
-        bounds = self._bounds.get(key)
-        if bounds is None:
+        found = self._bounds.get(key)
+        if found is None:
             lo = np.full(self.size, _INT32[0], dtype=np.int64)
             hi = np.full(self.size, _INT32[1], dtype=np.int64)
+            pads_outside = []
             for seg in self._order:
                 if seg.offset in skip:
                     continue
-                n = tokens if seg.per_token else reqs
-                lo[seg.offset : seg.offset + n], hi[seg.offset : seg.offset + n] = ranges[
-                    seg.source
-                ]
+                n, (low, high) = tokens if seg.per_token else reqs, ranges[seg.source]
+                lo[seg.offset : seg.offset + n], hi[seg.offset : seg.offset + n] = low, high
+                if not low <= seg.pad <= high:
+                    pads_outside.append(seg.per_token)
             # ranges kept alive: its id is part of the key; bounds used once are not worth
             # the one-pass arrays
-            bounds = ElementBounds(lo, hi, ranges, one_pass=keep)
+            found = ElementBounds(lo, hi, ranges, one_pass=keep), tuple(pads_outside)
             if keep:
                 if len(self._bounds) >= _BOUNDS_KEPT:
                     del self._bounds[next(iter(self._bounds))]  # the oldest
-                self._bounds[key] = bounds
-        return bounds
+                self._bounds[key] = found
+        return found
 
     def _fill(
         self,
@@ -248,23 +254,46 @@ class StagingLayout:
         ranges: Ranges,
         on_device: list[tuple[Segment, torch.Tensor]],
         counts: tuple[int, int] | None = None,
+        bucket: tuple[int, int] | None = None,
     ) -> None:
         """Every staged input within its range, in one vectorised pass over ``host``.
 
-        First the one relation between inputs: no request adds more tokens than
-        its KV length holds (a negative cached prefix); it is named before the
-        positions derived from it would be.
+        The one relation between inputs, no request adding more tokens than its KV length
+        holds (a negative cached prefix), is named before any other error. Staged positions
+        imply it (the first of such a request would be negative: out of range, derived, or
+        unequal to its given value), so it is looked at only on the way to an error, or
+        where the positions are not checked here (on the device).
+
+        The pass runs over the ``bucket`` (padded requests and tokens) whose bounds are
+        kept, so a ragged replay reuses them as a uniform one does: each padding row holds
+        its segment's pad, so exactly the padding rows of pads outside their range are
+        outside, and only more than those is an error. Bounds of the real rows alone (not
+        kept where the counts change every batch: an eager ragged plan) name it.
         """
         skip = frozenset(seg.offset for seg, _ in on_device) if on_device else _NONE
+        # without extend lengths, implied by the mode: seq_lens' range covers the relation
         given = batch.extend_lens_cpu is not None
-        if given:  # else implied by the mode: seq_lens' range covers it
+        if given and self._first_offsets["positions"] in skip:
             self._check_prefix(host, batch.bs, skip)
         counts = counts or real_counts(batch)
-        bounds = self._bounds_for(*counts, ranges, skip, keep=not given)
+        reqs, tokens = bucket or counts
+        keep = not given or bucket is not None
+        bounds, pads_outside = self._bounds_for(reqs, tokens, ranges, skip, keep=keep)
+        padding = 0
+        for per_token in pads_outside:
+            padding += tokens - counts[1] if per_token else reqs - counts[0]
         flat = host[: self.size]
-        if not bounds.outside(flat):
-            self._check_relations(host, batch, skip, counts)
-            return
+        if not bounds.outside(flat, padding):
+            try:
+                return self._check_relations(host, batch, skip, counts)
+            except BatchError:
+                if given:
+                    self._check_prefix(host, batch.bs, skip)
+                raise
+        if given:
+            self._check_prefix(host, batch.bs, skip)
+        if (reqs, tokens) != counts:
+            bounds = self._bounds_for(*counts, ranges, skip, keep=False)[0]
         index = bounds.first_outside(flat)
         seg = next(s for s in self._order if s.offset <= index < s.offset + s.capacity)
         value = int(flat[index])
@@ -316,9 +345,9 @@ class StagingLayout:
             return
         new = host[extend.offset : extend.offset + reqs]
         kv = host[seq.offset : seq.offset + reqs]
-        longer = np.flatnonzero(new > kv)
-        if longer.size:
-            i = int(longer[0])
+        longer = new > kv
+        if longer.any():
+            i = int(longer.argmax())
             raise BatchError(
                 "a request adds more tokens than its KV length (negative cached prefix)",
                 field="extend_lens_cpu",
@@ -328,10 +357,9 @@ class StagingLayout:
 
 
 def real_counts(batch: ForwardBatch) -> tuple[int, int]:
-    """The batch's real requests and query tokens: ``num_tokens`` sums the extend lengths
-    (a tensor read), so it is read only where they are given, and once per staging."""
-    reqs = batch.bs
-    return reqs, (batch.num_tokens if batch.extend_lens_cpu is not None else reqs * batch.next_n)
+    """The batch's real requests and query tokens: the door checked that ``out_cache_loc``
+    holds one slot per token, so its length is ``num_tokens`` without summing the lengths."""
+    return batch.bs, batch.out_cache_loc.shape[0]
 
 
 def _derive_positions(batch: ForwardBatch, implied: int | None, out: np.ndarray) -> None:
@@ -519,6 +547,7 @@ class Stager:
                     ranges,
                     read_device=read_device,
                     read_table=read_table,
+                    static=self.static,
                 )
             )
         if host_work is not None:

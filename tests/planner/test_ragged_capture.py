@@ -312,6 +312,38 @@ def test_replay_refusals_name_the_field_and_touch_nothing():
     assert torch.equal(planner._captured[(EXTEND, (4, 24))].storages[0].stager.device_buf, staged)
 
 
+def _with(batch: ForwardBatch, **fields) -> ForwardBatch:
+    values = {name: getattr(batch, name) for name in (
+        "seq_lens_cpu", "req_pool_indices", "req_to_token", "out_cache_loc", "mode",
+        "extend_lens_cpu",
+    )}  # fmt: skip
+    return ForwardBatch(**{**values, **fields})
+
+
+@pytest.mark.parametrize("backend", ["test-ragged", "nsa"])
+def test_bad_values_in_a_padded_ragged_replay_are_named_and_touch_nothing(backend):
+    """The replay's range checks cache their bounds per bucket and let the padding's own
+    pad values through: a bad value in the real rows is still refused, naming its field."""
+    setup = captured(backend)
+    planner, good = setup.planner, _rng_batch()  # 3 requests, 18 tokens, into (6, 48)
+    plans = setup.replay(good, 6, 48)
+    snapshot = {k: t.clone() for k, t in plans[backend].tensors().items()}
+    lens, pools, locs = good.seq_lens_cpu, good.req_pool_indices, good.out_cache_loc
+    bad = {
+        "seq_lens_cpu": _with(good, seq_lens_cpu=lens + torch.tensor([MAX_CTX, 0, 0], dtype=I32)),
+        "req_pool_indices": _with(good, req_pool_indices=pools * 0 + TABLE.shape[0]),
+        "out_cache_loc": _with(good, out_cache_loc=locs * 0 - 1),
+        "extend_lens_cpu": _with(good, extend_lens_cpu=torch.tensor([2, 12, 4], dtype=I32)),
+    }
+    for field, batch in bad.items():
+        with pytest.raises(BatchError) as err:
+            planner.replay(batch, 6, tokens=48)
+        assert err.value.field == field, (field, err.value)
+    for name, tensor in plans[backend].tensors().items():
+        assert torch.equal(tensor, snapshot[name]), name
+    setup.replay(good, 6, 48)  # and the bucket still replays a good batch
+
+
 def test_a_uniform_replay_takes_no_tokens():
     planner = make_planner("nsa")
     planner.capture(2, DECODE, req_to_token=TABLE)
