@@ -126,7 +126,7 @@ class DecodeEngine:
             else DumpRing(dumps.directory, every=dumps.every, keep_last=dumps.keep)
         )
         enabled = config.graphs.enabled
-        token_sizes = _token_sizes(config.graphs, self.device)
+        token_sizes = _token_sizes(config.graphs)
         # What the loop runs: decode (or verify), prefill chunks, and mixed steps if it mixes.
         modes = [ForwardMode.DECODE, *([ForwardMode.TARGET_VERIFY] if spec.next_n > 1 else [])]
         if token_sizes is not None:
@@ -351,12 +351,10 @@ class DecodeEngine:
         return result
 
 
-def _token_sizes(g: GraphsSection, device: torch.device) -> list[int] | bool | None:
+def _token_sizes(g: GraphsSection) -> list[int] | bool | None:
     """The runner's ragged token buckets: None (extend and mixed batches run eagerly), True
-    (the default ladder) or the configured list. ``auto`` captures them with emulated graphs
-    only: under CUDA graphs they are not yet measured (docs/benchmarks.md)."""
-    on = g.ragged if isinstance(g.ragged, bool) else device.type != "cuda"
-    if not on:
+    (the default ladder) or the configured list (``graphs.ragged``, ``graphs.token_sizes``)."""
+    if not g.ragged:
         return None
     return g.token_sizes if g.token_sizes is not None else True
 

@@ -29,7 +29,7 @@ WORKLOAD = {
 }
 VARIANTS = {
     "graphs": {},
-    "prompts_eager": {"graphs.ragged": False},
+    "ragged_graphs": {"graphs.ragged": True},
     "mixed_eager": {"loop.mixed": True, "graphs.enabled": False},
 }
 
@@ -77,7 +77,7 @@ def test_every_rank_runs_every_forward_at_one_size(dp_run):
         assert ranks[0][key] == ranks[1][key], key
     replayed = set(ranks[0]["replays_by_size"])
     peer_eager = sum(r["peer_eager_forwards"] for r in ranks)
-    if name == "graphs":  # one rank's prompt chunk: both replay its token bucket
+    if name == "ragged_graphs":  # one rank's prompt chunk: both replay its token bucket
         assert any(k.startswith("extend:") for k in replayed), replayed
         assert any(k.startswith("decode:") for k in replayed), replayed
         assert peer_eager == 0
@@ -90,7 +90,7 @@ def test_every_rank_runs_every_forward_at_one_size(dp_run):
         assert idle_chunks and all(
             {phase for _, _, phase, _ in seen.values()} == {"replay"} for seen in idle_chunks
         )
-    elif name == "prompts_eager":
+    elif name == "graphs":  # prompt chunks eager (ragged graphs off, the default)
         assert len(replayed) >= 3, replayed  # several graph sizes, idle ones padded too
         assert not any(k.startswith("extend:") for k in replayed)
         assert peer_eager > 0  # a peer prefilled

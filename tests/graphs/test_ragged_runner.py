@@ -19,7 +19,7 @@ from planner.batch import ForwardMode
 from planner.errors import ConfigError
 from tests.support.engines import SMALL_LOOP, tiny_engine
 
-LOOP = {**SMALL_LOOP, "loop.prompt_len": [3, 40], "loop.chunk_tokens": 16}
+LOOP = {**SMALL_LOOP, "loop.prompt_len": [3, 40], "loop.chunk_tokens": 16, "graphs.ragged": True}
 
 
 def _serve(**overrides):

@@ -72,7 +72,7 @@ def test_a_layer_that_writes_a_replayed_plan_is_named(monkeypatch):
 
 
 def test_a_layer_that_writes_an_eager_plan_is_named(monkeypatch):
-    engine = _engine(**{"graphs.ragged": False})  # prompt chunks run eagerly
+    engine = _engine()  # prompt chunks run eagerly
     monkeypatch.setattr(type(engine.model), "forward", _writing_layer(engine, "eager"))
     with pytest.raises(PlanWriteError) as err:
         engine.run(progress=False)

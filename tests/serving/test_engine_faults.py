@@ -64,8 +64,7 @@ def _fail_first_warmup(engine: DecodeEngine, monkeypatch) -> None:
 
 
 def test_capture_failure_drops_one_size_and_serves_identical_tokens(eager_tokens):
-    # decode sizes only; debug re-plans every replay
-    engine = _engine(**{"planner.debug": True, "graphs.ragged": False})
+    engine = _engine(**{"planner.debug": True})  # every replay re-planned eagerly and compared
     _fail_capture_of(engine, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", GraphWarning)
@@ -83,7 +82,7 @@ def test_capture_failure_drops_one_size_and_serves_identical_tokens(eager_tokens
 def test_failed_warmup_drops_the_largest_size_runs_it_eagerly_and_says_so_once(
     eager_tokens, monkeypatch
 ):
-    engine = _engine(**{"planner.debug": True, "graphs.ragged": False})  # decode sizes only
+    engine = _engine(**{"planner.debug": True})
     _fail_first_warmup(engine, monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", GraphWarning)
