@@ -117,16 +117,23 @@ class Scheduler:
         """A ragged batch that touches nothing real, for a data-parallel rank with no work in
         a slot its peers replay as a ragged graph: one token of the null request (row 0 of
         the token table, written to the null slot 0), in the peers' ``mode``."""
+        return self._null_extend(0, 1, mode)
+
+    def _null_extend(
+        self, prefix: int, tokens: int, mode: ForwardMode = ForwardMode.EXTEND
+    ) -> tuple[ForwardBatch, torch.Tensor]:
+        """``tokens`` new tokens after ``prefix`` on the null request: nothing real is read
+        or written (row 0 of the token table, every token to the null slot 0)."""
         batch = ForwardBatch(
-            seq_lens_cpu=torch.ones(1, dtype=torch.int32),
+            seq_lens_cpu=torch.tensor([prefix + tokens], dtype=torch.int32),
             req_pool_indices=torch.zeros(1, dtype=torch.int32),
             req_to_token=self.pool.req_to_token,
-            out_cache_loc=torch.zeros(1, dtype=torch.int32),
+            out_cache_loc=torch.zeros(tokens, dtype=torch.int32),
             mode=mode,
-            extend_lens_cpu=torch.ones(1, dtype=torch.int32),
+            extend_lens_cpu=torch.tensor([tokens], dtype=torch.int32),
         )
         device = self.pool.req_to_token.device
-        return batch, torch.zeros(1, dtype=torch.int64, device=device)
+        return batch, torch.zeros(tokens, dtype=torch.int64, device=device)
 
     def warm_up_batches(
         self, topk: int, chunk: int, max_context: int
@@ -144,19 +151,7 @@ class Scheduler:
             for prefix in (0, topk):
                 if tokens >= 1 and prefix + tokens <= max_context:
                     shapes.add((prefix, tokens))
-        device = self.pool.req_to_token.device
-        batches = []
-        for prefix, tokens in sorted(shapes):
-            batch = ForwardBatch(
-                seq_lens_cpu=torch.tensor([prefix + tokens], dtype=torch.int32),
-                req_pool_indices=torch.zeros(1, dtype=torch.int32),
-                req_to_token=self.pool.req_to_token,
-                out_cache_loc=torch.zeros(tokens, dtype=torch.int32),
-                mode=ForwardMode.EXTEND,
-                extend_lens_cpu=torch.tensor([tokens], dtype=torch.int32),
-            )
-            batches.append((batch, torch.zeros(tokens, dtype=torch.int64, device=device)))
-        return batches
+        return [self._null_extend(prefix, tokens) for prefix, tokens in sorted(shapes)]
 
     def build(
         self,
