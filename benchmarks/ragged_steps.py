@@ -18,14 +18,11 @@ much memory as a real step; what it reads is whatever the cache holds.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks.common import plot_bars, print_table, time_calls, write_json
 from dsv32_engine.serving.engine import DecodeEngine
 from dsv32_engine.serving.run_config import load_run_config
 from planner.batch import ForwardBatch, ForwardMode
@@ -58,29 +55,6 @@ def mixed_batch(engine: DecodeEngine, decoding: int, context: int, chunk: int):
     return batch, ids
 
 
-def _times(engine: DecodeEngine, batch, ids, iters: int, warmup: int, eager: bool) -> list[float]:
-    runner, cuda = engine.runner, engine.device.type == "cuda"
-    out = []
-    for i in range(warmup + iters):
-        if cuda:
-            torch.cuda.synchronize(engine.device)
-        start = time.perf_counter()
-        runner.step(batch, {"input_ids": ids}, eager="benchmark" if eager else None)
-        if cuda:
-            torch.cuda.synchronize(engine.device)
-        if i >= warmup:
-            out.append(time.perf_counter() - start)
-    return out
-
-
-def _stats(times: list[float]) -> dict[str, float]:
-    ordered = sorted(times)
-    return {
-        "p50_ms": statistics.median(ordered) * 1e3,
-        "p99_ms": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3,
-    }
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     top = max(args.decoding) + 1
     overrides = {
@@ -91,9 +65,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "planner.ragged_kv_tokens": top * args.context + max(args.chunks),
     }
     engine = DecodeEngine(load_run_config(args.config, overrides))
-    t0 = time.perf_counter()
-    stats = engine.runner.capture()
-    capture = {"seconds": time.perf_counter() - t0, **stats.summary()}
+    capture = engine.runner.capture().summary()
+    timing = {"warmup": args.warmup, "iters": args.iters}
     rows = []
     for decoding in args.decoding:
         for chunk in args.chunks:
@@ -101,23 +74,31 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             size, why = engine.runner.route(
                 ForwardMode.MIXED, batch.bs, batch.num_tokens, int(batch.seq_lens_cpu.sum())
             )
-            refresh0 = engine.runner.stats.host_seconds["refresh"]
-            replays0 = engine.runner.stats.graph_steps
-            graph = _times(engine, batch, ids, args.iters, args.warmup, eager=False)
-            n = engine.runner.stats.graph_steps - replays0
-            host = (engine.runner.stats.host_seconds["refresh"] - refresh0) / max(n, 1)
-            eager = _times(engine, batch, ids, args.iters, args.warmup, eager=True)
+            inputs = {"input_ids": ids}
+            stats = engine.runner.stats
+            refresh0, replays0 = stats.ragged_refresh_seconds, stats.ragged_replays
+            graph = time_calls(
+                lambda _, b=batch, x=inputs: engine.runner.step(b, x), engine.device, **timing
+            )
+            host = (stats.ragged_refresh_seconds - refresh0) / max(
+                stats.ragged_replays - replays0, 1
+            )
+            eager = time_calls(
+                lambda _, b=batch, x=inputs: engine.runner.step(b, x, eager="benchmark"),
+                engine.device,
+                **timing,
+            )
             row = {
                 "decoding": decoding,
                 "chunk": chunk,
                 "tokens": batch.num_tokens,
                 "bucket": size,
                 "fallback": why,
-                "graph": _stats(graph),
-                "eager": _stats(eager),
+                "graph": graph,
+                "eager": eager,
                 "planner_host_us_per_ragged_replay": host * 1e6,
+                "speedup_median": eager["median_ms"] / graph["median_ms"],
             }
-            row["speedup_p50"] = row["eager"]["p50_ms"] / row["graph"]["p50_ms"]
             rows.append(row)
     return {
         "config": args.config,
@@ -129,39 +110,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [
+    return print_table(
         f"mixed steps, {result['config']} on {result['device']}, context {result['context']}",
-        "decoding chunk bucket   graph p50/p99 ms   eager p50/p99 ms  speed-up  host us/replay",
-    ]
-    for r in result["rows"]:
-        g, e = r["graph"], r["eager"]
-        lines.append(
-            f"{r['decoding']:>8} {r['chunk']:>5} {str(r['bucket']):>6}   "
-            f"{g['p50_ms']:7.2f} / {g['p99_ms']:7.2f}   {e['p50_ms']:7.2f} / {e['p99_ms']:7.2f}"
-            f"  {r['speedup_p50']:7.2f}x  {r['planner_host_us_per_ragged_replay']:10.1f}"
-        )
-    return "\n".join(lines)
-
-
-def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for decoding in sorted({r["decoding"] for r in result["rows"]}):
-        rows = [r for r in result["rows"] if r["decoding"] == decoding]
-        chunks = [r["chunk"] for r in rows]
-        ax.plot(chunks, [r["graph"]["p50_ms"] for r in rows], "o-", label=f"{decoding} graph")
-        ax.plot(chunks, [r["eager"]["p50_ms"] for r in rows], "x--", label=f"{decoding} eager")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt chunk (tokens)")
-    ax.set_ylabel("step p50 (ms)")
-    ax.set_title(f"mixed steps: ragged graph vs eager ({result['config']})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        ("decoding", "chunk", "bucket", "graph ms p50", "p99", "eager ms p50", "p99",
+         "speed-up", "host us/replay"),
+        [
+            (r["decoding"], r["chunk"], r["bucket"], r["graph"]["median_ms"], r["graph"]["p99_ms"],
+             r["eager"]["median_ms"], r["eager"]["p99_ms"], r["speedup_median"],
+             r["planner_host_us_per_ragged_replay"])
+            for r in result["rows"]
+        ],
+    )  # fmt: skip
 
 
 def main() -> None:
@@ -172,20 +131,24 @@ def main() -> None:
     p.add_argument("--context", type=int, default=2048, help="KV tokens of each decoding request")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--out", type=Path, help="write the JSON here")
-    p.add_argument("--plot", type=Path, help="write a PNG plot here")
+    p.add_argument("--out", help="write the JSON here")
+    p.add_argument("--plot", help="write a PNG plot here")
     p.add_argument("--smoke", action="store_true", help="the CPU tiny model, a few steps")
     args = p.parse_args()
     if args.smoke:
         args.config, args.decoding, args.chunks = "dsv32-tiny", [2, 4], [8, 32]
         args.context, args.iters, args.warmup = 64, 3, 1
     result = measure(args)
-    print(table(result))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-    if args.plot:
-        plot(result, args.plot)
+    table(result)
+    write_json(args.out, result)
+    rows = result["rows"]
+    plot_bars(
+        args.plot,
+        f"mixed steps: ragged graph vs eager ({result['config']})",
+        [f"{r['decoding']}+{r['chunk']}" for r in rows],
+        {v: [r[v]["median_ms"] for r in rows] for v in ("graph", "eager")},
+        "step median (ms)",
+    )
 
 
 if __name__ == "__main__":
