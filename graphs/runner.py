@@ -220,18 +220,20 @@ class GraphRunner:
             output_kinds(self.forward(dict(views), plans), bs, rows)
         planner, forward = self.planner, self.forward
 
+        kinds: list[str] = []
+
         def body() -> Any:
             # Binds the very objects the graph reads; nothing is looked up again at replay.
             planner.record(bs, mode, tokens=tokens)
             out = forward(dict(views), plans)
-            output_kinds(out, bs, rows)  # shapes only: a forward that cannot be sliced fails
+            if not kinds:  # at capture only (shapes): a forward that cannot be sliced fails
+                kinds.extend(output_kinds(out, bs, rows))
             return out
 
         graph = new_graph(self.kind, stream)
         before = self._memory()
         outputs = graph.capture(body, pool=self._pool)
         after = self._memory()
-        kinds = output_kinds(outputs, bs, rows)
         entry = CapturedGraph(mode, bs, rows, graph, plans, outputs, kinds, tokens)
         cost: dict[str, float | int | None] = {"seconds": time.perf_counter() - start}
         if before is not None and after is not None:

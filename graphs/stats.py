@@ -17,6 +17,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from planner.batch import RAGGED_MODES
+
 HOST_PHASES = ("refresh", "inputs", "replay", "verify", "eager")
 """Host-time buckets: planner refresh, input copy, graph replay call, debug verify, eager steps."""
 
@@ -152,7 +154,7 @@ class GraphStats:
         return console.export_text()
 
 
-RAGGED_LABELS = ("extend", "mixed")
+RAGGED_LABELS = frozenset(mode.value for mode in RAGGED_MODES)
 """Modes whose graphs are keyed by token bucket (``extend/t512``)."""
 
 
