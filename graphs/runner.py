@@ -281,7 +281,8 @@ class GraphRunner:
         """(graph size, None) for a batch that replays, or (None, fallback reason).
 
         A uniform batch of ``bs`` requests replays the smallest request bucket that holds
-        it; an idle batch the smallest decode graph with every row padding. A ragged batch
+        it; an idle batch, routed by its shape (``route(batch.plans_as, ...)``), the smallest
+        graph of that shape with every row padding (``idle`` alone: decode's). A ragged batch
         of ``tokens`` query tokens and ``kv_tokens`` of KV replays the smallest token
         bucket that holds it, within the planner's static KV bound.
         """
@@ -317,10 +318,12 @@ class GraphRunner:
         """Run one model step for ``batch``; outputs cover the real rows only.
 
         ``at_least`` replays a graph of at least that many requests, or of a ragged batch
-        that many tokens (data-parallel ranks agree on one size); ``eager`` runs eagerly, counted under that reason (a peer
-        rank's batch cannot replay). Graph outputs are views of the graph's output
-        memory: valid until the next step, as in every graph runner. Copy what must
-        outlive it.
+        that many tokens (data-parallel ranks agree on one size); ``eager`` runs eagerly,
+        counted under that reason (a peer rank's batch cannot replay). An idle batch replays
+        the graph of its shape (``batch.idle_as``: its peers' verify, draft extend or draft
+        decode), or runs eagerly padded with that shape's rows. Graph outputs are views of
+        the graph's output memory: valid until the next step, as in every graph runner.
+        Copy what must outlive it.
         """
         if not isinstance(batch, ForwardBatch):
             raise BatchError("not a ForwardBatch", field="batch", actual=type(batch).__name__)
@@ -328,18 +331,19 @@ class GraphRunner:
             mode = ForwardMode(batch.mode)
         except ValueError:
             raise BatchError("unknown mode", field="mode", actual=batch.mode) from None
+        shape = _shape(batch, mode)
         self.capture()
         inputs = inputs or {}
         if eager:
             size, reason = None, eager
-        elif mode.ragged:
+        elif shape.ragged:
             kv_tokens = int(batch.seq_lens_cpu.sum()) if self.token_sizes else 0
-            size, reason = self.route(mode, batch.bs, max(batch.num_tokens, at_least), kv_tokens)
+            size, reason = self.route(shape, batch.bs, max(batch.num_tokens, at_least), kv_tokens)
         else:
-            size, reason = self.route(mode, max(batch.bs, at_least))
+            size, reason = self.route(shape, max(batch.bs, at_least))
         if size is None:
             return self._eager(batch, inputs, reason or GRAPHS_DISABLED)
-        return self._replay(batch, inputs, self._graphs[(mode.plans_as, size)])
+        return self._replay(batch, inputs, self._graphs[(shape, size)])
 
     def _replay(
         self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor], entry: CapturedGraph
@@ -383,14 +387,15 @@ class GraphRunner:
         plans = self.last_plans = self.planner.plan(batch)
         rows = batch.num_tokens
         self.inputs.check(inputs, batch.bs, rows)
-        if plans.reqs > batch.bs:  # idle: planned as one padding request, fed padding
-            inputs = self.inputs.padding(plans.reqs, plans.reqs * self._next_n(batch.mode))
+        padded = plans.reqs > batch.bs  # idle: one padding request of its shape, fed padding
+        if padded:
+            pad_rows = plans.reqs * self._next_n(_shape(batch, ForwardMode(batch.mode)))
+            inputs = self.inputs.padding(plans.reqs, pad_rows)
         with self.planner.guard(plans):
             outputs = self.forward(dict(inputs), plans)
-        if plans.reqs > batch.bs:
-            outputs = slice_outputs(
-                outputs, iter(output_kinds(outputs, plans.reqs, plans.reqs)), 0, 0
-            )
+        if padded:
+            kinds = output_kinds(outputs, plans.reqs, pad_rows)
+            outputs = slice_outputs(outputs, iter(kinds), 0, 0)
         self.stats.host_seconds["eager"] += time.perf_counter() - start
         self.stats.steps += 1
         if reason == RAGGED:
@@ -405,9 +410,11 @@ class GraphRunner:
             return
         self._warned.add(reason)
         mode = ForwardMode(batch.mode)
-        sizes = self.captured_sizes(mode) if self.enabled else "none"
+        shape = _shape(batch, mode)
+        sizes = self.captured_sizes(shape) if self.enabled else "none"
+        what = mode.value if shape is mode.plans_as else f"{mode.value} (as {shape.value})"
         warnings.warn(
-            f"running eagerly ({reason}: {mode.value} batch of {batch.bs}; captured sizes {sizes}); "
+            f"running eagerly ({reason}: {what} batch of {batch.bs}; captured sizes {sizes}); "
             "further fallbacks for this reason are only counted in runner.stats.eager",
             GraphWarning,
             stacklevel=4,
@@ -425,6 +432,15 @@ class GraphRunner:
         """Tokens per request: a graph of ``bs`` requests has ``bs`` times this many rows of
         per-token inputs (a draft extend's, padded; a draft decode's: one per step)."""
         return self.planner.tokens_per_request(mode)
+
+
+def _shape(batch: ForwardBatch, mode: ForwardMode) -> ForwardMode:
+    """The mode whose graph ``batch`` replays (an idle batch's shape); an ``idle_as`` that is
+    no mode routes as the batch's own mode, and the planner's door then names the field."""
+    try:
+        return batch.plans_as
+    except ValueError:
+        return mode.plans_as
 
 
 def _describe(exc: BaseException) -> str:
@@ -456,7 +472,7 @@ def _modes(
     """DECODE, plus TARGET_VERIFY when the planner verifies more than one token, plus the
     ragged modes (extend, mixed) the planner plans when the runner has token buckets.
 
-    Idle batches replay decode's graphs.
+    Idle batches replay the graphs of their shape (``ForwardBatch.idle_as``).
     """
     if modes is None:
         verify = (ForwardMode.TARGET_VERIFY,) if planner.limits.next_n > 1 else ()

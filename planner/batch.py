@@ -26,8 +26,9 @@ class ForwardMode(str, enum.Enum):
 
     - ``decode``: one new token per request (full CUDA graph);
     - ``target_verify``: ``next_n`` tokens per request to verify (full graph);
-    - ``idle``: no request at all, for a data-parallel rank with no work; it
-      replays a decode graph whose every row is padding;
+    - ``idle``: no request at all, for a data-parallel rank with no work; it replays,
+      every row padding, the graph of its declared shape (``ForwardBatch.idle_as``:
+      decode, or its peers' verify, draft extend or draft decode);
     - ``extend``: new tokens after an optional cached prefix, a different number
       per request (prefill, chunked prefill); a full graph per (requests, tokens)
       bucket, eager past the stated bounds (``Limits.ragged_kv_tokens``, ``max_tokens``);
@@ -56,7 +57,8 @@ class ForwardMode(str, enum.Enum):
 
     @property
     def plans_as(self) -> ForwardMode:
-        """The mode whose program plans this one: idle is decode with every row padding."""
+        """The mode whose program plans this one; idle's is decode unless a batch declares
+        another shape (:attr:`ForwardBatch.plans_as`)."""
         return ForwardMode.DECODE if self is ForwardMode.IDLE else self
 
     @property
@@ -121,6 +123,11 @@ class ForwardBatch:
     request. A draft-decode batch has ``next_n = k`` (its steps) and, like a
     verify batch, the KV length after its last step and all ``k`` tokens'
     slots, request-major: step ``s`` of request ``b`` is token ``b * k + s``.
+
+    An idle batch (no request) declares in ``idle_as`` the uniform mode whose plans and
+    graph it pads, with that mode's ``next_n``: under data-parallel attention a rank without
+    work runs its peers' forward (vLLM #35376, SGLang #15227: idle metadata built for decode
+    while the forward ran verify). Any other batch leaves it decode.
     """
 
     seq_lens_cpu: torch.Tensor
@@ -133,6 +140,13 @@ class ForwardBatch:
     next_n: int = 1
     extend_lens_cpu: torch.Tensor | None = None
     extend_lens: torch.Tensor | None = None
+    idle_as: ForwardMode = ForwardMode.DECODE
+
+    @property
+    def plans_as(self) -> ForwardMode:
+        """The mode whose program and captured graph plan this batch: an idle batch's shape."""
+        mode = ForwardMode(self.mode)
+        return ForwardMode(self.idle_as) if mode is ForwardMode.IDLE else mode.plans_as
 
     @property
     def bs(self) -> int:
@@ -207,12 +221,14 @@ def _column(tensor: torch.Tensor | None, bs: int, k: int, s: int) -> torch.Tenso
 
 
 def step_batches(batch: ForwardBatch) -> list[ForwardBatch]:
-    """The ``k = batch.next_n`` decode batches of a draft-decode batch, step 0 first.
+    """The ``k = batch.next_n`` decode batches of a draft-decode batch, step 0 first (of an
+    idle one, ``k`` idle batches of no request).
 
     The batch was checked at the door (``seq_lens_cpu >= k``, ``k`` tokens per
     request); the steps' own values are range-checked where they are staged.
     """
     k, bs = batch.next_n, batch.bs
+    mode = ForwardMode.IDLE if batch.mode == ForwardMode.IDLE else ForwardMode.DECODE
     positions = batch.source("positions")
     steps = []
     for s in range(k):
@@ -225,7 +241,7 @@ def step_batches(batch: ForwardBatch) -> list[ForwardBatch]:
                 out_cache_loc=_column(batch.out_cache_loc, bs, k, s),
                 positions=_column(positions, bs, k, s),
                 seq_lens=None if batch.seq_lens is None else batch.seq_lens - (k - 1 - s),
-                mode=ForwardMode.DECODE,
+                mode=mode,
                 next_n=1,
             )
         )
@@ -234,4 +250,4 @@ def step_batches(batch: ForwardBatch) -> list[ForwardBatch]:
 
 def batches_of(batch: ForwardBatch) -> list[ForwardBatch]:
     """What a batch plans as: its steps when stepped, else itself."""
-    return step_batches(batch) if ForwardMode(batch.mode).stepped else [batch]
+    return step_batches(batch) if batch.plans_as.stepped else [batch]

@@ -20,12 +20,12 @@ are this repository's padding convention: they may repeat.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 import torch
 
-from planner.batch import RAGGED_MODES, ForwardBatch, ForwardMode
+from planner.batch import RAGGED_MODES, UNIFORM_MODES, ForwardBatch, ForwardMode
 from planner.errors import BatchError
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -41,10 +41,12 @@ class _OnHost(tuple):
 
 _HOST = _OnHost((_CPU,))
 _SETS: dict[torch.device, tuple[tuple, tuple]] = {}
-_IDLE, _DRAFT_DECODE = ForwardMode.IDLE, ForwardMode.DRAFT_DECODE
+_IDLE, _DECODE, _DRAFT_DECODE = ForwardMode.IDLE, ForwardMode.DECODE, ForwardMode.DRAFT_DECODE
 """Module constants: an enum member looked up on its class costs a dictionary look-up a time."""
 _UNIFORM_IMPLIED = frozenset(m for m in ForwardMode if not m.ragged and not m.padded_rows)
 """Modes whose batches may leave ``extend_lens_cpu`` out: ``bs * next_n`` tokens."""
+_SHAPES = [m for m in ForwardMode if m in UNIFORM_MODES and m is not _IDLE]
+"""What an idle batch may be shaped as (``idle_as``): the uniform modes, in enum order."""
 
 
 def _check_tensor(
@@ -117,14 +119,17 @@ def validate_batch(
     max_batch: int,
     max_tokens: int,
     next_n: Mapping[ForwardMode, int],
+    planned: Collection[ForwardMode],
     device_reads: bool,
-) -> tuple[ForwardMode, int]:
-    """Reject a malformed batch, naming the field, before anything is staged; its mode and
-    its query tokens (summed here once: a ragged replay's bucket check reads them).
+) -> tuple[ForwardMode, ForwardMode, int]:
+    """Reject a malformed batch, naming the field, before anything is staged; its mode, the
+    mode that plans it (an idle batch's shape) and its query tokens (summed here once: a
+    ragged replay's bucket check reads them).
 
     Structure only (types, ranks, devices, lengths, counts): value ranges are
     checked where the inputs are staged. ``next_n`` is each mode's tokens per
-    request (absent: 1). ``device_reads`` also compares the engine's device
+    request (absent: 1); ``planned`` the modes with a program (an idle batch's
+    shape must be one). ``device_reads`` also compares the engine's device
     copies of the lengths with the host ones, which costs a synchronisation:
     eager ``plan()`` and debug mode pay it, replay not.
     """
@@ -141,10 +146,14 @@ def validate_batch(
                 expected=[m.value for m in ForwardMode],
                 actual=batch.mode,
             ) from None
-    want_n = next_n.get(mode, 1)
+    shape = batch.idle_as
+    if shape is not _DECODE:  # an idle batch of another shape, or a wrong declaration
+        shape = _check_shape(mode, shape, planned)
+    want_n = next_n.get(mode if shape is _DECODE else shape, 1)
     if batch.next_n != want_n:
+        what = mode.value if mode is not _IDLE else f"idle as {shape.value}"
         raise BatchError(
-            f"next_n does not match the planner for mode {mode.value}",
+            f"next_n does not match the planner for mode {what} (its tokens per request)",
             field="next_n",
             expected=want_n,
             actual=batch.next_n,
@@ -194,7 +203,28 @@ def validate_batch(
         )
     if batch.seq_lens is not None or batch.extend_lens is not None:
         _check_device_lens(batch, seq, bs, on_device, device_reads)
-    return mode, tokens
+    return mode, shape if mode is _IDLE else mode, tokens
+
+
+def _check_shape(mode: ForwardMode, value: object, planned: Collection[ForwardMode]) -> ForwardMode:
+    """An ``idle_as`` other than decode: only an idle batch declares one, a uniform mode
+    that has a program (it is planned with that mode's program and replays its graphs)."""
+    if value == _DECODE:  # "decode" as a string (a str enum)
+        return _DECODE
+    if mode is not _IDLE:
+        why = f"only an idle batch is shaped as another mode: a {mode.value} batch plans as itself"
+        expected: object = _DECODE.value
+    elif value not in _SHAPES:
+        why = "an idle batch pads the graph of a uniform mode (ragged batches have none)"
+        expected = [m.value for m in _SHAPES]
+    elif ForwardMode(value) not in planned:
+        why = "the planner does not plan the mode this idle batch is shaped as" + (
+            " (draft decode needs Limits.draft_steps >= 1)" if value == _DRAFT_DECODE else ""
+        )
+        expected = [m.value for m in _SHAPES if m in planned]
+    else:
+        return ForwardMode(value)
+    raise BatchError(why, field="idle_as", expected=expected, actual=getattr(value, "value", value))
 
 
 def _check_idle(mode: ForwardMode, bs: int) -> None:
@@ -325,12 +355,7 @@ def check_table_width(table: torch.Tensor, longest: int) -> None:
 
 
 def check_pad_to(
-    pad_to: object,
-    pad_tokens: object,
-    bs: int,
-    max_batch: int,
-    max_tokens: int,
-    mode: ForwardMode,
+    pad_to: object, pad_tokens: object, bs: int, max_batch: int, max_tokens: int, mode: ForwardMode
 ) -> tuple[int | None, int | None]:
     """``plan(batch, pad_to=n, pad_tokens=t)``: a captured bucket's shape (a ragged one names
     both, a uniform one only ``pad_to``, which holds the batch); both as Python ints."""
@@ -361,13 +386,13 @@ def check_pad_to(
 def check_capture(
     mode: ForwardMode, bs: object, tokens: object, max_batch: int, max_tokens: int
 ) -> tuple[int, int | None]:
-    """``capture(bs, mode, tokens=)``: a capturable mode (idle replays decode's graphs), a
+    """``capture(bs, mode, tokens=)``: a capturable mode (idle replays its shape's graphs), a
     size in range, and for a ragged mode its token bucket in ``[1, max_tokens]`` (a bucket
     smaller than ``bs`` holds batches of as many requests as tokens at most), else none;
     both as Python ints."""
     if mode is ForwardMode.IDLE:
         raise BatchError(
-            "idle batches replay the decode graphs",
+            "idle batches replay the graphs of their shape (idle_as): capture that mode",
             field="mode",
             expected=[m.value for m in ForwardMode if m is not ForwardMode.IDLE],
             actual=mode.value,

@@ -15,12 +15,7 @@ class PlanError(ValueError):
     """A batch, schema, config or plan the planner will not accept."""
 
     def __init__(
-        self,
-        message: str,
-        *,
-        field: str | None = None,
-        expected: Any = None,
-        actual: Any = None,
+        self, message: str, *, field: str | None = None, expected: Any = None, actual: Any = None
     ) -> None:
         self.message = message
         """The message alone, without the field and values (to re-raise it under another field)."""

@@ -108,11 +108,7 @@ class HostPass:
         return tuple(out), offset
 
     def run(
-        self,
-        host: np.ndarray,
-        placements: tuple[Placement, ...],
-        reqs: int,
-        tokens: int,
+        self, host: np.ndarray, placements: tuple[Placement, ...], reqs: int, tokens: int
     ) -> None:
         """Every host step, reading staged inputs and earlier outputs from ``host``."""
         outs = [host[p.offset : p.offset + p.numel].reshape(p.shape) for p in placements]

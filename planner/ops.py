@@ -265,11 +265,7 @@ class ProviderChain:
         self.retired: set[str] = set()
 
     def call(
-        self,
-        key: str,
-        outs: Sequence[torch.Tensor],
-        args: Sequence[Any],
-        params: Mapping[str, Any],
+        self, key: str, outs: Sequence[torch.Tensor], args: Sequence[Any], params: Mapping[str, Any]
     ) -> Any:
         """Run the current provider over the output buffers ``outs`` (one, or one per named
         output) and return what it returns (a host op's handle, or None).

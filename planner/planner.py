@@ -327,11 +327,7 @@ class Planner:
         idle = {ForwardMode.IDLE} if ForwardMode.DECODE in self._programs else set()
         self._modes = frozenset(self._programs) | idle
         self.storages = Storages(
-            self._programs,
-            limits,
-            self.device,
-            eager_on_host=eager_on_host,
-            transport=transport,
+            self._programs, limits, self.device, eager_on_host=eager_on_host, transport=transport
         )
         self.staging = "copy" if transport is None else getattr(transport, "name", "custom")
         """How captured plans' inputs reach the device (the transport's name), for reports."""
@@ -356,8 +352,8 @@ class Planner:
         return build_program(schemas, *args)
 
     def program(self, mode: ForwardMode) -> Program:
-        """The ordered steps for ``mode`` (built once, at construction); idle plans as decode,
-        each step of a draft decode too."""
+        """The ordered steps for ``mode`` (built once, at construction); idle plans as decode
+        (a batch of another shape: ``program(batch.plans_as)``), each draft-decode step too."""
         mode = ForwardMode(mode).plans_as
         program = self._programs.get(mode)
         if program is None:
@@ -430,21 +426,25 @@ class Planner:
         """Bytes held in static buffers (plans and staging) for every captured mode."""
         return self.storages.nbytes()
 
-    def _validate(self, batch: ForwardBatch, *, device_reads: bool) -> tuple[ForwardMode, int]:
-        """The batch checked at the door: its mode and query tokens."""
+    def _validate(
+        self, batch: ForwardBatch, *, device_reads: bool
+    ) -> tuple[ForwardMode, ForwardMode, int]:
+        """The batch checked at the door: its mode, the mode that plans it (an idle batch's
+        shape, ``ForwardBatch.plans_as``) and its query tokens."""
         if isinstance(batch, ForwardBatch) and batch.mode is ForwardMode.DRAFT_DECODE:
             self.program(batch.mode)  # unplanned (no draft_steps): say so before next_n does
-        mode, tokens = validate_batch(
+        mode, shape, tokens = validate_batch(
             batch,
             device=self.device,
             max_batch=self.limits.max_batch,
             max_tokens=self.limits.extend_tokens,
             next_n=self._per_request,
+            planned=self._programs,
             device_reads=device_reads,
         )
         if mode not in self._modes:
             self.program(mode)  # raises, naming the modes this planner plans
-        return mode, tokens
+        return mode, shape, tokens
 
     # ---- eager ----------------------------------------------------------------------------
 
@@ -455,8 +455,9 @@ class Planner:
 
         ``pad_to`` plans the batch padded to that many requests (a ragged batch also to
         ``pad_tokens`` query tokens) at the static shapes a captured plan has: what a replay
-        of that bucket must equal. An idle batch is planned as one padding request, so
-        kernels never see an empty batch (deep_gemm cannot compile one).
+        of that bucket must equal. An idle batch is planned by its shape's program as one
+        padding request, so kernels never see an empty batch (deep_gemm cannot compile one);
+        its plans are idle, and stepped when its shape is.
         """
         return self._plan(batch, pad_to=pad_to, pad_tokens=pad_tokens, count=True)
 
@@ -464,7 +465,7 @@ class Planner:
         self, batch: ForwardBatch, *, pad_to: int | None, pad_tokens: int | None, count: bool
     ) -> PlanSet:
         start = time.perf_counter()
-        mode, real = self._validate(batch, device_reads=True)
+        mode, shape, real = self._validate(batch, device_reads=True)
         limits = self.limits
         pad_to, pad_tokens = check_pad_to(
             pad_to, pad_tokens, batch.bs, limits.max_batch, limits.extend_tokens, mode
@@ -472,11 +473,12 @@ class Planner:
         if pad_tokens is not None:
             check_bucket(batch, real, pad_tokens, limits.kv_token_capacity, "pad_tokens")
         reqs = pad_to or max(batch.bs, 1)
-        sets = [self._plan_one(one, mode, reqs, pad_to, pad_tokens) for one in batches_of(batch)]
-        plans = PlanSet.stepped(sets, "eager", mode, reqs, batch.bs) if mode.stepped else sets[0]
+        sets = [self._plan_one(one, shape, reqs, pad_to, pad_tokens) for one in batches_of(batch)]
+        plans = PlanSet.stepped(sets, "eager", mode, reqs, batch.bs) if shape.stepped else sets[0]
+        plans.mode = mode  # an idle batch's plans are idle, whatever shape planned them
         if count:
-            steps = self.program(mode).steps
-            self.stats.count("eager", mode, steps, len(sets), time.perf_counter() - start)
+            steps = self.program(shape).steps
+            self.stats.count("eager", mode, steps * len(sets), time.perf_counter() - start, shape)
         return plans
 
     def _plan_one(
@@ -575,22 +577,14 @@ class Planner:
             steps.append(CapturedStep(plans, tensors, handles, batch, named))
             sets.append(plans)
         top = PlanSet.stepped(sets, "capture", mode, bs, bs) if mode.stepped else sets[0]
-        host_steps = tuple(step for step in program.steps if not step.in_graph)
+        on_host = tuple(step for step in program.steps if not step.in_graph)
         reads_staged = any(
             step.chain.current.graph_safe
             or any(who != BATCH and name not in step.spec.binds for who, name in step.input_keys)
-            for step in host_steps
+            for step in on_host
         )
         self._captured[(mode, bs if tokens is None else (bs, tokens))] = CapturedBatch(
-            top,
-            steps,
-            storages,
-            dims,
-            ranges,
-            host_steps,
-            req_to_token,
-            program.steps,
-            reads_staged,
+            top, steps, storages, dims, ranges, on_host, req_to_token, program.steps, reads_staged
         )
         self.stats.batches["capture"] += 1
         return top
@@ -614,8 +608,9 @@ class Planner:
         self, bs: int, mode: ForwardMode = ForwardMode.DECODE, *, tokens: int | None = None
     ) -> None:
         """Run the graph-safe ops on the static views; call inside graph capture, before the
-        layers. First what the transport records (a graph that pulls its inputs itself)."""
-        mode = ForwardMode(mode).plans_as  # an idle batch's graph is decode's
+        layers. First what the transport records (a graph that pulls its inputs itself). An
+        idle batch's graph is its shape's (``batch.plans_as``; ``idle`` here: decode's)."""
+        mode = ForwardMode(mode).plans_as
         captured = self._captured_for(
             mode, check_size("bs", bs, 1, self.limits.max_batch, "size out of range"), tokens
         )
@@ -655,20 +650,19 @@ class Planner:
         reads device-resident inputs and the token table to check them.
         """
         start = time.perf_counter()
-        mode, real_tokens = self._validate(batch, device_reads=self.debug)
+        mode, shape, real_tokens = self._validate(batch, device_reads=self.debug)
         real = batch.bs
         bs = check_replay_size(bs, real, self.limits.max_batch)
         if tokens is not None or mode in RAGGED_MODES:
             tokens = self._replay_tokens(batch, real_tokens, mode, tokens)
-        captured = self._captured_for(mode.plans_as, bs, tokens)
+        captured = self._captured_for(shape, bs, tokens)  # an idle batch's: its shape's
         captured.check_table(batch.req_to_token)
-        batches = batches_of(batch) if mode.stepped else [batch]
+        batches = batches_of(batch) if shape.stepped else [batch]
         captured.refresh(batches, bs, debug=self.debug)
         self._last = captured
         captured.plans.mark("replay", mode, real)
-        self.stats.count(
-            "replay", mode, captured.program_steps, len(batches), time.perf_counter() - start
-        )
+        steps = captured.program_steps * len(batches)  # a tuple times 1 is itself: no copy
+        self.stats.count("replay", mode, steps, time.perf_counter() - start, shape)
         return captured.plans
 
     def _replay_tokens(
@@ -713,9 +707,9 @@ class Planner:
         padding rows hold the schemas' pad values.
         """
         eager = self._plan(batch, pad_to=plans.reqs, pad_tokens=plans.tokens, count=False)
-        program = self.program(plans.mode)
+        program = self.program(batch.plans_as)  # an idle batch's: its shape's
         self.stats.verified += 1
-        real = self.real_rows(plans.mode, batch)
+        real = program.real_rows(batch)
         check_replay(batch, plans, eager, program.pads, real, self.on_mismatch)
 
     def real_rows(self, mode: ForwardMode, batch: ForwardBatch) -> dict[str, int]:

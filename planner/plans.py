@@ -108,6 +108,7 @@ class PlanSet(Mapping[str, Plan]):
         )
 
 
+_DECODE = ForwardMode.DECODE
 _EAGER_KEYS: dict[ForwardMode, str] = {}
 """``eager_<mode>`` per mode, made once (an f-string per plan costs the hot path)."""
 
@@ -117,7 +118,9 @@ class PlannerStats:
     """What the planner did: batches per phase, op executions, host time.
 
     The hot path only counts how often each program ran (one increment per
-    batch); per-op and per-field counts are derived when read.
+    batch); per-op and per-field counts are derived when read. Programs are keyed by mode,
+    an idle batch of a shape other than decode's by ``(idle, shape)`` (it ran that shape's
+    program, and an idle rank changes shape from step to step).
     """
 
     batches: Counter = field(default_factory=Counter)
@@ -127,21 +130,22 @@ class PlannerStats:
     programs: dict = field(default_factory=dict)
 
     def count(
-        self, phase: str, mode: ForwardMode, steps: tuple[Step, ...], times: int, seconds: float
+        self, phase: str, mode: ForwardMode, steps: Sequence[Step], spent: float, shape: ForwardMode
     ) -> None:
-        """One batch of ``mode`` made in ``phase`` (``eager`` or ``replay``): its program's
-        ``steps`` run ``times`` over (a stepped batch's steps), and its host time. Eager
-        batches are also counted per mode (``eager_<mode>``)."""
-        self.program_runs[mode] += 1
-        self.programs[mode] = steps if times == 1 else steps * times
+        """One batch of ``mode`` made in ``phase`` (``eager`` or ``replay``) by ``shape``'s
+        program (an idle batch's shape, else the mode): the ``steps`` it ran (a stepped
+        batch's, once per step), the host seconds ``spent``; eager ones also per mode."""
+        key = mode if shape is mode or shape is _DECODE else (mode, shape)
+        self.program_runs[key] += 1
+        self.programs[key] = steps
         self.batches[phase] += 1
-        self.host_seconds[phase] += seconds
+        self.host_seconds[phase] += spent
         if phase == "eager":
             per_mode = _EAGER_KEYS.get(mode)
             if per_mode is None:
                 per_mode = _EAGER_KEYS[mode] = f"eager_{mode.value}"
             self.batches[per_mode] += 1
-            self.host_seconds[per_mode] += seconds
+            self.host_seconds[per_mode] += spent
 
     @property
     def op_calls(self) -> Counter:
@@ -162,8 +166,11 @@ class PlannerStats:
                     out[key] += runs
         return out
 
-    def op_calls_per_batch(self, mode: ForwardMode) -> dict[str, float]:
-        """Executions per op name per batch of ``mode``, whatever the number of layers."""
+    def op_calls_per_batch(
+        self, mode: ForwardMode | tuple[ForwardMode, ForwardMode]
+    ) -> dict[str, float]:
+        """Executions per op name per batch of ``mode`` (or ``(idle, shape)``), whatever the
+        number of layers."""
         runs = self.program_runs.get(mode, 0)
         if not runs:
             return {}

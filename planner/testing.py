@@ -32,12 +32,7 @@ def token_table(max_batch: int, max_context: int) -> torch.Tensor:
 
 
 def random_batch(
-    rng: random.Random,
-    table: torch.Tensor,
-    *,
-    max_context: int,
-    bs: int,
-    next_n: int = 1,
+    rng: random.Random, table: torch.Tensor, *, max_context: int, bs: int, next_n: int = 1
 ) -> ForwardBatch:
     """A valid decode batch (target verify with ``next_n`` > 1) of ``bs`` distinct requests
     over ``table``, with KV lengths in ``[next_n, max_context]``."""

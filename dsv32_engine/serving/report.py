@@ -9,6 +9,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from planner.batch import ForwardMode
+
 
 def _percentile(values: Iterable[float], q: float) -> float:
     ordered = sorted(values)
@@ -82,9 +84,9 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         "graph_kind": graph["kind"],
         "speculative": engine.speculation.summary() if engine.speculation is not None else None,
         "op_calls_per_batch": {
-            mode.value: stats.op_calls_per_batch(mode)
-            for mode in stats.program_runs
-            if stats.program_runs[mode]
+            _program_name(key): stats.op_calls_per_batch(key)
+            for key in stats.program_runs
+            if stats.program_runs[key]
         },
         "schedule_calls_per_step": decode_calls.get("paged_mqa_schedule")
         if decode_calls and result.decode_steps
@@ -201,3 +203,8 @@ def speculative_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             ("tokens equal to plain greedy decoding", "yes" if plain["tokens_equal"] else "NO"),
         ]
     return rows
+
+
+def _program_name(key: ForwardMode | tuple[ForwardMode, ForwardMode]) -> str:
+    """A mode's name, or an idle batch of another shape's: ``idle:target_verify``."""
+    return key.value if isinstance(key, ForwardMode) else ":".join(m.value for m in key)

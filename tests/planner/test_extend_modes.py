@@ -19,7 +19,7 @@ from backends.nsa.extend_ops import ROW_ALIGN
 from planner import BatchError, ForwardBatch, ForwardMode, Limits, PlanError, Planner
 from planner.debug import diff_plans, padding_violations
 from planner.program import Step
-from tests.support.batches import make_pool, random_batch
+from tests.support.batches import idle_batch, make_pool, random_batch
 
 MAX_BATCH, MAX_CTX, PAGE, TOPK = 6, 256, 64, 16
 TABLE = make_pool(2 * MAX_BATCH + 1, MAX_CTX, PAGE, seed=5)
@@ -250,14 +250,7 @@ def test_ragged_captures_and_padded_plans_name_their_token_bucket():
 
 
 def _idle() -> ForwardBatch:
-    empty = torch.zeros(0, dtype=torch.int32)
-    return ForwardBatch(
-        seq_lens_cpu=empty,
-        req_pool_indices=empty,
-        req_to_token=TABLE,
-        out_cache_loc=empty,
-        mode=ForwardMode.IDLE,
-    )
+    return idle_batch(TABLE)
 
 
 def test_idle_batches_plan_as_one_padding_request_and_replay_on_a_decode_graph():

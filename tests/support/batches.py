@@ -66,3 +66,19 @@ def mode_for(next_n: int) -> ForwardMode:
 def modes_for(next_n: int) -> list[ForwardMode]:
     """The modes a planner of ``next_n`` serves: decode, and target verify when ``next_n`` > 1."""
     return [ForwardMode.DECODE] + ([ForwardMode.TARGET_VERIFY] if next_n > 1 else [])
+
+
+def idle_batch(
+    table: torch.Tensor, shape: ForwardMode = ForwardMode.DECODE, next_n: int = 1
+) -> ForwardBatch:
+    """A batch of no request over ``table``, shaped as ``shape`` with its tokens per request."""
+    empty = torch.zeros(0, dtype=torch.int32)
+    return ForwardBatch(
+        seq_lens_cpu=empty,
+        req_pool_indices=empty,
+        req_to_token=table,
+        out_cache_loc=empty,
+        mode=ForwardMode.IDLE,
+        next_n=next_n,
+        idle_as=shape,
+    )

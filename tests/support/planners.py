@@ -106,5 +106,5 @@ def replay_smallest(
     graph replay runs before the layers); the size and the replayed plans."""
     bs = min(s for s in sizes if s >= batch.bs)
     plans = planner.replay(batch, bs)
-    planner.record(bs, ForwardMode(batch.mode))
+    planner.record(bs, batch.plans_as)
     return bs, plans
