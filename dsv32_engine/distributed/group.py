@@ -15,6 +15,7 @@ on its peers instead of a hang. Ranks come from ``torchrun`` (``RANK``, ``WORLD_
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import socket
@@ -119,6 +120,55 @@ def init(
     )
     host = dist.new_group(backend="gloo", timeout=timeout) if chosen != "gloo" else None
     return DistContext(rank, world, chosen, device, timeout_s, None, host)
+
+
+def split(ctx: DistContext, tp: int, dp: int) -> tuple[DistContext | None, DistContext | None]:
+    """This rank's tensor-parallel and data-parallel groups in a job of ``tp x dp`` ranks.
+
+    Rank ``r`` is TP rank ``r % tp`` of DP replica ``r // tp``: its TP group is the ``tp``
+    ranks of its replica (the heads' all-reduce, the per-forward checks), its DP group the
+    ``dp`` ranks with its TP rank, one per replica (the FFN's row exchange, the per-step
+    agreement: TP peers hold the same rows and derive the same decisions). A dimension of
+    one has no group (``None``); when the other is the whole job, its group is ``ctx``.
+    ``new_group`` is collective: every rank creates every group, in the same order.
+    """
+    if tp * dp != ctx.world:
+        raise ConfigError(
+            "tp x dp_attention must be the job's ranks",
+            field="distributed",
+            expected=f"{ctx.world} ranks",
+            actual=f"tp {tp} x dp_attention {dp}",
+        )
+    if tp == 1 or dp == 1:
+        return (ctx if tp > 1 else None), (ctx if dp > 1 else None)
+    tp_ctx = _subgroups(ctx, [[d * tp + t for t in range(tp)] for d in range(dp)])
+    dp_ctx = _subgroups(ctx, [[d * tp + t for d in range(dp)] for t in range(tp)])
+    return tp_ctx, dp_ctx
+
+
+def _subgroups(ctx: DistContext, partition: list[list[int]]) -> DistContext:
+    """The context of this rank's part of ``partition`` (every part created on every rank;
+    a gloo host twin beside each NCCL part)."""
+    timeout = timedelta(seconds=ctx.timeout_s)
+    mine: DistContext | None = None
+    for ranks in partition:
+        device = dist.new_group(ranks, timeout=timeout)
+        host = (
+            dist.new_group(ranks, backend="gloo", timeout=timeout)
+            if ctx.backend != "gloo"
+            else device
+        )
+        if ctx.rank in ranks:
+            mine = dataclasses.replace(
+                ctx,
+                rank=ranks.index(ctx.rank),
+                world=len(ranks),
+                device_group=device,
+                host_group=host,
+            )
+    if mine is None:
+        raise ConfigError("a partition of the ranks misses this one", field="rank", actual=ctx.rank)
+    return mine
 
 
 def shutdown() -> None:

@@ -24,6 +24,7 @@ the next draft step starts from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -37,7 +38,7 @@ from dsv32_engine.models.kv_cache import PagedKVCache
 from dsv32_engine.models.layers.exact import Linear
 from dsv32_engine.models.layers.norm import RMSNorm
 from dsv32_engine.models.layers.rope import rope_cos_sin
-from dsv32_engine.models.model import Block, DSV32Model
+from dsv32_engine.models.model import Block, DSV32Model, FfnExchange
 from planner.errors import PlanError
 from planner.plans import PlanSet
 from planner.schema import Plan
@@ -88,6 +89,18 @@ class MTPDraft(nn.Module):
             self.eh_proj.weight[:, :dim].copy_(torch.eye(dim, dtype=self.eh_proj.weight.dtype))
         if target.device.type == "cuda":  # as the target's layers (DSV32Model.__init__)
             self.block.fuse_projections()
+
+    def shard_attention_heads(
+        self, rank: int, world: int, reduce: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Tensor parallel, as the target's layers (``DSV32Model.shard_attention_heads``): this
+        rank's share of the layer's heads, ``wo``'s partial sums through ``reduce``."""
+        self.block.attn.shard_heads(rank, world, reduce)
+
+    def set_ffn_exchange(self, exchange: FfnExchange | None) -> None:
+        """Run the layer's MoE through ``exchange``, as the target's (data-parallel attention:
+        every draft forward exchanges rows with the peers, in lockstep like the target's)."""
+        self.block.exchange = exchange
 
     def new_cache(self, num_pages: int) -> PagedKVCache:
         """The layer's own KV and index cache over the target's page ids (same slots)."""

@@ -156,22 +156,24 @@ def _add_distributed(p: Any) -> None:
         "several ranks (docs/distributed.md)",
         "Without torchrun the ranks are spawned here (gloo on the CPU); under torchrun "
         "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) this process is one rank and "
-        "WORLD_SIZE must equal --tp or --dp-attention.",
+        "WORLD_SIZE must equal --tp x --dp-attention. The two compose (rank r is TP rank "
+        "r mod tp of replica r // tp), with speculative decoding (--draft) too.",
     )
     g.add_argument(
         "--tp",
         type=count,
         metavar="N",
-        help="tensor-parallel ranks: attention heads split over the ranks (N must divide them), "
-        "every rank plans the same batches with its own planner, batch signatures agreed "
-        "every step (override distributed.tp)",
+        help="tensor-parallel ranks: attention heads (the MTP draft's too) split over the "
+        "ranks (N must divide them), every rank plans the same batches with its own planner, "
+        "batch signatures agreed every forward, drafts included (override distributed.tp)",
     )
     g.add_argument(
         "--dp-attention",
         type=count,
         metavar="N",
-        help="data-parallel attention ranks: requests split over the ranks, idle ranks run "
-        "IDLE batches, one graph size agreed per step (override distributed.dp_attention)",
+        help="data-parallel attention replicas: requests split over them, a replica without a "
+        "batch runs an IDLE batch of its peers' shape (decode, verify, draft), one graph size "
+        "agreed per forward (override distributed.dp_attention)",
     )
     g.add_argument(
         "--dist-backend",
@@ -187,7 +189,8 @@ def _add_distributed(p: Any) -> None:
     g.add_argument(
         "--digests",
         action="store_true",
-        help="all-gather plan digests every step under --tp (on by default with --debug)",
+        help="all-gather plan and input digests every forward under --tp (on by default with "
+        "--debug)",
     )
     g.add_argument(
         "--dp-split",

@@ -151,6 +151,7 @@ class DecodeEngine:
                 scheduler=self.scheduler,
                 num_pages=pages,
                 graphs=config.graphs,
+                run=self._run,
             )
             if spec.enabled
             else None
@@ -168,16 +169,24 @@ class DecodeEngine:
 
     def _forward_step(self, batch: ForwardBatch, ids: torch.Tensor, result: RunResult) -> Any:
         """One forward through the graph runner (eager for ragged batches), dumped if asked."""
-        logits = self._run_forward(batch, ids)
+        logits = self._run(self.runner, batch, {"input_ids": ids})
         if self.dump_ring is not None:
             self.dump_ring.maybe_dump(self.forward_steps, self.runner.last_plans, batch)
         self.forward_steps += 1
         result.steps_by_mode[ForwardMode(batch.mode).value] += 1
         return logits
 
-    def _run_forward(self, batch: ForwardBatch, ids: torch.Tensor) -> Any:
-        """The runner step itself: where a rank of several adds its checks or agreed size."""
-        return self.runner.step(batch, {"input_ids": ids})
+    def _run(
+        self, runner: GraphRunner, batch: ForwardBatch, inputs: dict[str, torch.Tensor]
+    ) -> Any:
+        """One forward through a graph runner, the target's or a draft's: where a rank of
+        several adds its checks and its agreed graph size."""
+        return runner.step(batch, inputs)
+
+    def _draft_extend(self) -> None:
+        """The MTP draft's catch-up on the verify just run (a data-parallel rank runs it
+        later, in a forward agreed with its peers)."""
+        self.speculation.draft_extend()
 
     def workload(self) -> list[Request]:
         """The requests this engine serves, in arrival order (a data-parallel rank: its share)."""
@@ -245,6 +254,7 @@ class DecodeEngine:
         if self.speculation is not None:
             target = partial(self._forward_step, result=result)
             result.decode_tokens += self.speculation.verify(requests, target, time.perf_counter)
+            self._draft_extend()
         else:
             batch, ids = self.scheduler.build(requests, ForwardMode.DECODE, 1)
             best = self._forward_step(batch, ids, result).argmax(dim=-1).tolist()

@@ -30,7 +30,7 @@ from dsv32_engine.distributed.group import (
 )
 from dsv32_engine.serving.cli import error_line
 from dsv32_engine.serving.model_setup import model_config
-from dsv32_engine.serving.rank_engines import DPEngine, TPEngine
+from dsv32_engine.serving.rank_engines import RankEngine
 from dsv32_engine.serving.report import summarize
 from dsv32_engine.serving.run_config import RunConfig
 from planner.errors import ConfigError, PlanError
@@ -72,10 +72,6 @@ def cpu_threads(requested: int | None, device: str, env: Mapping[str, str]) -> i
     return CPU_THREADS if torch.device(device).type == "cpu" else None
 
 
-def layout(config: RunConfig) -> str:
-    return "tp" if config.distributed.tp > 1 else "dp_attention"
-
-
 def rank_device(config: RunConfig, local_rank: int) -> str:
     """The device of one rank: ``cuda:LOCAL_RANK`` when the config says cuda."""
     device = torch.device(config.device)
@@ -92,40 +88,56 @@ def rank_device(config: RunConfig, local_rank: int) -> str:
     return f"cuda:{local_rank}"
 
 
-def aggregate(kind: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The whole job's numbers, and the cross-rank agreements (``False`` is a failure)."""
+def aggregate(tp: int, dp: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The whole job's numbers, and the cross-rank agreements (``False`` is a failure).
+
+    Rank ``r`` is TP rank ``r % tp`` of DP replica ``r // tp``. The TP ranks of a replica
+    serve one workload together: its requests and tokens are counted once (TP rank 0's).
+    Replicas serve disjoint requests: those add up.
+    """
     wall = max(r["wall_seconds"] for r in ranks)
-    # Tensor-parallel ranks serve one workload together: its requests and tokens are each
-    # rank's, not their sum. Data-parallel ranks serve disjoint requests: those add up.
-    served = ranks[:1] if kind == "tp" else ranks
+    served = ranks[::tp]
     generated = sum(r["generated_tokens"] for r in served)
+    kinds = [k for k, n in (("tp", tp), ("dp_attention", dp)) if n > 1]
     out: dict[str, Any] = {
-        "layout": kind,
+        "layout": "_x_".join(kinds),
         "world": len(ranks),
+        "tp": tp,
+        "dp_attention": dp,
         "requests_finished": sum(r["requests_finished"] for r in served),
         "generated_tokens": generated,
         "wall_seconds": wall,
         "tokens_per_second": generated / wall if wall else 0.0,
         "graph_replays": [r["graph_replays"] for r in ranks],
-        # debug mode: each replay compared bit for bit with eager (a mismatch raises)
+        # debug mode: each replay, the draft's too, compared bit for bit with eager (a
+        # mismatch raises); None without debug mode (nothing was compared)
         "verified_replays": [r["verified_replays"] for r in ranks],
-        "every_replay_verified": all(r["verified_replays"] == r["graph_replays"] for r in ranks),
+        "every_replay_verified": all(r["verified_replays"] == r["all_replays"] for r in ranks)
+        if all(r["debug"] for r in ranks)
+        else None,
     }
-    if kind == "tp":
+    agree = []
+    if tp > 1:
+        replicas = [ranks[d * tp : (d + 1) * tp] for d in range(dp)]
         out["signature_checks"] = [r["signature_checks"] for r in ranks]
         out["digest_checks"] = [r["digest_checks"] for r in ranks]  # a mismatch raises
+        out["checks_by_mode"] = ranks[0]["checks_by_mode"]
         out["digests_every_forward"] = all(
             r["digest_checks"] == r["signature_checks"] for r in ranks
         )
-        out["tokens_equal_across_ranks"] = all(r["tokens"] == ranks[0]["tokens"] for r in ranks)
-        out["agree"] = out["tokens_equal_across_ranks"]
-    else:
+        out["tokens_equal_across_ranks"] = all(
+            r["tokens"] == replica[0]["tokens"] for replica in replicas for r in replica
+        )
+        agree.append(out["tokens_equal_across_ranks"])
+    if dp > 1:
         same = ("replays_by_size", "forwards_by_size", "ffn_exchanges", "loop_steps")
         out["idle_forwards"] = [r["idle_forwards"] for r in ranks]
+        out["idle_by_shape"] = [r["idle_by_shape"] for r in ranks]
         out["peer_eager_forwards"] = [r["peer_eager_forwards"] for r in ranks]
         out["replays_by_size"] = ranks[0]["replays_by_size"]
         out["equal_across_ranks"] = {k: all(r[k] == ranks[0][k] for r in ranks) for k in same}
-        out["agree"] = all(out["equal_across_ranks"].values())
+        agree.append(all(out["equal_across_ranks"].values()))
+    out["agree"] = all(agree)
     return out
 
 
@@ -136,6 +148,7 @@ def _line(rank: dict[str, Any]) -> str:
             "signature_checks",
             "digest_checks",
             "idle_forwards",
+            "idle_by_shape",
             "peer_eager_forwards",
             "ffn_exchanges",
         )
@@ -151,8 +164,7 @@ def _line(rank: dict[str, Any]) -> str:
 
 def serve_rank(config: RunConfig, ctx: DistContext, options: dict[str, Any]) -> dict[str, Any]:
     """Build this rank's engine, serve, and return its summary (tokens included)."""
-    engine_type = TPEngine if layout(config) == "tp" else DPEngine
-    engine = engine_type(config, ctx)
+    engine = RankEngine(config, ctx)
     result = engine.run(progress=False, max_steps=options.get("max_steps"), keep_tokens=True)
     summary = {k: v for k, v in summarize(engine, result).items() if k in KEPT}
     summary.update(
@@ -201,15 +213,15 @@ def rank_main(data: dict[str, Any], options: dict[str, Any]) -> None:
         finally:
             shutdown()
         if rank == 0:
-            _report(layout(config), every, options)
+            _report(config.distributed.tp, config.distributed.dp_attention, every, options)
     except PlanError as exc:
         line = error_line(f"rank {os.environ.get('RANK')}: {exc}")
         print(line, file=sys.stderr, flush=True)
         sys.exit(2)
 
 
-def _report(kind: str, every: list[dict[str, Any]], options: dict[str, Any]) -> None:
-    total = aggregate(kind, every)
+def _report(tp: int, dp: int, every: list[dict[str, Any]], options: dict[str, Any]) -> None:
+    total = aggregate(tp, dp, every)
     print(
         "aggregate: " + json.dumps({k: v for k, v in total.items() if k != "replays_by_size"}),
         flush=True,

@@ -1,15 +1,20 @@
-"""Decode engines of one rank among several: tensor parallel and data-parallel attention.
+"""The decode engine of one rank among several: tensor parallel, data-parallel attention, both.
 
-Both are a :class:`DecodeEngine` with one planner per rank; what they add is around
-each forward (``distributed.tp``, ``distributed.dp``), so the single-rank engine stays
-the one loop there is.
+A job of ``tp x dp_attention`` ranks (``distributed.group.split``): rank ``r`` is TP rank
+``r % tp`` of DP replica ``r // tp``. :class:`RankEngine` is a :class:`DecodeEngine` with
+one planner per rank; what it adds is around each forward (``distributed.tp``,
+``distributed.dp``), so the single-rank engine stays the one loop there is.
 
-- :class:`TPEngine`: every rank serves the same workload with its share of the attention
-  heads (``wo``'s partial sums all-reduced in every layer); before each forward the batch
-  signature is agreed (one small all-reduce), after it, in debug mode, the plans' digests.
-- :class:`DPEngine`: each rank serves its share of the workload; once per loop step the
-  ranks agree on which forwards run and at which graph size, ranks without a batch run
-  IDLE batches, and every layer's FFN exchanges rows with the peers.
+- Tensor parallel (``tp > 1``): the TP ranks of a replica serve the same requests, each with
+  its share of the attention heads, the MTP draft's too (``wo``'s partial sums all-reduced in
+  every layer). Before every forward, target and draft alike, the batch signature is agreed
+  (one small all-reduce); after it, in debug mode, the plans' and inputs' digests.
+- Data-parallel attention (``dp_attention > 1``): each replica serves its share of the
+  workload; once per loop step the replicas agree on which forwards run and at which graph
+  size, and once more, under an MTP draft, on the draft extend and draft decode. A replica
+  without a batch in a forward runs an IDLE batch of that forward's shape (decode, verify,
+  draft extend or draft decode: never a decode-shaped one in a verify's place), and every
+  layer's FFN, the draft's included, exchanges rows with the other replicas.
 """
 
 from __future__ import annotations
@@ -21,20 +26,22 @@ import torch
 
 from dsv32_engine.distributed.dp import Decision, Slot, agree
 from dsv32_engine.distributed.exchange import HeadReduce, RowExchange
-from dsv32_engine.distributed.group import DistContext
+from dsv32_engine.distributed.group import DistContext, split
 from dsv32_engine.distributed.tp import TPCheck
 from dsv32_engine.models.model import DSV32Model
 from dsv32_engine.serving.engine import DecodeEngine, RunResult
 from dsv32_engine.serving.model_setup import build_model, model_config, resolve_device
 from dsv32_engine.serving.requests import Request
 from dsv32_engine.serving.run_config import RunConfig
+from graphs import GraphRunner
 from graphs.runner import PEER_EAGER
 from planner.batch import ForwardBatch, ForwardMode
 
+DRAFT_MODES = (ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECODE)
 
-class TPEngine(DecodeEngine):
-    """One tensor-parallel rank: its share of the attention heads (``wo``'s partial sums
-    all-reduced in every layer), the same batches as its peers, proven so every forward."""
+
+class RankEngine(DecodeEngine):
+    """One rank of a ``tp x dp_attention`` job: see the module docstring."""
 
     def __init__(
         self,
@@ -44,136 +51,247 @@ class TPEngine(DecodeEngine):
         model: DSV32Model | None = None,
         **kwargs: Any,
     ) -> None:
+        d = config.distributed
+        tp_ctx, dp_ctx = split(ctx, d.tp, d.dp_attention)
         if model is None:
             model = build_model(config, model_config(config.model), resolve_device(config.device))
-        self.reduce = HeadReduce(ctx)
-        model.shard_attention_heads(ctx.rank, ctx.world, self.reduce)
+        self.reduce = HeadReduce(tp_ctx) if tp_ctx is not None else None
+        if tp_ctx is not None:
+            model.shard_attention_heads(tp_ctx.rank, tp_ctx.world, self.reduce)
         super().__init__(config, model=model, **kwargs)
-        self.ctx = ctx
-        digests = config.distributed.digests
-        self.check = TPCheck(ctx, digests=config.planner.debug if digests is None else digests)
-
-    def _run_forward(self, batch: ForwardBatch, ids: torch.Tensor) -> Any:
-        self.check.before(batch)
-        out = super()._run_forward(batch, ids)
-        self.check.after(self.runner.last_plans)
-        return out
-
-    def rank_summary(self) -> dict[str, Any]:
-        return {
-            "signature_checks": self.check.steps,
-            "digest_checks": self.check.digest_steps,
-            "verified_replays": self.planner.stats.verified,
-            "attention_heads": self.model.attention_heads,
-            "head_all_reduces": self.reduce.calls,
-            "warm_up_forwards": self.warm_up_forwards,
-        }
-
-
-class DPEngine(DecodeEngine):
-    """One data-parallel attention rank: its own requests, its peers' step and graph size."""
-
-    SLOTS = 2
-    """Forwards a loop step may run: the extend (or mixed) batch, then the decode batch."""
-
-    def __init__(self, config: RunConfig, ctx: DistContext, **kwargs: Any) -> None:
-        super().__init__(config, **kwargs)
-        self.ctx = ctx
-        self.exchange = RowExchange(ctx)
-        self.model.set_ffn_exchange(self.exchange)
+        self.ctx, self.tp_ctx, self.dp_ctx = ctx, tp_ctx, dp_ctx
+        mtp = self.speculation.mtp if self.speculation is not None else None
+        self.check: TPCheck | None = None
+        if tp_ctx is not None:
+            if mtp is not None:
+                mtp.shard_attention_heads(tp_ctx.rank, tp_ctx.world, self.reduce)
+            digests = config.planner.debug if d.digests is None else d.digests
+            steps = config.speculative.decode_steps
+            self.check = TPCheck(tp_ctx, digests=digests, draft_steps=steps)
+        self.exchange = RowExchange(dp_ctx) if dp_ctx is not None else None
+        if self.exchange is not None:
+            self.model.set_ffn_exchange(self.exchange)
+            if mtp is not None:
+                mtp.set_ffn_exchange(self.exchange)
         self._decision: Decision | None = None
+        self._in_step = False
         self._active = True
         self._all_done = False
         self.loop_steps = 0
         self.idle_forwards = 0
+        self.idle_by_shape: Counter = Counter()
+        """IDLE forwards by the shape they padded (decode, target_verify, draft_extend, ...)."""
         self.peer_eager = 0
         self.sizes: Counter = Counter()
-        """Forwards by agreed graph size (``eager`` for slots all ranks ran eagerly)."""
+        """Forwards by agreed graph size (``eager`` for slots all replicas ran eagerly)."""
         self.trace: list[tuple[int, int, str, int, str, int]] | None = None
-        """Set to a list to record every forward: (loop step, slot, mode, own requests,
-        phase the plans were made in, their padded size: requests, or a ragged plan's token
-        bucket). Tests compare it across ranks."""
+        """Set to a list to record every agreed forward: (loop step, slot, mode, own
+        requests, phase the plans were made in, their padded size: requests, or a ragged
+        plan's token bucket). Tests compare it across ranks."""
+
+    # ---- every forward ---------------------------------------------------------------------
+
+    def _run(
+        self, runner: GraphRunner, batch: ForwardBatch, inputs: dict[str, torch.Tensor]
+    ) -> Any:
+        if self.check is not None:
+            self.check.before(batch)
+        decision = self._decision
+        if decision is None:  # no DP, or forwards every rank runs alike (warm-up)
+            out = runner.step(batch, inputs)
+        elif decision.size is not None:  # requests, or a ragged slot's tokens
+            out = runner.step(batch, inputs, at_least=decision.size)
+        else:
+            ragged = ForwardMode(batch.mode).ragged
+            self.peer_eager += not ragged
+            out = runner.step(batch, inputs, eager=None if ragged else PEER_EAGER)
+        if self.check is not None:
+            self.check.after(runner.last_plans, inputs)
+        return out
+
+    def _draft_extend(self) -> None:
+        if not self._in_step:  # data-parallel: in its own agreed slot (see step)
+            super()._draft_extend()
+
+    # ---- data-parallel attention: the agreed step ------------------------------------------
 
     def workload(self) -> list[Request]:
         everything = super().workload()
-        world, rank = self.ctx.world, self.ctx.rank
+        if self.dp_ctx is None:
+            return everything
+        world, rank = self.dp_ctx.world, self.dp_ctx.rank
         if self.config.distributed.dp_split == "blocks":
             n = len(everything)
             return everything[rank * n // world : (rank + 1) * n // world]
         return everything[rank::world]
 
     def _more(self, local: bool) -> bool:
+        if self.dp_ctx is None:
+            return local
         self._active = local
         return not self._all_done
 
-    def _run_forward(self, batch: ForwardBatch, ids: torch.Tensor) -> Any:
-        decision = self._decision
-        if decision is None:  # warm-up forwards: the same on every rank, outside the loop
-            return super()._run_forward(batch, ids)
-        inputs = {"input_ids": ids}
-        if decision.size is not None:  # requests, or a ragged slot's tokens
-            return self.runner.step(batch, inputs, at_least=decision.size)
-        ragged = ForwardMode(batch.mode).ragged
-        self.peer_eager += not ragged
-        return self.runner.step(batch, inputs, eager=None if ragged else PEER_EAGER)
+    def _route(
+        self, mode: ForwardMode, bs: int, tokens: int, kv_tokens: int
+    ) -> tuple[int | None, str | None]:
+        """The graph size a slot replays, from the runner that runs that mode."""
+        runner = self.speculation.runners[mode] if mode in DRAFT_MODES else self.runner
+        return runner.route(mode, bs, tokens, kv_tokens)
 
     def step(self, result: RunResult) -> list[Request]:
-        """One agreed loop step: at most an extend (or mixed) forward, then a decode forward,
-        each run by every rank (an IDLE batch where a rank has none) or by none."""
-        sched = self.scheduler
+        """One loop step. Without data-parallel attention: the single-rank step. With it: at
+        most an extend (or mixed) forward, then a decode (or verify) forward, and under an
+        MTP draft a draft extend and a draft decode, each run by every replica (an IDLE
+        batch of its shape where one has none) or by none."""
+        if self.dp_ctx is None:
+            return super().step(result)
+        sched, spec = self.scheduler, self.speculation
         work = self._prefill_work(sched.running)
         prefilling = {id(r) for r, _ in work}
         decoding = [r for r in sched.running if not r.prefilling and id(r) not in prefilling]
-        mode = ForwardMode.EXTEND
+        mode, target, n = ForwardMode.EXTEND, self.decode_mode, self.limits.next_n
         if work and decoding and self.config.loop.mixed:
             work, decoding, mode = work + [(r, 1) for r in decoding], [], ForwardMode.MIXED
-        kv = sum(r.fed + n for r, n in work)  # the extend batch's KV: its lengths' sum
+        kv = sum(r.fed + k for r, k in work)  # the extend batch's KV: its lengths' sum
         slots = (
-            Slot(mode, len(work), sum(n for _, n in work), kv) if work else Slot(),
-            Slot(ForwardMode.DECODE, len(decoding), len(decoding)) if decoding else Slot(),
+            Slot(mode, len(work), sum(k for _, k in work), kv) if work else Slot(),
+            Slot(target, len(decoding), len(decoding) * n) if decoding else Slot(),
         )
-        plan = agree(self.ctx, self.loop_steps, self._active, slots, self.runner.route)
+        plan = agree(self.dp_ctx, self.loop_steps, self._active, slots, self._route)
         self.loop_steps += 1
         self._all_done = not plan.active
+        self._in_step = True
         try:
-            for index, decision in enumerate(plan.slots):
-                if not decision.run:
-                    continue
-                self._decision = decision
-                self.exchange.rows = None if decision.size is not None else decision.max_rows
-                self.sizes["eager" if decision.size is None else decision.size] += 1
-                own = len(work) if index == 0 else len(decoding)
-                if index == 0 and work:
+            if self._slot(0, plan.slots[0], len(work)):
+                if work:
                     self._extend_step(work, mode, result)
-                elif index == 1 and decoding:
+                else:
+                    self._idle_extend(plan.slots[0], result)
+                self._traced(0, len(work))
+            if self._slot(1, plan.slots[1], len(decoding)):
+                if decoding:
                     self._decode_step(decoding, result)
                 else:
-                    peers = {ForwardMode(m) for m in decision.modes if m != "idle"}
-                    ragged = next((m for m in peers if m.ragged), None)
-                    if ragged is not None and decision.size is not None:
-                        batch, ids = sched.idle_ragged(ragged)  # the peers' token bucket
-                    else:
-                        batch, ids = sched.idle()
+                    batch, ids = sched.idle(target, n)  # the peers' decode or verify shape
                     self._forward_step(batch, ids, result)
-                    self.idle_forwards += 1
-                if self.trace is not None:
-                    plans = self.runner.last_plans
-                    step, kind = self.loop_steps - 1, plans.mode.value
-                    size = plans.reqs if plans.tokens is None else plans.tokens
-                    self.trace.append((step, index, kind, own, plans.phase, size))
+                    self._idled(target)
+                self._traced(1, len(decoding))
+            if spec is not None and spec.mtp is not None:
+                self._draft_slots(result)
+            elif spec is not None:
+                spec.finish_step()  # an n-gram draft: no forward
         finally:
-            self._decision, self.exchange.rows = None, None
+            self._decision, self._in_step = None, False
+            if self.exchange is not None:
+                self.exchange.rows = None
         return [r for r in sched.running if r.done]
 
+    def _slot(self, index: int, decision: Decision, own: int) -> bool:
+        """Set up one agreed forward; whether it runs at all."""
+        if not decision.run:
+            return False
+        self._decision = decision
+        self.exchange.rows = None if decision.size is not None else decision.max_rows
+        self.sizes["eager" if decision.size is None else decision.size] += 1
+        return True
+
+    def _idle_extend(self, decision: Decision, result: RunResult) -> None:
+        """This replica's part of its peers' prompt-chunk forward: the peers' token bucket with
+        the null extend where they replay it, else an IDLE batch; then the MTP draft's
+        prefill over its plans (its layer exchanges rows too)."""
+        peers = {ForwardMode(m) for m in decision.modes if m != "idle"}
+        ragged = next((m for m in peers if m.ragged), None)
+        if ragged is not None and decision.size is not None:
+            batch, ids = self.scheduler.idle_ragged(ragged)
+            shape = ragged
+        else:
+            batch, ids = self.scheduler.idle()
+            shape = ForwardMode.DECODE
+        out = self._forward_step(batch, ids, result)
+        self._idled(shape)
+        spec = self.speculation
+        if spec is not None and isinstance(out, dict):
+            spec.prefilled([], [], self.runner.last_plans, out["hidden"])
+
+    def _draft_slots(self, result: RunResult) -> None:
+        """The MTP draft's two forwards of this step, agreed across replicas: the draft
+        extend over the last verify's accepted tokens, then the draft decode."""
+        spec = self.speculation
+        n, steps = self.limits.next_n, spec.steps
+        extend, decode = spec.draft_sizes()
+        slots = (
+            Slot(ForwardMode.DRAFT_EXTEND, extend, extend * n) if extend else Slot(),
+            Slot(ForwardMode.DRAFT_DECODE, decode, decode) if decode else Slot(),
+        )  # tokens: the rows each FFN exchange carries (a draft decode's: per step)
+        plan = agree(self.dp_ctx, self.loop_steps, self._active, slots, self._route)
+        for index, (mode, own, decision) in enumerate(
+            zip(DRAFT_MODES, (extend, decode), plan.slots), start=2
+        ):
+            if not self._slot(index, decision, own):
+                continue
+            if own and mode is ForwardMode.DRAFT_EXTEND:
+                spec.draft_extend()
+            elif own:
+                spec.finish_step()
+            else:
+                per = n if mode is ForwardMode.DRAFT_EXTEND else steps
+                batch, _ = self.scheduler.idle(mode, per)
+                dim = self.model_config.hidden_size
+                inputs = {
+                    "input_ids": torch.zeros(0, dtype=torch.int64, device=self.device),
+                    "hidden": torch.zeros(0, dim, dtype=spec.mtp.dtype, device=self.device),
+                }
+                self._run(spec.runners[mode], batch, inputs)
+                self._idled(mode)
+                if mode is ForwardMode.DRAFT_DECODE:
+                    spec.finish_step()  # drops what it still held of finished requests
+            self._traced(index, own, spec.runners[mode])
+        if not plan.slots[1].run:
+            spec.finish_step()  # its drafts without a forward (every request done)
+
+    def _idled(self, shape: ForwardMode) -> None:
+        self.idle_forwards += 1
+        self.idle_by_shape[shape.value] += 1
+
+    def _traced(self, index: int, own: int, runner: GraphRunner | None = None) -> None:
+        if self.trace is None:
+            return
+        plans = (runner or self.runner).last_plans
+        size = plans.reqs if plans.tokens is None else plans.tokens
+        self.trace.append((self.loop_steps - 1, index, plans.mode.value, own, plans.phase, size))
+
     def rank_summary(self) -> dict[str, Any]:
-        return {
-            "loop_steps": self.loop_steps,
+        replays = self._replays()
+        out: dict[str, Any] = {
+            "debug": self.planner.debug,
             "verified_replays": self.planner.stats.verified,
-            "idle_forwards": self.idle_forwards,
-            "peer_eager_forwards": self.peer_eager,
-            "ffn_exchanges": self.exchange.calls,
-            "forwards_by_size": {str(k): v for k, v in sorted(self.sizes.items(), key=str)},
-            "replays_by_size": {
-                f"{mode}:{bs}": n for (mode, bs), n in sorted(self.runner.stats.replays.items())
-            },
+            "all_replays": sum(replays.values()),  # the draft's graphs too
+            "warm_up_forwards": self.warm_up_forwards,
         }
+        if self.check is not None:
+            out.update(
+                signature_checks=self.check.steps,
+                digest_checks=self.check.digest_steps,
+                checks_by_mode=dict(sorted(self.check.by_mode.items())),
+                attention_heads=self.model.attention_heads,
+                head_all_reduces=self.reduce.calls,
+            )
+        if self.exchange is not None:
+            out.update(
+                loop_steps=self.loop_steps,
+                idle_forwards=self.idle_forwards,
+                idle_by_shape=dict(sorted(self.idle_by_shape.items())),
+                peer_eager_forwards=self.peer_eager,
+                ffn_exchanges=self.exchange.calls,
+                forwards_by_size={str(k): v for k, v in sorted(self.sizes.items(), key=str)},
+                replays_by_size=replays,
+            )
+        return out
+
+    def _replays(self) -> dict[str, int]:
+        runners = [self.runner, *(self.speculation.runners.values() if self.speculation else [])]
+        out: Counter = Counter()
+        for runner in runners:
+            for (mode, bs), count in runner.stats.replays.items():
+                out[f"{mode}:{bs}"] += count
+        return dict(sorted(out.items()))

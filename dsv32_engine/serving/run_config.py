@@ -172,14 +172,16 @@ class SpeculativeSection(_Section):
 
 
 class DistributedSection(_Section):
-    """Several ranks through torch.distributed (``docs/distributed.md``): one of the two > 1.
+    """Several ranks through torch.distributed (``docs/distributed.md``): ``tp x dp_attention``.
 
-    ``tp``: every rank serves the same workload with its own planner and its share of the
-    attention heads (``wo`` row-parallel, all-reduced; the rest replicated), and the ranks
-    prove each step that they planned alike.
-    ``dp_attention``: the workload's requests are split over the ranks, each attends
-    over its own, the FFN runs over every rank's rows, and all ranks agree on each
-    step's graph size (idle ranks replay idle batches).
+    ``tp``: the ranks of a replica serve the same requests, each with its own planner and
+    its share of the attention heads (``wo`` row-parallel, all-reduced; the rest
+    replicated), and prove every forward that they planned alike.
+    ``dp_attention``: the workload's requests are split over the replicas, each attends
+    over its own, the FFN runs over every replica's rows, and all agree on each step's
+    forwards and graph sizes (an idle replica replays IDLE batches of its peers' shape).
+    Both compose, with speculative decoding too: rank ``r`` is TP rank ``r % tp`` of
+    replica ``r // tp``.
     """
 
     tp: int = Field(
@@ -280,20 +282,6 @@ class RunConfig(_Section):
 
     def _check_distributed(self) -> None:
         d = self.distributed
-        if d.tp > 1 and d.dp_attention > 1:
-            raise ConfigError(
-                "tensor parallel and data-parallel attention are not combined yet",
-                field="distributed.dp_attention",
-                expected=f"1 with distributed.tp = {d.tp}",
-                actual=d.dp_attention,
-            )
-        if d.world > 1 and self.speculative.enabled:
-            raise ConfigError(
-                "speculative decoding runs on one rank only for now",
-                field="speculative.draft",
-                expected=f"none with {d.world} ranks",
-                actual=self.speculative.draft,
-            )
         if d.backend == "nccl" and torch.device(self.device).type != "cuda":
             raise ConfigError(
                 "NCCL carries CUDA tensors only",

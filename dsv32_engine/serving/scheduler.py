@@ -100,8 +100,12 @@ class Scheduler:
         device = self.pool.req_to_token.device
         return batch, torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
 
-    def idle(self) -> tuple[ForwardBatch, torch.Tensor]:
-        """A batch with no request, for a rank with no work this step."""
+    def idle(
+        self, shape: ForwardMode = ForwardMode.DECODE, next_n: int = 1
+    ) -> tuple[ForwardBatch, torch.Tensor]:
+        """A batch with no request, for a rank with no work this step, in the ``shape`` of
+        its peers' forward (decode; under speculation verify, draft extend or draft decode,
+        with that mode's ``next_n``): it replays their graph with every row padding."""
         empty = torch.zeros(0, dtype=torch.int32)
         batch = ForwardBatch(
             seq_lens_cpu=empty,
@@ -109,6 +113,8 @@ class Scheduler:
             req_to_token=self.pool.req_to_token,
             out_cache_loc=empty,
             mode=ForwardMode.IDLE,
+            next_n=next_n,
+            idle_as=shape,
         )
         device = self.pool.req_to_token.device
         return batch, torch.zeros(0, dtype=torch.int64, device=device)

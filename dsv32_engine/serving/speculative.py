@@ -41,6 +41,13 @@ from planner.plans import PlanSet
 
 TargetStep = Callable[[ForwardBatch, torch.Tensor], Any]
 """``step(batch, input_ids)``: one target forward through the engine's graph runner."""
+RunStep = Callable[[GraphRunner, ForwardBatch, dict[str, torch.Tensor]], Any]
+"""``run(runner, batch, inputs)``: how the engine runs a forward through a graph runner (a
+rank of several checks it and replays the agreed size); draft forwards go through it too."""
+
+
+def _step(runner: GraphRunner, batch: ForwardBatch, inputs: dict[str, torch.Tensor]) -> Any:
+    return runner.step(batch, inputs)
 
 
 @dataclass
@@ -68,8 +75,10 @@ class Speculation:
         scheduler: Scheduler,
         num_pages: int,
         graphs: GraphsSection,
+        run: RunStep = _step,
     ) -> None:
         self.spec = spec
+        self.run = run
         self.n = spec.draft_tokens
         self.steps = spec.decode_steps
         self.scheduler = scheduler
@@ -78,6 +87,10 @@ class Speculation:
         self.mtp: MTPDraft | None = None
         self.runners: dict[ForwardMode, GraphRunner] = {}
         self._pending: list[tuple[Request, torch.Tensor, torch.Tensor]] = []
+        self._catch_up: tuple[list[tuple[Request, int, int]], torch.Tensor, torch.Tensor] | None
+        self._catch_up = None
+        """The last verify's accepted tokens for the draft extend: (request, first position,
+        accepted), their ids and the target's hidden rows (copied out of the graph's output)."""
         if spec.draft == "mtp":
             self.mtp = MTPDraft(model, seed=spec.mtp_seed)
             planner.check_serves(MTPDraft.PLANS, who="the MTP draft")
@@ -129,15 +142,18 @@ class Speculation:
         ]
         ids_t = torch.tensor(ids, dtype=torch.int64, device=hidden.device)
         hidden = hidden.to(self.mtp.dtype)
-        if plans.tokens is not None and plans.tokens > len(ids):
-            # The target replayed a ragged graph: its plans hold a token bucket, so the
-            # draft reads them with padding rows too (token 0, a zero state; their KV goes
+        rows = plans["nsa"].positions.shape[0]
+        if rows > len(ids):
+            # The target replayed a ragged graph (its plans hold a token bucket), or this is
+            # a data-parallel rank's idle batch in its peers' prompt-chunk forward: the draft
+            # reads those plans with padding rows too (token 0, a zero state; their KV goes
             # to the null slot, their outputs are never read).
-            pad = plans.tokens - len(ids)
+            pad = rows - len(ids)
             ids_t = torch.nn.functional.pad(ids_t, (0, pad))
-            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, pad))
+            hidden = torch.nn.functional.pad(hidden[: len(ids)], (0, 0, 0, pad))
         out = self.mtp(ids_t, hidden, plans, self.cache)
-        self.stats.draft_forwards["draft_prefill"] += 1
+        if work:
+            self.stats.draft_forwards["draft_prefill"] += 1
         for i, (request, _) in enumerate(work):
             if not request.prefilling and not request.done:
                 self._pending.append((request, out["tokens"][i], out["hidden"][i]))
@@ -175,20 +191,34 @@ class Speculation:
         self.stats.verify_steps += 1
         self.stats.verified_requests += len(requests)
         if self.mtp is not None and catch_up:
-            self._draft_extend(catch_up, out["hidden"])
+            hidden = out["hidden"]
+            rows = [j * self.n + i for j, _, _, acc in catch_up for i in range(len(acc))]
+            index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+            ids = torch.tensor([t for *_, acc in catch_up for t in acc], dtype=torch.int64)
+            work = [(r, f, len(a)) for _, r, f, a in catch_up]
+            self._catch_up = (work, ids.to(hidden.device), hidden[index].to(self.mtp.dtype))
         return kept
 
-    def _draft_extend(self, work: list[tuple[int, Request, int, list[int]]], hidden: torch.Tensor):
-        """The MTP layer over each request's accepted tokens, with the target's hidden state of
-        the rows they were accepted at; its outputs start the draft decode."""
-        rows = [j * self.n + i for j, _, _, acc in work for i in range(len(acc))]
-        ids = torch.tensor([t for *_, acc in work for t in acc], dtype=torch.int64)
-        index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
-        batch = self.scheduler.build_draft_extend([(r, f, len(a)) for _, r, f, a in work], self.n)
-        inputs = {"input_ids": ids.to(hidden.device), "hidden": hidden[index].to(self.mtp.dtype)}
-        out = self.runners[ForwardMode.DRAFT_EXTEND].step(batch, inputs)
+    def draft_sizes(self) -> tuple[int, int]:
+        """Requests of this step's draft extend and draft decode (0: none to run); what a
+        data-parallel rank tells its peers before those forwards."""
+        extend = len(self._catch_up[0]) if self._catch_up is not None else 0
+        decode = sum(not r.done for r, _, _ in self._pending) + extend if self.steps else 0
+        return extend, decode
+
+    def draft_extend(self) -> None:
+        """The MTP layer over each request's accepted tokens of the last verify, with the
+        target's hidden state of the rows they were accepted at; its outputs start the draft
+        decode."""
+        if self._catch_up is None:
+            return
+        work, ids, hidden = self._catch_up
+        self._catch_up = None
+        batch = self.scheduler.build_draft_extend(work, self.n)
+        runner = self.runners[ForwardMode.DRAFT_EXTEND]
+        out = self.run(runner, batch, {"input_ids": ids, "hidden": hidden})
         self.stats.draft_forwards["draft_extend"] += 1
-        for i, (_, request, _, _) in enumerate(work):
+        for i, (request, _, _) in enumerate(work):
             self._pending.append((request, out["tokens"][i].clone(), out["hidden"][i].clone()))
 
     # ---- the draft decode: every request caught up this step --------------------------------
@@ -207,7 +237,7 @@ class Speculation:
         requests = [r for r, _, _ in pending]
         batch = self.scheduler.build_draft_decode(requests, self.steps)
         inputs = {"input_ids": first, "hidden": torch.stack([h for _, _, h in pending])}
-        out = self.runners[ForwardMode.DRAFT_DECODE].step(batch, inputs)
+        out = self.run(self.runners[ForwardMode.DRAFT_DECODE], batch, inputs)
         self.stats.draft_forwards["draft_decode"] += 1
         for request, token, rest in zip(requests, first.tolist(), out["tokens"].tolist()):
             request.drafts = [token, *rest]

@@ -18,21 +18,18 @@ from dsv32_engine.distributed.agree import RankMismatch
 from dsv32_engine.distributed.exchange import RowExchange
 from dsv32_engine.distributed.group import DistContext
 from dsv32_engine.distributed.tp import TPCheck
+from dsv32_engine.serving import speculative
+from dsv32_engine.serving.accept import accept_greedy
 from dsv32_engine.serving.engine import DecodeEngine
-from dsv32_engine.serving.rank_engines import DPEngine, TPEngine
+from dsv32_engine.serving.rank_engines import RankEngine
 from dsv32_engine.serving.run_config import load_run_config
 from planner import ForwardBatch, ForwardMode, Limits, Planner
 from tests.support import TINY_YAML
-from tests.support.batches import make_pool, random_batch
+from tests.support.batches import idle_batch, make_pool, random_batch
 from tests.support.planners import replay_smallest
 
 MAX_BATCH, MAX_CTX, PAGE, POOL = 8, 256, 64, 20
 SIZES = (1, 2, 4, 8)
-
-
-def _idle(table: torch.Tensor) -> ForwardBatch:
-    empty = torch.zeros(0, dtype=torch.int32)
-    return ForwardBatch(empty, empty, table, empty, mode=ForwardMode.IDLE)
 
 
 def _other_requests(batch: ForwardBatch, table: torch.Tensor) -> ForwardBatch:
@@ -61,7 +58,21 @@ def _fewer(batch: ForwardBatch, table: torch.Tensor) -> ForwardBatch:
     )
 
 
-PERTURB = {"requests": _other_requests, "max_len": _longer, "bs": _fewer}
+def _other_pages(batch: ForwardBatch, table: torch.Tensor) -> ForwardBatch:
+    """The same batch over other pages: rank 1's token table rows of the batch's requests
+    hold another request's slots (restored after the step). The batch's host tensors are
+    the same, so only the plan digests can tell."""
+    rows = batch.req_pool_indices.long()
+    table[rows] = table[rows % (table.shape[0] - 1) + 1].clone()
+    return batch
+
+
+PERTURB = {
+    "requests": _other_requests,
+    "pages": _other_pages,
+    "max_len": _longer,
+    "bs": _fewer,
+}
 
 
 def tp_plans(
@@ -80,11 +91,12 @@ def tp_plans(
     errors, phases = [], {"replay": 0, "eager": 0}
     for step in range(steps):
         batch = (
-            _idle(table)
+            idle_batch(table)
             if step % 10 == 9
             else random_batch(rng, table, max_batch=MAX_BATCH, max_context=MAX_CTX)
         )
         kind = (perturb or {}).get(str(step))
+        saved = table.clone()
         if kind is not None and ctx.rank == 1:
             batch = PERTURB[kind](batch, table)
         try:
@@ -97,6 +109,7 @@ def tp_plans(
             check.after(plans)
         except RankMismatch as exc:
             errors.append({"step": step, "field": exc.field, "message": str(exc)})
+        table.copy_(saved)  # a perturbed token table is rank 1's for one step only
     return {
         "errors": errors,
         "phases": phases,
@@ -110,7 +123,7 @@ def tp_engine(ctx: DistContext, overrides: dict[str, Any]) -> dict[str, Any]:
     config = load_run_config(
         TINY_YAML, {**overrides, "distributed.tp": ctx.world, "distributed.digests": True}
     )
-    engine = TPEngine(config, ctx)
+    engine = RankEngine(config, ctx)
     result = engine.run(progress=False, keep_tokens=True)
     return {
         **engine.rank_summary(),
@@ -129,15 +142,60 @@ def _captured(engine) -> list[str]:
 
 def dp_engine(ctx: DistContext, overrides: dict[str, Any]) -> dict[str, Any]:
     """A data-parallel rank of the tiny model serving its share; its trace and tokens."""
-    config = load_run_config(TINY_YAML, {**overrides, "distributed.dp_attention": ctx.world})
-    engine = DPEngine(config, ctx)
+    return rank_engine(ctx, {**overrides, "distributed.dp_attention": ctx.world})
+
+
+def rank_engine(
+    ctx: DistContext, overrides: dict[str, Any], perturb: str | None = None
+) -> dict[str, Any]:
+    """One rank of a ``tp x dp_attention`` job of the tiny model (the overrides say which):
+    its summary, forward trace, tokens and speculative stats.
+
+    ``perturb`` makes rank 1 alone decide one verify differently: ``shorter`` accepts one
+    token less (at the first verify that accepted two or more), ``token`` keeps a different
+    bonus token (at the first verify). The refusal every rank must then raise is returned.
+    """
+    config = load_run_config(TINY_YAML, overrides)
+    engine = RankEngine(config, ctx)
     engine.trace = []
-    result = engine.run(progress=False, keep_tokens=True)
+    spec = engine.speculation
+    perturbed: list[int] = []
+    if perturb is not None and ctx.rank == 1:
+
+        def decide_otherwise(drafts, argmax):
+            accepted = accept_greedy(drafts, argmax)
+            if perturbed:
+                return accepted
+            if perturb == "shorter" and len(accepted) >= 2:
+                perturbed.append(spec.stats.verify_steps)
+                return accepted[:-1]
+            if perturb == "token":
+                perturbed.append(spec.stats.verify_steps)
+                return [*accepted[:-1], (accepted[-1] + 1) % engine.model_config.vocab_size]
+            return accepted
+
+        speculative.accept_greedy = decide_otherwise  # this spawned rank's module only
+    error = None
+    try:
+        result = engine.run(progress=False, keep_tokens=True)
+        tokens = {str(k): v for k, v in result.tokens.items()}
+    except RankMismatch as exc:
+        tokens = {}
+        error = {"field": exc.field, "message": str(exc)}
     return {
         **engine.rank_summary(),
         "trace": engine.trace,
-        "tokens": {str(k): v for k, v in result.tokens.items()},
+        "tokens": tokens,
+        "error": error,
+        "perturbed_at": perturbed,
         "captured": _captured(engine),
+        "forwards": engine.forward_steps,
+        "layers": len(engine.model.layers),
+        "speculative": spec.summary() if spec is not None else None,
+        "graph_replays": sum(
+            sum(runner.stats.replays.values())
+            for runner in [engine.runner, *(spec.runners.values() if spec else [])]
+        ),
     }
 
 

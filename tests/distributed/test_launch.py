@@ -24,7 +24,8 @@ def _decode(*flags, env=None, timeout=180):
 @pytest.mark.parametrize("flag", ["--tp", "--dp-attention"])
 def test_two_ranks_serve_and_rank_0_aggregates(flag, tmp_path):
     out = tmp_path / "run.json"
-    done = _decode(flag, "2", "--json", str(out), "--digests", "--dp-split", "blocks")
+    draft = ["--draft", "mtp", "--draft-tokens", "3"] if flag == "--dp-attention" else []
+    done = _decode(flag, "2", "--json", str(out), "--digests", "--dp-split", "blocks", *draft)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 0/2" in done.stdout and "rank 1/2" in done.stdout
     assert "aggregate:" in done.stdout
@@ -39,6 +40,9 @@ def test_two_ranks_serve_and_rank_0_aggregates(flag, tmp_path):
     else:
         assert total["requests_finished"] == 6  # split over the ranks
         assert len(data["tokens"]) == 6
+        # with an MTP draft: idle replicas ran verify- and draft-shaped IDLE batches
+        shapes = {k for rank in total["idle_by_shape"] for k in rank}
+        assert "target_verify" in shapes, total["idle_by_shape"]
 
 
 def test_under_torchrun_each_process_is_one_rank(tmp_path):
@@ -75,9 +79,12 @@ def test_under_torchrun_each_process_is_one_rank(tmp_path):
     ("flags", "env", "field"),
     [
         # a value a flag set is reported on the flag (the message names the config key too)
-        (["--tp", "2", "--dp-attention", "2"], None, "--dp-attention"),
         (["--tp", "3"], None, "--tp"),  # the tiny model's 8 heads
-        (["--tp", "2", "--draft", "ngram"], None, "--draft"),
+        (
+            ["--tp", "2", "--dp-attention", "2", "--compare-plain", "--draft", "ngram"],
+            None,
+            "--compare-plain",
+        ),
         (["--tp", "2", "--dist-backend", "nccl"], None, "--dist-backend"),
         (["--tp", "2", "--save-weights", "w.safetensors"], None, "--save-weights"),
         (
@@ -105,6 +112,8 @@ def _rank(requests: int, tokens: int, **extra) -> dict:
         "requests_finished": requests,
         "graph_replays": 10,
         "verified_replays": 0,
+        "all_replays": 10,
+        "debug": False,
         "tokens": {0: [1, 2]},
         "signature_checks": 10,
         "digest_checks": 10,
@@ -113,26 +122,38 @@ def _rank(requests: int, tokens: int, **extra) -> dict:
 
 
 def test_aggregate_counts_a_tensor_parallel_workload_once():
-    """TP ranks serve one workload together; DP ranks serve disjoint requests."""
+    """TP ranks serve one workload together; DP replicas serve disjoint requests; in a
+    TP x DP job each replica's TP rank 0 counts for it."""
     from dsv32_engine.serving.launch import aggregate
 
-    tp = aggregate("tp", [_rank(4, 100), _rank(4, 100)])
+    tp_extra = {"checks_by_mode": {"decode": 10}}
+    tp = aggregate(2, 1, [_rank(4, 100, **tp_extra), _rank(4, 100, **tp_extra)])
     assert (tp["requests_finished"], tp["generated_tokens"], tp["tokens_per_second"]) == (
         4,
         100,
         50,
     )
+    assert tp["layout"] == "tp" and tp["agree"]
+    assert tp["every_replay_verified"] is None  # no debug mode: nothing was compared
     dp_extra = {
         "idle_forwards": 0,
+        "idle_by_shape": {},
         "peer_eager_forwards": 0,
         "replays_by_size": {},
         "forwards_by_size": {},
         "ffn_exchanges": 3,
         "loop_steps": 5,
     }
-    dp = aggregate("dp", [_rank(3, 60, **dp_extra), _rank(1, 40, **dp_extra)])
+    dp = aggregate(1, 2, [_rank(3, 60, **dp_extra), _rank(1, 40, **dp_extra)])
     assert (dp["requests_finished"], dp["generated_tokens"], dp["tokens_per_second"]) == (
         4,
         100,
         50,
     )
+    both = {**tp_extra, **dp_extra}
+    ranks = [_rank(3, 60, **both), _rank(3, 60, **both), _rank(1, 40, **both), _rank(1, 40, **both)]
+    job = aggregate(2, 2, ranks)
+    assert job["layout"] == "tp_x_dp_attention" and job["agree"]
+    assert (job["requests_finished"], job["generated_tokens"]) == (4, 100)
+    ranks[3]["tokens"] = {0: [1, 3]}  # a TP peer that decoded otherwise
+    assert not aggregate(2, 2, ranks)["agree"]

@@ -2,10 +2,11 @@
 
 Each rank builds its own planner and draws the same random batches (one seed): every
 step the batch signature is agreed (one all-reduce) and, after the replay or eager
-plan, every plan field's digest is all-gathered. Rank 1 then changes single steps:
-other requests with the same sizes (only a digest can tell), a longer request and one
-request fewer (the signature tells). Every rank must refuse exactly those steps,
-naming rank 1 and the field, and agree again on the next step.
+plan, every plan field's digest is all-gathered. Rank 1 then changes single steps: the
+same batch over other pages of its token table (only a digest can tell), other requests
+with the same sizes, a longer request and one request fewer (the signature tells: its
+digest of the batch's host tensors, its lengths). Every rank must refuse exactly those
+steps, naming rank 1 and the field, and agree again on the next step.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tests.distributed import scenarios
 from tests.distributed.ranks import run_ranks
 
 STEPS = 240
-PERTURB = {"37": "requests", "81": "max_len", "122": "bs", "203": "requests"}
+PERTURB = {"37": "pages", "81": "max_len", "122": "bs", "203": "requests"}
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +45,12 @@ def test_a_perturbed_rank_is_caught_naming_rank_and_field(tp_runs):
         # every other step still agreed, and was digested
         assert rank["digest_checks"] == STEPS - len(PERTURB)
         by_step = {e["step"]: e for e in rank["errors"]}
-        # same sizes, other requests: only the digests tell, and they name the field
-        for step in (37, 203):
-            error = by_step[step]
-            assert "rank 1 planned" in error["message"]
-            assert error["field"].startswith(("nsa.", "paged.")), error
+        # the same batch over other pages: only the digests tell, and they name the field
+        assert "rank 1 planned" in by_step[37]["message"]
+        assert by_step[37]["field"].startswith(("nsa.", "paged.")), by_step[37]
+        # other requests, same sizes: the signature's digest of the batch tells
+        assert by_step[203]["field"] == "batch.batch_digest", by_step[203]
+        assert "rank 1 has" in by_step[203]["message"]
         assert by_step[81]["field"] == "batch.max_len"
         assert "rank 1 has" in by_step[81]["message"]
         assert by_step[122]["field"] == "batch.bs"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,6 +277,12 @@ def run_ranks(
                 field=flag,
                 expected=f"a single-rank run (distributed world {config.distributed.world})",
             )
+    if config.speculative.enabled and config.speculative.compare_plain:
+        print(
+            "note: speculative.compare_plain is not run on several ranks (serve the config on "
+            "one rank for the plain comparison)",
+            file=sys.stderr,
+        )
     json_path = check_output_file(args.json, "--json") if args.json else None
     options = {
         "max_steps": args.max_steps,
