@@ -157,7 +157,7 @@ def _line(rank: dict[str, Any]) -> str:
     return (
         f"rank {rank['rank']}/{rank['world']} ({rank['device']}): "
         f"{rank['requests_finished']} requests, {rank['generated_tokens']} tokens, "
-        f"{rank['tokens_per_second']:.1f} tok/s, {rank['graph_replays']} replays, "
+        f"{rank['tokens_per_second']:.1f} tok/s, {rank['all_replays']} replays, "
         + ", ".join(f"{k} {v}" for k, v in extra.items())
     )
 
