@@ -134,7 +134,8 @@ class NSAExtendPlan(RaggedInputsPlan, backend="nsa"):
 
     @classmethod
     def derived_dims(cls, dims: Mapping[str, int], settings: Mapping[str, Any]) -> dict[str, int]:
-        """The sparse MLA kernel's split count for this many query tokens (see ``mla_split``),
+        """The sparse MLA kernel's split count for this many query tokens (see ``mla_split``;
+        ``mla_fixed_splits`` whatever the tokens when set),
         and the indexer's chunk rows for this KV width (see ``extend_ops``): both pure
         functions of the dimensions, so a captured plan holds the static bound's."""
         chunk = indexer_chunk_rows(dims["max_len"], settings["indexer_logits_bytes"])

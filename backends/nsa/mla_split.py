@@ -7,6 +7,13 @@ on the rows' top-k lengths, which are the same in all 61 layers. So the count
 is a derived dimension of the plan (``mla_splits``, a pure function of the
 rows and the settings) and the table an op field computed once per batch, in
 the graph when captured.
+
+The option ``mla_fixed_splits`` (``N`` in ``1..MAX_SPLITS``) replaces that count by ``N``
+whatever the rows: every row is then cut into ``N`` splits whose boundaries follow only
+its own top-k length, the kernel's grid per row and its combine (or direct write, when
+``N == 1``) are the same in every batch, and so a row's sparse MLA output is
+bit-identical alone or inside any batch, at any position (the batch-invariant mode).
+``0``, the default, keeps the wave model: batch-dependent and fastest.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 from backends.common.triton_kernels import triton_available
 from backends.nsa.sparse_mla_plan import (
     DEFAULT_CONFIG,
+    MAX_SPLITS,
     sparse_mla_num_splits,
     split_plan_numpy,
     split_plan_torch,
@@ -34,8 +42,10 @@ I32 = torch.int32
 KERNELS = ("auto", "triton", "torch")
 """``auto``: the Triton kernel on CUDA, the torch reference elsewhere."""
 
-DEFAULTS: dict[str, Any] = {"mla_heads": 128, "mla_kernel": "auto"}
-"""DeepSeek-V3.2's 128 attention heads (the model passes its own)."""
+DEFAULTS: dict[str, Any] = {"mla_heads": 128, "mla_kernel": "auto", "mla_fixed_splits": 0}
+"""DeepSeek-V3.2's 128 attention heads (the model passes its own); the kernel the plan
+names; ``mla_fixed_splits`` 0: the split count from the wave model (batch-dependent), N in
+``1..MAX_SPLITS``: N splits per row whatever the batch (batch-invariant)."""
 
 sparse_mla_split_plan = metadata_op(
     "sparse_mla_split_plan",
@@ -72,8 +82,11 @@ def _splits(rows: int, heads: int, topk: int, num_sms: int) -> int:
 
 
 def split_dims(rows: int, dims: Mapping[str, int], settings: Mapping[str, Any]) -> dict[str, int]:
-    """``mla_splits`` for ``rows`` query rows, and the flat table's length."""
-    splits = _splits(max(rows, 1), settings["mla_heads"], settings["topk"], dims["sms"])
+    """``mla_splits`` for ``rows`` query rows, and the flat table's length: the fixed
+    count when ``mla_fixed_splits`` is set, else the wave model's for this many rows."""
+    splits = settings.get("mla_fixed_splits", 0)
+    if not splits:
+        splits = _splits(max(rows, 1), settings["mla_heads"], settings["topk"], dims["sms"])
     return {"mla_splits": splits, "mla_split_cells": rows * (splits + 1)}
 
 
@@ -108,4 +121,13 @@ def check_settings(settings: Mapping[str, Any]) -> None:
             field="nsa.mla_kernel",
             expected=KERNELS,
             actual=settings["mla_kernel"],
+        )
+    fixed = settings["mla_fixed_splits"]
+    if isinstance(fixed, bool) or not isinstance(fixed, int) or not 0 <= fixed <= MAX_SPLITS:
+        raise SchemaError(
+            "splits per row of the sparse MLA kernel: 0 (the wave model, batch-dependent) or "
+            f"a fixed count the combine takes (1..{MAX_SPLITS})",
+            field="nsa.mla_fixed_splits",
+            expected=f"0..{MAX_SPLITS}",
+            actual=fixed,
         )

@@ -104,7 +104,8 @@ class NSAPlan(PagedPlan, backend="nsa"):
 
     @classmethod
     def derived_dims(cls, dims: Mapping[str, int], settings: Mapping[str, Any]) -> dict[str, int]:
-        """The sparse MLA kernel's split count for this batch size (see ``mla_split``)."""
+        """The sparse MLA kernel's split count for this batch size (see ``mla_split``):
+        ``mla_fixed_splits`` whatever the rows when set, else the wave model's."""
         return mla_split.split_dims(dims["rows"], dims, settings)
 
     @classmethod

@@ -14,7 +14,9 @@ Design (flash-decoding over the top-k list):
   ``splits`` comes from a wave model of the chip at full top-k length (lengths are not
   known at capture): small batches get many splits so ``rows x splits x head_blocks``
   covers the SMs; large ones get one (then the kernel writes the output directly and
-  no combine runs).
+  no combine runs). A fixed count (``nsa.mla_fixed_splits``, ``1..MAX_SPLITS``) replaces
+  the model where a row must not depend on its batch: the grid per row, the combine's tile
+  and the direct-write choice then follow from the count alone.
 * **Per batch**: the table ``int32 [rows, splits + 1]`` of split boundaries in top-k
   positions. Row ``r``'s split ``s`` reads positions ``[t[r, s], t[r, s + 1])`` of its
   ``topk_slots`` row: the row's length ``min(kv_len, topk)`` cut into ``splits`` chunks
@@ -49,6 +51,7 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
 __all__ = [
     "CONFIGS",
     "DEFAULT_CONFIG",
+    "MAX_SPLITS",
     "SparseMLAConfig",
     "check_split_plan",
     "head_blocks",
@@ -118,6 +121,15 @@ CONFIGS: tuple[SparseMLAConfig, ...] = (
 # from benchmarks/bench_sparse_mla.py.
 PROGRAM_OVERHEAD_TILES = 2
 SPLIT_OVERHEAD_TILES = 4
+
+MAX_SPLITS = 64
+"""The most splits a row may be given by a fixed split count (``nsa.mla_fixed_splits``).
+The combine holds all of a row's splits in one ``[next_pow2(splits), block_l]`` fp32 tile
+of at most 4096 values with ``block_l >= 16`` (``sparse_mla_triton``): 256 would still
+fit, but past 64 the latent chunk drops below 64 columns and the combine's loads get
+short, while 2048 top-k tokens in 64-token tiles never need more than 32 splits (the wave
+model's own maximum). A count above a row's tiles leaves its last splits empty (no work,
+skipped by the combine), so any count in range is correct, only slower."""
 
 
 def head_blocks(heads: int, block_h: int) -> int:
