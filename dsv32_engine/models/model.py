@@ -30,7 +30,7 @@ from backends.nsa_flashinfer import NSAFlashInferPlan
 from dsv32_engine.models.config import DSV32Config
 from dsv32_engine.models.init import random_init
 from dsv32_engine.models.kv_cache import PagedKVCache
-from dsv32_engine.models.layers.exact import Linear
+from dsv32_engine.models.layers.exact import Linear, set_batch_invariant
 from dsv32_engine.models.layers.ffn import MLP, MoE
 from dsv32_engine.models.layers.mla import MLA
 from dsv32_engine.models.layers.norm import RMSNorm
@@ -205,6 +205,23 @@ class DSV32Model(nn.Module):
         """
         for block in self.layers:
             block.exchange = exchange
+
+    batch_invariant: bool = False
+    """Whether ``set_batch_invariant`` turned the batch-invariant mode on (for reports)."""
+
+    def set_batch_invariant(self, on: bool) -> list[str]:
+        """Turn the batch-invariant mode on or off (off: the default): with it on, every GEMM
+        of the forward on CUDA runs a kernel whose tiles do not depend on the batch's rows
+        (``invariant_gemm``; the routed experts a fixed-tile grouped GEMM, their combine a
+        fixed add order, the indexer's head weights one path at every row count), so a row's
+        logits are the same bits alone or in any batch. Off CUDA it changes nothing: the CPU
+        model is invariant already (``exact``).
+
+        A plain attribute on each module that has a GEMM (``exact.set_batch_invariant``; no
+        global state: two models in one process may differ). Call it before graphs are
+        captured: a captured graph keeps the kernels of the mode it was captured in.
+        Returns the names of the modules set."""
+        return set_batch_invariant(self, on)
 
     def _reset_buffers(self) -> None:
         cfg = self.config

@@ -35,7 +35,7 @@ from backends.nsa_flashinfer import NSAFlashInferPlan
 from dsv32_engine.models.config import DSV32Config
 from dsv32_engine.models.init import random_init
 from dsv32_engine.models.kv_cache import PagedKVCache
-from dsv32_engine.models.layers.exact import Linear
+from dsv32_engine.models.layers.exact import Linear, set_batch_invariant
 from dsv32_engine.models.layers.norm import RMSNorm
 from dsv32_engine.models.layers.rope import rope_cos_sin
 from dsv32_engine.models.model import Block, DSV32Model, FfnExchange
@@ -102,6 +102,16 @@ class MTPDraft(nn.Module):
         every draft forward exchanges rows with the peers, in lockstep like the target's)."""
         self.block.exchange = exchange
 
+    batch_invariant: bool = False
+    """The draft's batch-invariant mode (``set_batch_invariant``)."""
+
+    def set_batch_invariant(self, on: bool) -> list[str]:
+        """The batch-invariant mode of the draft's own modules (``eh_proj``, the layer's
+        GEMMs; see ``DSV32Model.set_batch_invariant``) and of its use of the target's shared
+        head, which runs in the draft's mode whatever the target's. Returns the names of
+        the modules set."""
+        return set_batch_invariant(self, on)
+
     def new_cache(self, num_pages: int) -> PagedKVCache:
         """The layer's own KV and index cache over the target's page ids (same slots)."""
         return PagedKVCache(self.config, num_pages, device=self.target.device, dtype=self.dtype)
@@ -131,7 +141,7 @@ class MTPDraft(nn.Module):
         return self.norm(x)
 
     def _next(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.head(hidden).float().argmax(dim=-1)
+        return self.target.head.project(hidden, self.batch_invariant).float().argmax(dim=-1)
 
     def forward(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, plans: PlanSet, cache: PagedKVCache

@@ -11,7 +11,11 @@ model accumulates in float64 and rounds once: the result is the correctly
 rounded value up to float64 noise, the same bits for any batch shape.
 
 On a GPU the model runs its production dtype with the usual kernels; there
-these are plain ``nn.Linear`` / ``torch.einsum``.
+these are plain ``nn.Linear`` / ``torch.einsum``, whose cuBLAS algorithm depends on the
+batch's row count. In the batch-invariant mode (off by default, a plain ``batch_invariant``
+attribute of each module that has a GEMM, set by ``set_batch_invariant``), the GEMMs here
+run on CUDA through ``invariant_gemm``'s fixed-tile Triton matmul instead: a row's bits
+then do not depend on the batch there either. Off CUDA the mode changes nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.common.triton_kernels import triton_available
+from dsv32_engine.models.layers.invariant_gemm import invariant_contract, invariant_linear
 
 
 def exact(t: torch.Tensor) -> bool:
@@ -42,23 +47,67 @@ def forward_takes_kernel(*tensors: torch.Tensor) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
+_kernel_route = forward_takes_kernel
+"""What ``invariant`` asks besides the mode (a module global, so tests can route CPU
+tensors through the kernel's call sites)."""
+
+
+def invariant(on: bool, *tensors: torch.Tensor) -> bool:
+    """Whether a GEMM in the batch-invariant mode ``on`` runs ``invariant_gemm``'s kernel:
+    the mode on, and the operands where the forward's Triton kernels run (CUDA, nothing
+    autograd would record; see ``forward_takes_kernel``). The default path never asks
+    anything else, so its kernels and bits are what they were."""
+    return on and _kernel_route(*tensors)
+
+
+def set_batch_invariant(root: nn.Module, on: bool) -> list[str]:
+    """Set the batch-invariant mode on every module under ``root`` (itself included) whose
+    class declares a ``batch_invariant`` attribute: a plain instance attribute, so two models
+    in one process may differ. Returns the names of the modules set (``""``: ``root``)."""
+    names = []
+    for name, module in root.named_modules():
+        if hasattr(type(module), "batch_invariant"):
+            module.batch_invariant = on
+            names.append(name)
+    return names
+
+
 def accumulate_dtype(t: torch.Tensor) -> torch.dtype:
     """float64 on the CPU (batch invariance), float32 elsewhere: the dtype to accumulate in."""
     return torch.float64 if exact(t) else torch.float32
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose CPU result does not depend on the batch's row count."""
+    """``nn.Linear`` whose CPU result does not depend on the batch's row count, nor its
+    CUDA result in the batch-invariant mode."""
+
+    batch_invariant: bool = False
+    """The batch-invariant mode (see the module docstring); off by default."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.batch_invariant)
+
+    def project(self, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+        """The layer in the given mode: for a caller that shares the layer but keeps its own
+        mode (the MTP draft's use of the target's head)."""
+        if invariant(batch_invariant, x, self.weight):
+            return invariant_linear(x, self.weight, self.bias)
         if not exact(x):
             return super().forward(x)
         bias = None if self.bias is None else self.bias.double()
         return F.linear(x.double(), self.weight.double(), bias).to(x.dtype)
 
 
-def contract(equation: str, *operands: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.einsum`` in float64 on the CPU, in the operands' own dtype elsewhere; in ``dtype``."""
+def contract(
+    equation: str, *operands: torch.Tensor, dtype: torch.dtype, batch_invariant: bool = False
+) -> torch.Tensor:
+    """``torch.einsum`` in float64 on the CPU, in the operands' own dtype elsewhere; in ``dtype``.
+
+    ``batch_invariant`` (the caller's mode): on CUDA the activation-by-weight einsums
+    ``invariant_gemm.invariant_contract`` knows run there (fp32 accumulation, rounded once
+    to ``dtype``); any other equation is refused rather than run batch-dependent."""
+    if invariant(batch_invariant, *operands):
+        return invariant_contract(equation, *operands, dtype=dtype)
     if exact(operands[0]):
         operands = tuple(op.double() for op in operands)
     else:  # one dtype for all, the widest given (an fp32 routing matrix over bf16 outputs)
@@ -105,8 +154,13 @@ class FusedWeights:
     def _current(self) -> tuple[int, ...]:
         return tuple(layer.weight.data_ptr() for layer in self._linears)
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """Each layer's output (column views of one GEMM's), or None if the views broke."""
+    def __call__(
+        self, x: torch.Tensor, batch_invariant: bool = False
+    ) -> tuple[torch.Tensor, ...] | None:
+        """Each layer's output (column views of one GEMM's), or None if the views broke;
+        ``batch_invariant``: the owner's mode (the fused GEMM through ``invariant_gemm``)."""
         if self._current() != self._pointers or x.device != self.weight.device:
             return None
+        if invariant(batch_invariant, x, self.weight):
+            return invariant_linear(x, self.weight).split(self.sizes, dim=-1)
         return F.linear(x, self.weight).split(self.sizes, dim=-1)

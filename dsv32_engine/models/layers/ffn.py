@@ -29,6 +29,10 @@ from dsv32_engine.models.layers.swiglu_triton import silu_mul
 class MLP(nn.Module):
     """``w2(silu(w1 x) * w3 x)``: the dense layers, the shared expert, the stand-in."""
 
+    batch_invariant: bool = False
+    """The batch-invariant mode (``exact.set_batch_invariant``): the fused ``w1|w3`` GEMM
+    through ``invariant_gemm`` on CUDA (``w1``, ``w2``, ``w3`` hold their own flags)."""
+
     def __init__(self, dim: int, inter: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.w1 = Linear(dim, inter, bias=False, dtype=dtype)
@@ -42,7 +46,7 @@ class MLP(nn.Module):
         self.gate_up = FusedWeights([self.w1, self.w3])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = None if self.gate_up is None else self.gate_up(x)
+        fused = None if self.gate_up is None else self.gate_up(x, self.batch_invariant)
         gate, up = (self.w1(x), self.w3(x)) if fused is None else fused
         # One launch on CUDA (reading the fused GEMM's halves in place), same bits as the
         # two torch kernels; the CPU's float64 silu otherwise (``swiglu_triton.silu_mul``).
@@ -59,7 +63,13 @@ class Gate(nn.Module):
     On CUDA everything after the GEMM is one launch (``moe_gate_triton``) instead of
     about fifteen small kernels; the CPU keeps the torch formula (``route_reference``),
     whose float64 bits the CPU model's exactness tests depend on.
+
+    In the batch-invariant mode the logits' GEMM runs on ``invariant_gemm``'s kernel on CUDA
+    (the routing after it is per row already).
     """
+
+    batch_invariant: bool = False
+    """The batch-invariant mode (``exact.set_batch_invariant``)."""
 
     def __init__(self, cfg: DSV32Config, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -84,12 +94,14 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [rows, top_k] fp32, indices [rows, top_k] int64)``."""
         route = (self.bias, self.top_k, self.n_group, self.topk_group, self.route_scale)
+        mode = {"batch_invariant": self.batch_invariant}
         if self.takes_kernel(x):
             # The GEMM in its own dtype, the same call as below: the kernel widens the logits
             # to fp32 in registers (exactly), which saves the cast's launch.
             wide = torch.promote_types(x.dtype, self.weight.dtype)
-            return route_triton(contract("rd,ed->re", x, self.weight, dtype=wide), *route)
-        return route_reference(contract("rd,ed->re", x, self.weight, dtype=torch.float32), *route)
+            return route_triton(contract("rd,ed->re", x, self.weight, dtype=wide, **mode), *route)
+        logits = contract("rd,ed->re", x, self.weight, dtype=torch.float32, **mode)
+        return route_reference(logits, *route)
 
 
 class MoE(nn.Module):
@@ -97,7 +109,14 @@ class MoE(nn.Module):
 
     ``grouped_mm_provider`` forces a grouped GEMM provider (``grouped_gemm.PROVIDERS``);
     by default it is chosen from dtype and device per call.
+
+    In the batch-invariant mode on CUDA the routed experts run the Triton grouped GEMM with
+    a fixed row tile and the combine adds the top-k slots one by one in slot order
+    (``moe_routing.routed_experts``); gate and shared expert hold their own flags.
     """
+
+    batch_invariant: bool = False
+    """The batch-invariant mode (``exact.set_batch_invariant``)."""
 
     def __init__(
         self,
@@ -122,7 +141,16 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, indices = self.gate(x)
-        y = routed_experts(x, weights, indices, self.w1, self.w2, self.w3, self.grouped_mm_provider)
+        y = routed_experts(
+            x,
+            weights,
+            indices,
+            self.w1,
+            self.w2,
+            self.w3,
+            self.grouped_mm_provider,
+            batch_invariant=self.batch_invariant,
+        )
         return self._with_shared(x, y)
 
 

@@ -136,18 +136,20 @@ def grouped_mm(
     *,
     capacity: int | None = None,
     provider: str | None = None,
+    block_rows: int | None = None,
 ) -> torch.Tensor:
     """``a [M, K]`` by groups of rows times ``b [G, K, N]`` (any strides), in ``a``'s dtype.
 
     Rows at or past ``ends[-1]`` come back unspecified. ``provider`` forces one of
-    ``PROVIDERS``; ``capacity`` (max rows of any group) only matters to ``"loop"``.
+    ``PROVIDERS``; ``capacity`` (max rows of any group) only matters to ``"loop"``;
+    ``block_rows`` (``"triton"`` only) fixes its rows per tile (the batch-invariant mode).
     """
     _check(a, b, ends)
     provider = provider or grouped_mm_provider(a, b)
     if provider == "torch":
         return torch._grouped_mm(a, b, ends)
     if provider == "triton":
-        return grouped_mm_triton(a, b, ends)
+        return grouped_mm_triton(a, b, ends, block_rows=block_rows)
     if provider == "loop":
         return grouped_mm_loop(a, b, ends, capacity)
     raise PlanError(

@@ -24,7 +24,13 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
     triton = None
     tl = None
 
-__all__ = ["grouped_mm_triton", "tile_rows"]
+__all__ = ["INVARIANT_TILE_ROWS", "grouped_mm_triton", "tile_rows"]
+
+INVARIANT_TILE_ROWS = 16
+"""Rows per tile in the batch-invariant mode, whatever the batch: ``tile_rows`` picks 16 to
+64 from the mean group size, and another tile shape may sum a row's products in another
+order. 16 is what decode batches get anyway (groups of a few rows over 256 experts), so
+decode costs the same; large prefill groups re-read their expert's weights more often."""
 
 
 def _interpreting() -> bool:
@@ -125,8 +131,13 @@ def tile_rows(rows: int, groups: int) -> int:
     return min(64, max(16, triton.next_power_of_2(mean)))
 
 
-def grouped_mm_triton(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def grouped_mm_triton(
+    a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, *, block_rows: int | None = None
+) -> torch.Tensor:
     """``a [M, K] @ b [G, K, N]`` by groups; group ``g`` owns rows ``[ends[g-1], ends[g])``.
+
+    ``block_rows`` fixes the rows per tile (a power of two, at least 16; the batch-invariant
+    mode's ``INVARIANT_TILE_ROWS``); by default it follows the mean group size.
 
     ``ends`` int32 ``[G]``, non-decreasing, ``ends[-1] <= M`` (rows past it come back
     unspecified). ``b`` may be any strided view (e.g. ``w.transpose(1, 2)`` of stacked
@@ -145,7 +156,7 @@ def grouped_mm_triton(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> t
     out = torch.empty(m, n, dtype=torch.float32 if emulate else a.dtype, device=a.device)
     if m == 0 or n == 0:
         return out.to(a.dtype)
-    bm = tile_rows(m, groups)
+    bm = tile_rows(m, groups) if block_rows is None else block_rows
     bn = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
     bk = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
     grid = (triton.cdiv(m, bm) + min(groups, m), triton.cdiv(n, bn))

@@ -22,14 +22,19 @@ from backends.nsa.extend_attention import indexer_topk_extend
 from dsv32_engine.models.config import DSV32Config
 from dsv32_engine.models.layers import bf16_terms
 from dsv32_engine.models.layers.bf16_terms import Bf16TermsProjection, mm_fp32_out_available
-from dsv32_engine.models.layers.exact import Linear
+from dsv32_engine.models.layers.exact import Linear, invariant
 from dsv32_engine.models.layers.hadamard import hadamard_matrix, hadamard_rotate
+from dsv32_engine.models.layers.invariant_gemm import invariant_linear
 from dsv32_engine.models.layers.norm import LayerNorm
 from dsv32_engine.models.layers.rope import apply_rope_half_leading
 
 
 class Indexer(nn.Module):
     """Query/key projections of the indexer plus the fp8 top-k call."""
+
+    batch_invariant: bool = False
+    """The batch-invariant mode (``exact.set_batch_invariant``): ``weights_proj`` takes one
+    path whatever the row count (see ``_head_weights``)."""
 
     def __init__(self, cfg: DSV32Config, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -90,7 +95,15 @@ class Indexer(nn.Module):
         """``weights_proj(x)`` in fp32 from fp32 weights. On CUDA with bf16 activations and at
         least ``MIN_ROWS`` rows, one bf16 tensor-core GEMM over the weight's exact bf16 terms
         (``bf16_terms``) instead of a cast, cuBLAS's SIMT fp32 GEMM and its split-K
-        reduction."""
+        reduction.
+
+        In the batch-invariant mode on CUDA: always ``invariant_gemm``'s kernel, the bf16
+        activations widened in registers against the fp32 weight (IEEE fp32 products and
+        sums), whatever the row count (the two paths above round differently, so a decode of
+        8 rows and its verify of 32 would rank differently)."""
+        weight = self.weights_proj.weight
+        if invariant(self.batch_invariant, x, weight):
+            return invariant_linear(x, weight, self.weights_proj.bias, out_dtype=torch.float32)
         terms = x.shape[0] >= bf16_terms.MIN_ROWS and x.dtype == torch.bfloat16
         if terms and x.is_cuda and mm_fp32_out_available(x.device):
             if self._terms is None:

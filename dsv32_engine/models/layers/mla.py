@@ -30,6 +30,11 @@ from dsv32_engine.models.layers.rope import apply_rope_interleaved
 class MLA(nn.Module):
     """DeepSeek-V3.2 attention block: projections, cache write, indexer, sparse decode."""
 
+    batch_invariant: bool = False
+    """The batch-invariant mode (``exact.set_batch_invariant``): the fused input projection
+    and the per-head absorb/output einsums through ``invariant_gemm`` on CUDA (the
+    ``Linear`` layers hold their own flag)."""
+
     def __init__(self, cfg: DSV32Config, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.n_heads = cfg.num_attention_heads
@@ -106,7 +111,10 @@ class MLA(nn.Module):
 
     def absorb_q(self, q_nope: torch.Tensor) -> torch.Tensor:
         """``q_nope . W_UK -> [rows, H, kv_lora]``: queries in latent space."""
-        return contract("rhd,hdc->rhc", q_nope, self._wkv_b()[:, : self.nope], dtype=q_nope.dtype)
+        w_uk = self._wkv_b()[:, : self.nope]
+        return contract(
+            "rhd,hdc->rhc", q_nope, w_uk, dtype=q_nope.dtype, batch_invariant=self.batch_invariant
+        )
 
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
         """Attention output in latent space -> ``W_UV`` per head -> ``wo`` -> ``[rows, dim]``.
@@ -116,7 +124,14 @@ class MLA(nn.Module):
         and rounded once after, so the sum of the ranks' partials rounds as the whole would.
         """
         dtype = self.wkv_b.weight.dtype
-        o = contract("rhc,hdc->rhd", o_latent.to(dtype), self._wkv_b()[:, self.nope :], dtype=dtype)
+        w_uv = self._wkv_b()[:, self.nope :]
+        o = contract(
+            "rhc,hdc->rhd",
+            o_latent.to(dtype),
+            w_uv,
+            dtype=dtype,
+            batch_invariant=self.batch_invariant,
+        )
         if self.reduce is None:
             return self.wo(o.flatten(1))
         o = o.flatten(1)
@@ -160,7 +175,7 @@ class MLA(nn.Module):
         Writes this step's latent and rope key into ``kv_cache`` at the plan's
         ``out_cache_loc`` before attending, so every row sees its own token.
         """
-        fused = None if self.in_proj is None else self.in_proj(x)
+        fused = None if self.in_proj is None else self.in_proj(x, self.batch_invariant)
         qa, kva, k_index = (None, None, None) if fused is None else fused
         qr, q_nope, q_rope = self.project_q(x, cos, sin, qa)
         self.write_kv(x, cos, sin, kv_cache, plan.out_cache_loc, kva)

@@ -14,8 +14,8 @@ experts by biased score, in descending order (the combine sums slots in this ord
 weights are their unbiased scores normalised over the chosen ones, times ``route_scale``.
 
 Ties (equal biased scores, or equal group scores): the lower expert (group) id ranks first.
-``torch.topk`` leaves that order unspecified, so the kernel matches torch exactly wherever
-the values differ and follows this rule where they do not.
+``torch.topk`` leaves that order unspecified, so ``route_reference`` selects by stable
+descending sorts instead: the kernel and the reference agree on ties too.
 
 Numerics follow torch's CUDA kernels so that the choices are torch's: the sigmoid is
 ``1 / (1 + expf(-x))`` in fp32 with libdevice's ``expf`` (CUDA's own) and an IEEE
@@ -66,18 +66,30 @@ def select_experts(
     route_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch routing from sigmoid ``scores [rows, E]``: ``(weights, indices)``. Kept apart
-    from the sigmoid so the interpreter tests can feed the scores of its own exp."""
+    from the sigmoid so the interpreter tests can feed the scores of its own exp.
+
+    Ties (equal biased scores, equal group scores) rank the lower expert (group) id first,
+    the kernel's rule: the choices are stable descending sorts, not ``torch.topk``, whose
+    order among equal values is unspecified (and differs between devices and shapes, so a
+    tie could route a row differently in another batch). Where values differ the two
+    agree, choices and order: the CPU model's outputs are what they were with ``topk``."""
     biased = scores + bias
     if n_group > 1:
         grouped = biased.unflatten(-1, (n_group, -1))
-        group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [rows, n_group]
-        kept = group_score.topk(topk_group, dim=-1).indices
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)  # [rows, n_group]: values only
+        kept = _top_ids(group_score, topk_group)
         mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, kept, True)
         biased = grouped.masked_fill(~mask[..., None], float("-inf")).flatten(-2)
-    indices = biased.topk(top_k, dim=-1).indices
+    indices = _top_ids(biased, top_k)
     weights = scores.gather(1, indices)
     weights = weights / weights.sum(-1, keepdim=True) * route_scale
     return weights, indices
+
+
+def _top_ids(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of the ``k`` largest ``values`` along the last dim, largest first, lower id
+    first among equals (a stable descending sort)."""
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def route_reference(

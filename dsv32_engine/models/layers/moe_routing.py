@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from dsv32_engine.models.layers import moe_dispatch_triton
-from dsv32_engine.models.layers.exact import forward_takes_kernel
+from dsv32_engine.models.layers.exact import forward_takes_kernel, invariant
 from dsv32_engine.models.layers.grouped_gemm import grouped_mm
+from dsv32_engine.models.layers.grouped_gemm_triton import INVARIANT_TILE_ROWS
 from dsv32_engine.models.layers.swiglu_triton import silu_mul
 
 __all__ = [
@@ -89,15 +90,26 @@ def sort_by_expert_torch(
     )
 
 
-def combine(y: torch.Tensor, batch: ExpertBatch, rows: int, top_k: int) -> torch.Tensor:
+def combine(
+    y: torch.Tensor, batch: ExpertBatch, rows: int, top_k: int, *, in_order: bool = False
+) -> torch.Tensor:
     """``[rows, dim]`` fp32: each token's expert outputs times their weights, summed.
 
     Sorted outputs go back to pair order with a permutation (unique targets), then
-    the ``top_k`` slots of each token are summed in slot order.
+    the ``top_k`` slots of each token are summed in slot order. ``in_order`` (the
+    batch-invariant mode) spells that order out, ``((s0 + s1) + s2) + ...``, as one
+    elementwise add per slot: torch's reduction over the slot dim may pick its kernel
+    configuration (and with it the order of a row's adds) from the tensor's shape.
     """
     weighted = y.float() * batch.weights.unsqueeze(1)
     pairs = torch.empty_like(weighted).index_copy_(0, batch.order, weighted)
-    return pairs.view(rows, top_k, -1).sum(1)
+    slots = pairs.view(rows, top_k, -1)
+    if not in_order:
+        return slots.sum(1)
+    total = slots[:, 0]
+    for j in range(1, top_k):
+        total = total + slots[:, j]
+    return total.contiguous()
 
 
 def routed_experts(
@@ -108,21 +120,30 @@ def routed_experts(
     w2: torch.Tensor,
     w3: torch.Tensor,
     provider: str | None = None,
+    *,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``sum_j weights[r, j] * expert_{indices[r, j]}(x[r])`` in fp32, chosen experts only.
 
     ``w1``/``w3`` ``[E, inter, dim]`` and ``w2`` ``[E, dim, inter]`` are stacked
     ``nn.Linear`` weights; their transposes are views, never copies.
+
+    ``batch_invariant`` (the MoE's mode), on CUDA: the Triton grouped GEMM with
+    ``INVARIANT_TILE_ROWS`` rows a tile whatever the batch (``provider`` is overridden), and
+    the combine's slots added in order; a row's result then does not depend on the batch.
     """
     rows, top_k = indices.shape
     if rows == 0:  # decided from the shape: nothing to dispatch
         return torch.zeros(0, x.shape[1], dtype=torch.float32, device=x.device)
+    fixed = invariant(batch_invariant, x, w1)
     batch = sort_by_expert(weights, indices, w1.shape[0])
     xs = x.index_select(0, batch.rows)  # [P, dim]
     # A token picks an expert at most once, so no group exceeds `rows` pairs.
     kw = {"capacity": rows, "provider": provider}
+    if fixed:
+        kw = {"provider": "triton", "block_rows": INVARIANT_TILE_ROWS}
     gate = grouped_mm(xs, w1.transpose(1, 2), batch.ends, **kw)
     up = grouped_mm(xs, w3.transpose(1, 2), batch.ends, **kw)
     # One launch between the grouped GEMMs on CUDA, same bits as silu then multiply.
     y = grouped_mm(silu_mul(gate, up), w2.transpose(1, 2), batch.ends, **kw)
-    return combine(y, batch, rows, top_k)
+    return combine(y, batch, rows, top_k, in_order=fixed)
