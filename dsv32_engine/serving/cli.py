@@ -95,6 +95,13 @@ def _add_decode(sub: Any) -> None:
         "--debug", action="store_true", help="verify every replayed plan against eager (slow)"
     )
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="every row computes the same bits whatever else is in its batch: speculative "
+        "greedy equals plain greedy, chunked prefill equals whole-prompt prefill on the GPU too "
+        "(override planner.batch_invariant; docs/batch_invariance.md)",
+    )
+    p.add_argument(
         "--provider",
         action="append",
         default=[],

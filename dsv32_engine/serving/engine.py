@@ -106,7 +106,10 @@ class DecodeEngine:
             kv_slots=self.cache.num_slots,
             device=str(self.device),
         )
-        schemas, options, needs = plan_schemas(p.mla_kernel, p.schedule_layout, model, self.device)
+        model.set_batch_invariant(p.batch_invariant)
+        schemas, options, needs = plan_schemas(
+            p.mla_kernel, p.schedule_layout, model, self.device, batch_invariant=p.batch_invariant
+        )
         self.mla_kernel = kernel_name(p.mla_kernel, self.device)
         """The sparse MLA kernel decode batches run (``auto`` resolved), for the summary."""
         self.planner = Planner(
@@ -156,6 +159,8 @@ class DecodeEngine:
             if spec.enabled
             else None
         )
+        if self.speculation is not None and self.speculation.mtp is not None:
+            self.speculation.mtp.set_batch_invariant(p.batch_invariant)
         self.wants_hidden = self.speculation is not None and self.speculation.wants_hidden
         self.forward_steps = 0
         self._warmed_up = False

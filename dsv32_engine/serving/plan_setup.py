@@ -38,20 +38,39 @@ def kernel_name(mla_kernel: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and triton_available(device) else "torch"
 
 
+INVARIANT_MLA_SPLITS = 4
+"""Sparse MLA splits of every row in the batch-invariant mode (``nsa.mla_fixed_splits``):
+the boundaries then follow only the row's own top-k length, never the batch's row count.
+Four keep a lone decode row's 2,048 top-k tokens over four programs per head group (the
+wave model gives it 32) while bounding the split workspace of a 2,048-token prompt chunk
+(rows x splits x heads x 513 float32: 2.15 GB at DeepSeek-V3.2's 128 heads; the wave model
+gives such chunks one split and no workspace)."""
+
+
 def plan_schemas(
-    mla_kernel: str, schedule_layout: str, model: DSV32Model, device: torch.device
+    mla_kernel: str,
+    schedule_layout: str,
+    model: DSV32Model,
+    device: torch.device,
+    *,
+    batch_invariant: bool = False,
 ) -> tuple[list[type[Plan]], dict[str, dict[str, Any]], dict[str, tuple[type[Plan], ...]]]:
     """``(schemas, options, needs)``: what the planner makes, its backend options, and the
-    plan classes the model's layers must be handed (for ``Planner.check_serves``)."""
+    plan classes the model's layers must be handed (for ``Planner.check_serves``).
+
+    ``batch_invariant`` plans each row independently of its batch: a fixed split count per
+    row, and verify rows expanded into decode-shaped rows (deep_gemm's native ``next_n = 2``
+    kernel is another variant than decode's, so a verify row would round otherwise)."""
     flashinfer = mla_kernel == "flashinfer"
-    options: dict[str, dict[str, Any]] = {
-        "nsa": {
-            "topk": model.config.index_topk,
-            "schedule_layout": schedule_layout,
-            "mla_heads": model.attention_heads,  # this rank's, head-sharded
-            "mla_kernel": "auto" if flashinfer else mla_kernel,
-        }
+    nsa: dict[str, Any] = {
+        "topk": model.config.index_topk,
+        "schedule_layout": schedule_layout,
+        "mla_heads": model.attention_heads,  # this rank's, head-sharded
+        "mla_kernel": "auto" if flashinfer else mla_kernel,
     }
+    if batch_invariant:
+        nsa |= {"mla_fixed_splits": INVARIANT_MLA_SPLITS, "native_next_n": ()}
+    options: dict[str, dict[str, Any]] = {"nsa": nsa}
     schemas: list[type[Plan]] = [NSAPlan, NSAExtendPlan, NSADraftExtendPlan]
     needs = dict(type(model).PLANS)
     if flashinfer:

@@ -45,6 +45,7 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         "device": str(engine.device),
         "layers": engine.model_config.num_hidden_layers,
         "sparse_mla_kernel": engine.mla_kernel,
+        "batch_invariant": engine.config.planner.batch_invariant,
         "staging": engine.planner.staging,
         "requests_finished": result.finished,
         "generated_tokens": generated,
@@ -101,7 +102,8 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     table = Table(
         title=f"DeepSeek-V3.2 decode ({summary['layers']} layers, {summary['device']}, "
-        f"sparse MLA: {summary['sparse_mla_kernel']})"
+        f"sparse MLA: {summary['sparse_mla_kernel']}"
+        + (", batch-invariant)" if summary.get("batch_invariant") else ")")
     )
     table.add_column("metric")
     table.add_column("value", justify="right")

@@ -69,6 +69,12 @@ class PlannerSection(_Section):
         description="sparse MLA: auto (the Triton kernel on CUDA), triton, torch, or flashinfer "
         "(FlashInfer's MLA kernel planned once per batch for decode and verify; extend keeps auto)",
     )
+    batch_invariant: bool = Field(
+        False,
+        description="every row of a forward computes the same bits whatever else is in its "
+        "batch (docs/batch_invariance.md): fixed-tile GEMMs, a sparse MLA split schedule "
+        "fixed per row, verify rows expanded like decode rows; off: the fastest kernels",
+    )
 
 
 class GraphsSection(_Section):
@@ -263,6 +269,7 @@ class RunConfig(_Section):
                 actual=True,
             )
         self._check_distributed()
+        self._check_batch_invariant()
         longest = self.loop.prompt_len[1] + self.loop.max_new_tokens[1] + spec.next_n
         if longest > self.planner.max_context:
             raise ConfigError(
@@ -278,6 +285,35 @@ class RunConfig(_Section):
                 field="loop.kv_pages",
                 expected=f">= {pages + 1}",
                 actual=self.loop.kv_pages,
+            )
+
+    def _check_batch_invariant(self) -> None:
+        """What the batch-invariant mode cannot make invariant (yet), refused by name."""
+        if not self.planner.batch_invariant:
+            return
+        if self.planner.mla_kernel == "flashinfer":
+            raise ConfigError(
+                "FlashInfer's MLA scheduler splits each row's KV by the whole batch",
+                field="planner.mla_kernel",
+                expected="auto, triton or torch with planner.batch_invariant",
+                actual="flashinfer",
+            )
+        cuda = torch.device(self.device).type == "cuda"
+        if self.planner.mla_kernel == "torch" and cuda:
+            raise ConfigError(
+                "the torch sparse MLA runs batched einsums whose cuBLAS algorithm follows the "
+                "batch on CUDA (it ignores the planned split schedule)",
+                field="planner.mla_kernel",
+                expected="auto or triton with planner.batch_invariant on CUDA",
+                actual="torch",
+            )
+        if self.distributed.tp > 1 and cuda:
+            raise ConfigError(
+                "NCCL's all-reduce of the heads' partial sums cuts its chunks by message size, so "
+                "a row's sum order follows the batch",
+                field="distributed.tp",
+                expected="1 with planner.batch_invariant on CUDA (data-parallel attention is fine)",
+                actual=self.distributed.tp,
             )
 
     def _check_distributed(self) -> None:

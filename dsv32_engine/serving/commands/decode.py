@@ -98,6 +98,8 @@ def _overrides(args: argparse.Namespace, env: Mapping[str, str]) -> Overrides:
         put("planner.staging_in_graph", staging, "--staging")
     if args.no_graphs:
         put("graphs.enabled", False, "--no-graphs")
+    if args.batch_invariant:
+        put("planner.batch_invariant", True, "--batch-invariant")
     if args.debug:
         put("planner.debug", True, "--debug")
     elif debug_from_env(env):  # the planner reads it too; here it also turns on --tp's digests
