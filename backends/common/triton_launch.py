@@ -94,11 +94,24 @@ class LazyKernel:
     benchmark run before alignment was turned off (docs/benchmarks.md). Their pointers are
     allocation starts or views checked to 16-byte strides, so this is one variant a run,
     not one per batch. Sizes stay unspecialised either way.
+
+    ``only`` names the ``(sizes, pointers)`` to leave unspecialised instead, every other
+    argument specialised: for the model's GEMMs, whose weight-side sizes and strides are
+    fixed for a run (their divisibility by 16 buys wide loads) while a few arguments (the
+    row count, the routing's group ends) change every batch and must neither compile a
+    new variant nor select another one.
     """
 
-    def __init__(self, fn: Callable[..., None], *, aligned: bool = False) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., None],
+        *,
+        aligned: bool = False,
+        only: tuple[list[str], list[str]] | None = None,
+    ) -> None:
         self._fn = fn
         self._aligned = aligned
+        self._only = only
         self._variants: dict[bool, Any] = {}
         self._params = tuple(inspect.signature(fn).parameters)
         self._compiled: dict[tuple, tuple[Any, Any, Any]] = {}
@@ -113,6 +126,8 @@ class LazyKernel:
             # kernels move a few KB; wide vector loads would not pay for that.
             sizes = [p for p in self._params if not p.endswith("_ptr") and not p.isupper()]
             pointers = [] if self._aligned else [p for p in self._params if p.endswith("_ptr")]
+            if self._only is not None:
+                sizes, pointers = self._only
             kernel = self._variants[mode] = triton.jit(self._fn, **unspecialised(sizes, pointers))
         return kernel
 

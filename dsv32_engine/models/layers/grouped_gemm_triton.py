@@ -11,11 +11,9 @@ the lookup without touching ``b``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from backends.common.triton_kernels import triton_available, unspecialised
+from backends.common.triton_kernels import LazyKernel, _interpreting, triton_available
 
 try:
     import triton
@@ -31,34 +29,6 @@ INVARIANT_TILE_ROWS = 16
 64 from the mean group size, and another tile shape may sum a row's products in another
 order. 16 is what decode batches get anyway (groups of a few rows over 256 experts), so
 decode costs the same; large prefill groups re-read their expert's weights more often."""
-
-
-def _interpreting() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"  # pragma: no cover - old triton
-
-
-class _SpecialisingKernel:
-    """Decorates on first launch per interpreter mode, like ``LazyKernel``, but lets Triton
-    specialise on sizes and strides: here they are the model's (fixed for a run), and
-    their divisibility by 16 is what turns loads into wide vector loads. The group count
-    and the group ends change with every batch's routing: specialising on them compiled a
-    new variant in the first prefill of a run (0.38 s on the H200)."""
-
-    def __init__(self, fn) -> None:
-        self._fn = fn
-        self._variants: dict[bool, object] = {}
-
-    def __getitem__(self, grid):
-        mode = _interpreting()
-        kernel = self._variants.get(mode)
-        if kernel is None:
-            kernel = self._variants[mode] = triton.jit(
-                self._fn, **unspecialised(["n_groups"], ["ends_ptr"])
-            )
-        return kernel[grid]
 
 
 def _grouped_mm_kernel(
@@ -122,7 +92,11 @@ def _grouped_mm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-_grouped_mm = _SpecialisingKernel(_grouped_mm_kernel)
+_grouped_mm = LazyKernel(_grouped_mm_kernel, only=(["n_groups"], ["ends_ptr"]))
+"""Specialised on the model's sizes and strides (fixed for a run; their divisibility by 16
+turns loads into wide vector loads), not on the group count and ends, which change with
+every batch's routing: specialising on them compiled a new variant in the first prefill of
+a run (0.38 s on the H200)."""
 
 
 def tile_rows(rows: int, groups: int) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.common.triton_kernels import _interpreting, require_launchable, unspecialised
+from backends.common.triton_kernels import LazyKernel, _interpreting, require_launchable
 
 try:
     import triton
@@ -138,25 +138,9 @@ def _invariant_mm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-class _Kernel:
-    """Decorated on first launch per interpreter mode (as ``LazyKernel``), with only ``m``
-    unspecialised: sizes and strides of the weight side are fixed for a run and their
-    divisibility buys wide loads; the row count changes every batch and must neither
-    compile a new variant nor select a different one (``m == 1`` would)."""
-
-    def __init__(self, fn) -> None:
-        self._fn = fn
-        self._variants: dict[bool, object] = {}
-
-    def __getitem__(self, grid):
-        mode = _interpreting()
-        kernel = self._variants.get(mode)
-        if kernel is None:
-            kernel = self._variants[mode] = triton.jit(self._fn, **unspecialised(["m"], []))
-        return kernel[grid]
-
-
-_invariant_mm = _Kernel(_invariant_mm_kernel)
+_invariant_mm = LazyKernel(_invariant_mm_kernel, only=(["m"], []))
+"""Only ``m`` unspecialised: the row count changes every batch and must neither compile a
+new variant nor select a different one (``m == 1`` would)."""
 
 
 def invariant_mm(
