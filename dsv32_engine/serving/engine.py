@@ -222,6 +222,18 @@ class DecodeEngine:
             budget -= n
         return work
 
+    def _step_work(self) -> tuple[list[tuple[Request, int]], ForwardMode, list[Request]]:
+        """This step's prompt chunks with their mode, and the requests that decode apart from
+        them: with ``loop.mixed`` the decoding requests join the chunks as one-token extends
+        (one mixed batch, nothing apart), else the chunks are an extend batch."""
+        running = self.scheduler.running
+        work = self._prefill_work(running)
+        prefilling = {id(r) for r, _ in work}
+        decoding = [r for r in running if not r.prefilling and id(r) not in prefilling]
+        if work and decoding and self.config.loop.mixed:
+            return work + [(r, 1) for r in decoding], ForwardMode.MIXED, []
+        return work, ForwardMode.EXTEND, decoding
+
     def _extend_step(
         self, work: list[tuple[Request, int]], mode: ForwardMode, result: RunResult
     ) -> None:
@@ -282,16 +294,11 @@ class DecodeEngine:
         of two. Returns the requests that finished.
         """
         sched = self.scheduler
-        work = self._prefill_work(sched.running)
-        prefilling = {id(r) for r, _ in work}
-        decoding = [r for r in sched.running if not r.prefilling and id(r) not in prefilling]
-        if work and decoding and self.config.loop.mixed:
-            self._extend_step(work + [(r, 1) for r in decoding], ForwardMode.MIXED, result)
-        else:
-            if work:
-                self._extend_step(work, ForwardMode.EXTEND, result)
-            if decoding:
-                self._decode_step(decoding, result)
+        work, mode, decoding = self._step_work()
+        if work:
+            self._extend_step(work, mode, result)
+        if decoding:
+            self._decode_step(decoding, result)
         if self.speculation is not None:  # the draft's next tokens for everything caught up
             t0 = time.perf_counter()
             self.speculation.finish_step()

@@ -146,12 +146,8 @@ class RankEngine(DecodeEngine):
         if self.dp_ctx is None:
             return super().step(result)
         sched, spec = self.scheduler, self.speculation
-        work = self._prefill_work(sched.running)
-        prefilling = {id(r) for r, _ in work}
-        decoding = [r for r in sched.running if not r.prefilling and id(r) not in prefilling]
-        mode, target, n = ForwardMode.EXTEND, self.decode_mode, self.limits.next_n
-        if work and decoding and self.config.loop.mixed:
-            work, decoding, mode = work + [(r, 1) for r in decoding], [], ForwardMode.MIXED
+        work, mode, decoding = self._step_work()
+        target, n = self.decode_mode, self.limits.next_n
         kv = sum(r.fed + k for r, k in work)  # the extend batch's KV: its lengths' sum
         slots = (
             Slot(mode, len(work), sum(k for _, k in work), kv) if work else Slot(),
