@@ -231,8 +231,9 @@ def _add_discovery(sub: Any) -> None:
         description="Print one JSON object mapping each forward mode the backend plans "
         "(decode, target_verify, extend, mixed, draft_extend, ...) to the JSON Schema of the "
         "plan made for it; modes planned by one class carry the same schema (its title names "
-        "the class). Idle batches run decode's plan. With --mode, print just that mode's "
-        "schema. E.g. python -m planner schema nsa | jq '.decode.properties | keys'",
+        "the class). An idle batch runs the plan of the mode it is shaped as (decode unless "
+        "it says otherwise). With --mode, print just that mode's schema. "
+        "E.g. python -m planner schema nsa | jq '.decode.properties | keys'",
     )
     p.add_argument("name", help="backend name, as listed by 'backends'")
     p.add_argument(
