@@ -118,31 +118,10 @@ def tp_plans(
     }
 
 
-def tp_engine(ctx: DistContext, overrides: dict[str, Any]) -> dict[str, Any]:
-    """A head-sharded tensor-parallel rank of the tiny model, digests on; its tokens."""
-    config = load_run_config(
-        TINY_YAML, {**overrides, "distributed.tp": ctx.world, "distributed.digests": True}
-    )
-    engine = RankEngine(config, ctx)
-    result = engine.run(progress=False, keep_tokens=True)
-    return {
-        **engine.rank_summary(),
-        "tokens": {str(k): v for k, v in result.tokens.items()},
-        "forwards": engine.forward_steps,
-        "layers": len(engine.model.layers),
-        "captured": _captured(engine),
-    }
-
-
 def _captured(engine) -> list[str]:
     """Every captured graph, decode sizes and prompt-chunk token buckets: ``decode/4``."""
     runner = engine.runner
     return [f"{m.value}/{s}" for m in runner.modes for s in runner.captured_sizes(m)]
-
-
-def dp_engine(ctx: DistContext, overrides: dict[str, Any]) -> dict[str, Any]:
-    """A data-parallel rank of the tiny model serving its share; its trace and tokens."""
-    return rank_engine(ctx, {**overrides, "distributed.dp_attention": ctx.world})
 
 
 def rank_engine(

@@ -37,7 +37,8 @@ VARIANTS = {
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def dp_run(request, tmp_path_factory):
     overrides = {**WORKLOAD, **VARIANTS[request.param]}
-    ranks = run_ranks(tmp_path_factory.mktemp(request.param), "dp_engine", overrides=overrides)
+    dp = {**overrides, "distributed.dp_attention": 2}
+    ranks = run_ranks(tmp_path_factory.mktemp(request.param), "rank_engine", overrides=dp)
     return request.param, overrides, ranks
 
 

@@ -65,7 +65,8 @@ def test_head_sharded_ranks_decode_the_tokens_of_one_process(tmp_path):
     """TP = 2 engines, each with half the heads and wo's partials all-reduced every layer,
     digests agreed every forward: greedy tokens equal one unsharded process."""
     overrides = {"loop.requests": 6, "loop.arrival_rate": 1.0, "loop.max_new_tokens": [4, 16]}
-    ranks = run_ranks(tmp_path, "tp_engine", overrides=overrides)
+    tp = {"distributed.tp": 2, "distributed.digests": True}
+    ranks = run_ranks(tmp_path, "rank_engine", overrides={**overrides, **tp})
     single = scenarios.single_tokens(overrides)
     for rank in ranks:
         assert rank["attention_heads"] == 4  # of the tiny model's 8
