@@ -205,14 +205,19 @@ def part_logits(s: Setting, modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 at = rng.randint(0, count)
                 batch = batch[:at] + [target] + batch[at:]
                 mine = _rows(engine, batch, mode_of, per, drafts, at)
-                same = torch.equal(alone, mine)
-                diff = (alone.float() - mine.float()).abs().max().item()
-                rows[f"{kind} in {count + 1}"] = {"bit_identical": same, "max_abs_diff": diff}
-                print(f"logits {mode_name} {kind} in {count + 1}: {same} ({diff:.3g})", flush=True)
+                rows[f"{kind} in {count + 1}"] = _compare(f"logits {mode_name}", alone, mine)
         out[mode_name] = rows
         del engine, model
         _free(device)
     return out
+
+
+def _compare(what: str, want: torch.Tensor, got: torch.Tensor) -> dict[str, Any]:
+    """Whether ``got`` has ``want``'s bits, and how far it is off; printed as it goes."""
+    same = torch.equal(want, got)
+    diff = (want.float() - got.float()).abs().max().item()
+    print(f"{what}: {same} ({diff:.3g})", flush=True)
+    return {"bit_identical": same, "max_abs_diff": diff}
 
 
 def _rows(
@@ -245,10 +250,7 @@ def part_chunks(s: Setting, modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
         rows = {}
         for chunk, request in zip(s.chunks, requests[1:]):
             logits = _prefill(engine, request, chunk)
-            same = torch.equal(whole, logits)
-            diff = (whole.float() - logits.float()).abs().max().item()
-            rows[f"chunks of {chunk}"] = {"bit_identical": same, "max_abs_diff": diff}
-            print(f"chunks {mode_name} {chunk}: {same} ({diff:.3g})", flush=True)
+            rows[f"chunks of {chunk}"] = _compare(f"chunks {mode_name}", whole, logits)
         out[mode_name] = rows
         del engine, model
         _free(device)
