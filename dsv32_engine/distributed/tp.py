@@ -52,7 +52,7 @@ def batch_digest(batch: ForwardBatch) -> int:
     tensors = [batch.seq_lens_cpu, batch.new_tokens(), *(getattr(batch, f) for f in HOST_FIELDS)]
     for tensor in tensors:
         if tensor is not None and tensor.device.type == "cpu":
-            h.update(tensor.to(torch.int64).numpy().tobytes())
+            h.update(tensor.numpy().tobytes())
         h.update(b"|")
     return int.from_bytes(h.digest(), "little") >> 1
 
