@@ -346,14 +346,17 @@ def main(argv: list[str] | None = None) -> int:
     s = Setting(args.smoke)
     both = {"invariant": INVARIANT, "default": DEFAULT}
     report: dict[str, Any] = {"machine": machine(), "smoke": args.smoke}
-    if "spec" in parts:
-        report["spec"] = part_spec(s, both if args.default_too else {"invariant": INVARIANT})
-    if "logits" in parts:
-        report["logits"] = part_logits(s, both)
-    if "chunks" in parts:
-        report["chunks"] = part_chunks(s, both)
+    runs = {
+        "spec": lambda: part_spec(s, both if args.default_too else {"invariant": INVARIANT}),
+        "logits": lambda: part_logits(s, both),
+        "chunks": lambda: part_chunks(s, both),
+        "speed": lambda: part_speed(s, 5 if args.smoke else args.iters),
+    }
+    for part in PARTS:
+        if part in parts:
+            report[part] = runs[part]()
+            _write(args.out, report)  # each part kept as it ends: a long run may be cut off
     if "speed" in parts:
-        report["speed"] = part_speed(s, 5 if args.smoke else args.iters)
         for preset, rows in report["speed"].items():
             table = [[bs, r["default_ms"], r["invariant_ms"], r["ratio"]] for bs, r in rows.items()]
             print_table(
@@ -371,10 +374,14 @@ def main(argv: list[str] | None = None) -> int:
             )
     report["failures"] = failures(report, args.limit)
     print("invariant mode:", "every claim holds" if not report["failures"] else report["failures"])
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "batch_invariance.json").write_text(json.dumps(report, indent=2, default=str))
+    _write(args.out, report)
     return 1 if report["failures"] else 0
+
+
+def _write(out: Path | None, report: dict[str, Any]) -> None:
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "batch_invariance.json").write_text(json.dumps(report, indent=2, default=str))
 
 
 if __name__ == "__main__":

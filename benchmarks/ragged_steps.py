@@ -89,6 +89,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 **timing,
             )
             row = {
+                **_agreement(engine, batch, inputs),
                 "decoding": decoding,
                 "chunk": chunk,
                 "tokens": batch.num_tokens,
@@ -109,15 +110,32 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _agreement(engine: DecodeEngine, batch: ForwardBatch, inputs) -> dict[str, Any]:
+    """The replayed step's logits beside the eager step's, on the real rows. In bf16 they
+    need not be bit-equal (the padded bucket's GEMMs tile another M), so the largest
+    difference and whether every row picks the same token are reported."""
+    graph = _logits(engine.runner.step(batch, inputs)).float().clone()
+    eager = _logits(engine.runner.step(batch, inputs, eager="benchmark")).float()
+    return {
+        "max_abs_diff": float((graph - eager).abs().max()),
+        "same_argmax": bool(torch.equal(graph.argmax(-1), eager.argmax(-1))),
+    }
+
+
+def _logits(out: Any) -> torch.Tensor:
+    return out["logits"] if isinstance(out, dict) else out
+
+
 def table(result: dict[str, Any]) -> str:
     return print_table(
         f"mixed steps, {result['config']} on {result['device']}, context {result['context']}",
         ("decoding", "chunk", "bucket", "graph ms p50", "p99", "eager ms p50", "p99",
-         "speed-up", "host us/replay"),
+         "speed-up", "host us/replay", "max |g-e|", "argmax"),
         [
             (r["decoding"], r["chunk"], r["bucket"], r["graph"]["median_ms"], r["graph"]["p99_ms"],
              r["eager"]["median_ms"], r["eager"]["p99_ms"], r["speedup_median"],
-             r["planner_host_us_per_ragged_replay"])
+             r["planner_host_us_per_ragged_replay"], r["max_abs_diff"],
+             "same" if r["same_argmax"] else "DIFFER")
             for r in result["rows"]
         ],
     )  # fmt: skip

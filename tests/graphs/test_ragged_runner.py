@@ -83,3 +83,25 @@ def test_past_the_stated_bounds_a_step_runs_eagerly_counted_and_said_once(eager_
     for reason in (KV_OVER_BOUND, TOKENS_OVER_BUCKETS):
         assert sum(f"running eagerly ({reason}:" in s for s in said) == 1, said
     assert result.tokens == eager_chunks[False]
+
+
+def test_the_ragged_steps_benchmark_replays_and_agrees_with_eager(tmp_path, monkeypatch):
+    """The GPU benchmark's smoke on the CPU, so the script cannot rot between GPU sessions:
+    every batch replays a ragged bucket (no fallback), and its logits agree with the eager
+    step's (on the CPU's float32 model, exactly)."""
+    import json
+    import sys
+
+    from benchmarks import ragged_steps
+
+    out = tmp_path / "ragged.json"
+    monkeypatch.setattr(sys, "argv", ["ragged_steps", "--smoke", "--out", str(out)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GraphWarning)
+        ragged_steps.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["decoding"], r["chunk"]) for r in rows] == [(2, 8), (2, 32), (4, 8), (4, 32)]
+    for r in rows:
+        assert r["fallback"] is None and r["bucket"] >= r["tokens"]
+        assert r["same_argmax"] and r["max_abs_diff"] == 0.0
+        assert r["planner_host_us_per_ragged_replay"] > 0
