@@ -44,7 +44,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import machine, plot_bars, print_table, time_paired  # noqa: E402
+from benchmarks.common import logits_of, machine, plot_bars, print_table, time_paired  # noqa: E402
 from dsv32_engine import SHIPPED_CONFIGS  # noqa: E402
 from dsv32_engine.serving.engine import DecodeEngine  # noqa: E402
 from dsv32_engine.serving.model_setup import build_model, model_config, resolve_device  # noqa: E402
@@ -157,15 +157,11 @@ def _feed(engine: DecodeEngine, request: Request, n: int) -> torch.Tensor:
     """Prefill ``n`` more prompt tokens of ``request`` (one extend batch); the logits after
     them (a copy)."""
     batch, ids = engine.scheduler.build_extend([(request, n)], ForwardMode.EXTEND)
-    logits = _logits(engine.runner.step(batch, {"input_ids": ids}))
+    logits = logits_of(engine.runner.step(batch, {"input_ids": ids}))
     request.fed += n
     if not request.prefilling and not request.generated:
         request.take(int(logits[-1].argmax()), 0.0)
     return logits[-1].clone()
-
-
-def _logits(out: Any) -> torch.Tensor:
-    return out["logits"] if isinstance(out, dict) else out
 
 
 def _prefill(engine: DecodeEngine, request: Request, chunk: int) -> torch.Tensor:
@@ -226,7 +222,7 @@ def _rows(
     """The logits rows of ``requests[at]`` in one decode or verify step of ``requests``."""
     batch_drafts = [drafts[r.rid] for r in requests] if per > 1 else None
     batch, ids = engine.scheduler.build(requests, mode, per, batch_drafts)
-    logits = _logits(engine.runner.step(batch, {"input_ids": ids}))
+    logits = logits_of(engine.runner.step(batch, {"input_ids": ids}))
     return logits[at * per : (at + 1) * per].clone()
 
 

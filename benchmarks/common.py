@@ -28,6 +28,12 @@ def num_sms_of(device: torch.device, cpu: int = 132) -> int:
     return cpu
 
 
+def logits_of(out: Any) -> torch.Tensor:
+    """The logits of a model step's outputs (the engine's forward returns a dict of outputs
+    where the model has more than one, the tensor itself where not)."""
+    return out["logits"] if isinstance(out, dict) else out
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import plot_bars, print_table, time_calls, write_json
+from benchmarks.common import logits_of, plot_bars, print_table, time_calls, write_json
 from dsv32_engine.serving.engine import DecodeEngine
 from dsv32_engine.serving.run_config import load_run_config
 from planner.batch import ForwardBatch, ForwardMode
@@ -114,16 +114,12 @@ def _agreement(engine: DecodeEngine, batch: ForwardBatch, inputs) -> dict[str, A
     """The replayed step's logits beside the eager step's, on the real rows. In bf16 they
     need not be bit-equal (the padded bucket's GEMMs tile another M), so the largest
     difference and whether every row picks the same token are reported."""
-    graph = _logits(engine.runner.step(batch, inputs)).float().clone()
-    eager = _logits(engine.runner.step(batch, inputs, eager="benchmark")).float()
+    graph = logits_of(engine.runner.step(batch, inputs)).float().clone()
+    eager = logits_of(engine.runner.step(batch, inputs, eager="benchmark")).float()
     return {
         "max_abs_diff": float((graph - eager).abs().max()),
         "same_argmax": bool(torch.equal(graph.argmax(-1), eager.argmax(-1))),
     }
-
-
-def _logits(out: Any) -> torch.Tensor:
-    return out["logits"] if isinstance(out, dict) else out
 
 
 def table(result: dict[str, Any]) -> str:
