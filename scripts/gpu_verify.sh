@@ -25,6 +25,14 @@
 #   profile     host profile of replay, runner step, eager plan   -> profile_host.json
 #   spec_verify expanded-row verify under graphs vs deep_gemm     -> verify_spec_verify.json
 #   spec        dsv32-small speculative (MTP, n-gram) vs plain    -> spec_decode.json
+#   ragged      mixed steps on dsv32-shapes, graph vs eager (issue 37) -> ragged.json/.png
+#   arrivals    dsv32-small-arrivals, prefill-first vs mixed under ragged graphs
+#               (timed, one after the other)                  -> arrivals_off.json, arrivals_on.json
+#   arrivals_debug  the mixed run with --debug: every replay against a fresh plan
+#                                                             -> arrivals_debug.json
+#   invariance  batch-invariant mode: speculative, logits, chunks (issue 39)
+#                                                             -> batch_invariance.json
+#   invariance_speed  its speed beside the default mode    -> batch_invariance_speed.json/.png
 #   dist        two GPUs (nvidia-h200-x2): TP=2 digests, DP attention=2 -> distributed.json
 #               (scripts/gpu_distributed.sh; give it STEP_TIMEOUT=580)
 set -u
@@ -35,6 +43,8 @@ export PYTHONUNBUFFERED=1
 LOG="$OUT/log.txt"
 STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
 failed=0
+MIXED=(--set graphs.ragged=true --set loop.mixed=true --set planner.ragged_kv_tokens=262144)
+# mixed prefill and decode steps under ragged graphs, the KV bound sized to a loaded step
 
 run() {
     local name=$1
@@ -87,6 +97,23 @@ for step in "$@"; do
     profile) run profile python3 -m benchmarks.profile_host --out "$OUT/profile_host.json" ;;
     spec_verify) run spec_verify python3 benchmarks/verify_spec_verify.py --out "$OUT" ;;
     spec) run spec python3 benchmarks/spec_decode.py --out "$OUT" ;;
+    ragged) run ragged python3 -m benchmarks.ragged_steps --config dsv32-shapes \
+        --out "$OUT/ragged.json" --plot "$OUT/ragged.png" ;;
+    arrivals)
+        run arrivals_off python3 -m planner decode --config dsv32-small-arrivals --quiet \
+            --json "$OUT/arrivals_off.json"
+        run arrivals_on python3 -m planner decode --config dsv32-small-arrivals --quiet \
+            --json "$OUT/arrivals_on.json" "${MIXED[@]}" ;;
+    arrivals_debug) run arrivals_debug python3 -m planner decode --config dsv32-small-arrivals \
+        --requests 60 --debug --quiet --json "$OUT/arrivals_debug.json" "${MIXED[@]}" ;;
+    invariance) run invariance python3 -m benchmarks.batch_invariance --parts spec,logits,chunks \
+        --out "$OUT" ;;
+    invariance_speed)
+        mkdir -p "$OUT/speed"
+        run invariance_speed python3 -m benchmarks.batch_invariance --parts speed \
+            --out "$OUT/speed" --plot "$OUT/batch_invariance_speed.png"
+        mv "$OUT/speed/batch_invariance.json" "$OUT/batch_invariance_speed.json" 2>/dev/null
+        rmdir "$OUT/speed" 2>/dev/null ;;
     dist) run dist bash scripts/gpu_distributed.sh tp dp ;;
     *) echo "unknown step $step" | tee -a "$LOG"; failed=1 ;;
     esac
