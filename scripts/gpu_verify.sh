@@ -34,7 +34,8 @@
 #                                                             -> batch_invariance.json
 #   invariance_speed  its speed beside the default mode    -> batch_invariance_speed.json/.png
 #   dist        two GPUs (nvidia-h200-x2): TP=2 digests, DP attention=2 -> distributed.json
-#               (scripts/gpu_distributed.sh; give it STEP_TIMEOUT=580)
+#               (scripts/gpu_distributed.sh; give it STEP_TIMEOUT=580; issue 40's speculative
+#               runs, one call each, are that script's own steps: tp_mtp, dp_mtp, ...)
 set -u
 cd "$(dirname "$0")/.." || exit 1
 source scripts/device_prelude.sh || exit 1
