@@ -6,7 +6,9 @@
 # Steps (each bounded by STEP_TIMEOUT seconds, default 300; one log, $OUT/log.txt, keeps
 # everything printed, and each step's JSON lands in $OUT, so a device call returns at most
 # a handful of files; GPU_MAXFAIL (default 3) bounds gpu_tests' failures, SEED_ITERS
-# (default 20) the timed steps of each model_seed cell):
+# (default 20) the timed steps of each model_seed cell). Steps joined by "+" run side by
+# side, each logging to $OUT/log_STEP.txt (correctness runs that share the GPU in one call,
+# e.g. gpu_tests+invariance+arrivals_debug; never timings, which must run alone):
 #   mqa         fp8_mqa_logits drop-in vs the real kernel         -> verify_mqa_logits.json
 #   deepgemm    paged MQA schedule and logits vs the real kernel  -> verify_deepgemm.json
 #   sparse_mla  Triton sparse MLA vs the reference and FlashInfer -> bench_sparse_mla.json
@@ -63,7 +65,8 @@ run() {
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } >>"$LOG" 2>&1
 
-for step in "$@"; do
+one() {
+    local step=$1
     case "$step" in
     mqa) run mqa python3 benchmarks/verify_mqa_logits.py --out "$OUT" ;;
     deepgemm) run deepgemm python3 benchmarks/verify_deepgemm.py --out "$OUT/verify_deepgemm.json" ;;
@@ -118,5 +121,18 @@ for step in "$@"; do
     dist) run dist bash scripts/gpu_distributed.sh tp dp ;;
     *) echo "unknown step $step" | tee -a "$LOG"; failed=1 ;;
     esac
+}
+
+for step in "$@"; do
+    if [[ $step == *+* ]]; then  # side by side, each with its own log: never for timings
+        pids=()
+        for part in ${step//+/ }; do
+            (LOG="$OUT/log_$part.txt" failed=0; one "$part"; exit "$failed") &
+            pids+=($!)
+        done
+        for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+    else
+        one "$step"
+    fi
 done
 exit "$failed"
