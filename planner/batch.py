@@ -67,11 +67,6 @@ class ForwardMode(str, enum.Enum):
         return self is ForwardMode.DRAFT_DECODE
 
     @property
-    def step_mode(self) -> ForwardMode:
-        """The mode each step of a stepped batch plans as: a draft-decode step is a decode."""
-        return ForwardMode.DECODE if self is ForwardMode.DRAFT_DECODE else self
-
-    @property
     def padded_rows(self) -> bool:
         """Whether rows past a request's own token count are padding (draft extend)."""
         return self is ForwardMode.DRAFT_EXTEND

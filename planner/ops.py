@@ -221,10 +221,6 @@ def all_ops() -> Mapping[str, MetadataOp]:
     return dict(_OPS)
 
 
-def iter_ops() -> Iterator[MetadataOp]:
-    yield from all_ops().values()
-
-
 _RUNNING: ContextVar[tuple[str, str, str] | None] = ContextVar("running_provider", default=None)
 _guards = 0
 

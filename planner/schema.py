@@ -158,12 +158,6 @@ class TensorSpec:
         first, _ = parse_dim(self.shape[0]) if self.shape else (None, 0)
         return first if first in ROW_DIMS else None
 
-    @property
-    def batch_dim(self) -> str | None:
-        """The leading dimension when it grows with the batch (static buffers are sliced on it)."""
-        first, _ = parse_dim(self.shape[0]) if self.shape else (None, 0)
-        return first if first in BATCH_DIMS else None
-
     def to_json(self) -> dict[str, Any]:
         """The spec as JSON: for JSON Schema export and dumps."""
         return {
