@@ -52,10 +52,6 @@ class DistContext:
     """The gloo group of per-step metadata: its own group under NCCL, else ``None`` (the
     default group, gloo already)."""
 
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
 
 def backend_for(device: torch.device, requested: str = "auto") -> str:
     """NCCL for CUDA devices, gloo for the CPU; a forced backend must fit the device."""

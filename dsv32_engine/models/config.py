@@ -180,10 +180,6 @@ class DSV32Config(BaseModel):
         return self.index_head_dim + 4
 
     @property
-    def experts_per_group(self) -> int:
-        return self.n_routed_experts // self.n_group
-
-    @property
     def softmax_scale(self) -> float:
         """MLA softmax scale: qk_head_dim^-0.5, times YaRN mscale^2 when extended."""
         scale = self.qk_head_dim**-0.5
