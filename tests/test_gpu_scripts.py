@@ -73,6 +73,7 @@ def parse_only(target: str, argv: list[str], monkeypatch: pytest.MonkeyPatch):
     monkeypatch.chdir(REPO)
     name = target[3:] if target.startswith("-m ") else target
     monkeypatch.delitem(sys.modules, name, raising=False)  # run afresh, as python3 would
+    monkeypatch.setattr(sys, "path", list(sys.path))  # a script's own sys.path.insert undone
     monkeypatch.setattr(sys, "argv", [name, *argv])
     try:
         if target.startswith("-m "):
