@@ -25,6 +25,7 @@ import torch
 from benchmarks.common import logits_of, plot_bars, print_table, time_calls, write_json
 from dsv32_engine.serving.engine import DecodeEngine
 from dsv32_engine.serving.run_config import load_run_config
+from graphs.sizes import default_token_ladder
 from planner.batch import ForwardBatch, ForwardMode
 
 
@@ -55,13 +56,26 @@ def mixed_batch(engine: DecodeEngine, decoding: int, context: int, chunk: int):
     return batch, ids
 
 
+def routed_buckets(decoding: list[int], chunks: list[int], max_batch: int) -> list[int]:
+    """The buckets of the default token ladder that the measured batches route to.
+
+    Only these are captured (and one decode size): the batches pad exactly as they would in
+    a server with the full ladder, while the device call skips the graphs no batch replays
+    (on dsv32-shapes, 3 token buckets of 8, and 1 decode size of 13). The whole ladder's
+    capture time and memory are reported by the serving runs (``planner decode``)."""
+    ladder = default_token_ladder(max(chunks) + max_batch, max_batch)
+    return sorted({min(s for s in ladder if s >= d + c) for d in decoding for c in chunks})
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    top = max(args.decoding) + 1
+    top = max(max(args.decoding) + 1, 2)
     overrides = {
         "loop.mixed": True,
         "graphs.ragged": True,
+        "graphs.sizes": [1],
+        "graphs.token_sizes": routed_buckets(args.decoding, args.chunks, top),
         "loop.chunk_tokens": max(args.chunks),
-        "planner.max_batch": max(top, 2),
+        "planner.max_batch": top,
         "planner.ragged_kv_tokens": top * args.context + max(args.chunks),
     }
     engine = DecodeEngine(load_run_config(args.config, overrides))

@@ -86,7 +86,8 @@ class GraphsSection(_Section):
         False,
         description="capture extend and mixed batches too, in token buckets. Off by default: "
         "on the CPU an emulated replay re-runs the padded forward (slower than eager: 355 "
-        "against 550 tokens/s for the tiny demo), and under CUDA graphs it is not yet measured",
+        "against 550 tokens/s for the tiny demo); under CUDA graphs its replays equal eager plans "
+        "(an H100) and its speed is not yet measured",
     )
     token_sizes: list[int] | None = Field(
         None, description="token buckets of ragged graphs; None: 16, 32, 64, ... max_tokens"

@@ -101,7 +101,11 @@ def test_the_ragged_steps_benchmark_replays_and_agrees_with_eager(tmp_path, monk
         ragged_steps.main()
     rows = json.loads(out.read_text())["rows"]
     assert [(r["decoding"], r["chunk"]) for r in rows] == [(2, 8), (2, 32), (4, 8), (4, 32)]
+    # Only the routed buckets are captured, and they are the full default ladder's choice:
+    # the batches pad as they would in a server (5 requests; chunks up to 32 tokens).
+    ladder = default_token_ladder(32 + 5, 5)
     for r in rows:
-        assert r["fallback"] is None and r["bucket"] >= r["tokens"]
+        assert r["fallback"] is None
+        assert r["bucket"] == min(s for s in ladder if s >= r["tokens"])
         assert r["same_argmax"] and r["max_abs_diff"] == 0.0
         assert r["planner_host_us_per_ragged_replay"] > 0
