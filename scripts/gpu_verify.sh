@@ -17,6 +17,8 @@
 #   gpu_tests   pytest -m gpu over the whole tree (tests/gpu and the GPU cases elsewhere)
 #   small       dsv32-small decode, 16 requests                   -> small.json
 #   shapes      dsv32-shapes decode, 64 requests                  -> shapes.json
+#   shapes_ragged  the same mixing under ragged graphs: KV capacity, capture time and
+#               graph memory beside shapes' (issue 37; after it, never beside) -> shapes_ragged.json
 #   small_fi, shapes_fi  the same with --mla-kernel flashinfer     -> small_fi.json, shapes_fi.json
 #   floor       dsv32-shapes step under graphs vs its HBM floor   -> model_floor.json
 #   step_profile dsv32-shapes step kernels by group (graph and eager) -> profile_step.json/.png
@@ -79,6 +81,8 @@ one() {
         --quiet --json "$OUT/small.json" ;;
     shapes) run shapes python3 -m planner decode --config dsv32-shapes --requests 64 \
         --quiet --json "$OUT/shapes.json" ;;
+    shapes_ragged) run shapes_ragged python3 -m planner decode --config dsv32-shapes \
+        --requests 64 --quiet --json "$OUT/shapes_ragged.json" "${MIXED[@]}" ;;
     small_fi) run small_fi python3 -m planner decode --config dsv32-small \
         --requests 16 --mla-kernel flashinfer --quiet --json "$OUT/small_fi.json" ;;
     shapes_fi) run shapes_fi python3 -m planner decode --config dsv32-shapes \
