@@ -63,6 +63,8 @@ def routed_buckets(decoding: list[int], chunks: list[int], max_batch: int) -> li
     a server with the full ladder, while the device call skips the graphs no batch replays
     (on dsv32-shapes, 3 token buckets of 8, and 1 decode size of 13). The whole ladder's
     capture time and memory are reported by the serving runs (``planner decode``)."""
+    # The engine's bound on a ragged batch: one chunk plus a decode row per request
+    # (DecodeEngine's Limits.max_tokens).
     ladder = default_token_ladder(max(chunks) + max_batch, max_batch)
     return sorted({min(s for s in ladder if s >= d + c) for d in decoding for c in chunks})
 
