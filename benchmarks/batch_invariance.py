@@ -45,6 +45,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import logits_of, machine, plot_bars, print_table, time_paired  # noqa: E402
+from benchmarks.profile_step import print_side_by_side, profile_steps  # noqa: E402
 from dsv32_engine import SHIPPED_CONFIGS  # noqa: E402
 from dsv32_engine.serving.engine import DecodeEngine  # noqa: E402
 from dsv32_engine.serving.model_setup import build_model, model_config, resolve_device  # noqa: E402
@@ -256,7 +257,7 @@ def part_chunks(s: Setting, modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
 # ---- speed: the decode step of both modes side by side --------------------------------
 
 
-def part_speed(s: Setting, iters: int) -> dict[str, Any]:
+def part_speed(s: Setting, iters: int, profile: int = 0) -> dict[str, Any]:
     rng = random.Random(2)
     out: dict[str, Any] = {}
     for path in s.speed_configs:
@@ -288,9 +289,25 @@ def part_speed(s: Setting, iters: int) -> dict[str, Any]:
                 "invariant_p99_ms": timed["invariant"]["p99_us"] / 1e3,
                 "ratio": timed["invariant"]["ratio_to_first"],
             }
+            if profile and bs in (min(s.batches), max(s.batches)):
+                rows[str(bs)]["profile"] = _profile(steps, profile, device)
+                print_side_by_side(
+                    f"kernels of a decode step, {first.model.preset} B {bs}",
+                    rows[str(bs)]["profile"],
+                )
         out[first.model.preset] = rows
         del engines, model
         _free(device)
+    return out
+
+
+def _profile(steps: dict[str, Callable[[int], Any]], n: int, device) -> dict[str, Any]:
+    """Each mode's decode step, ``n`` steps under the profiler: device time by kernel group."""
+    out = {}
+    for mode_name, step in steps.items():
+        profiled = profile_steps(step, n, device, top=12)
+        del profiled["profile"]
+        out[mode_name] = profiled
     return out
 
 
@@ -331,6 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--default-too", action="store_true", help="spec: the default mode too")
     p.add_argument("--iters", type=int, default=50, help="speed: timed steps per size")
     p.add_argument("--limit", type=float, default=1.35, help="speed: the allowed ratio")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="speed: also profile STEPS decode steps of each mode at the smallest and largest "
+        "batch (kernels by group, side by side)",
+    )
     p.add_argument("--out", type=Path, default=None, help="directory for the JSON result")
     p.add_argument("--plot", type=str, default=None, help="PNG of the speed part")
     p.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, few requests")
@@ -346,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         "spec": lambda: part_spec(s, both if args.default_too else {"invariant": INVARIANT}),
         "logits": lambda: part_logits(s, both),
         "chunks": lambda: part_chunks(s, both),
-        "speed": lambda: part_speed(s, 5 if args.smoke else args.iters),
+        "speed": lambda: part_speed(s, 5 if args.smoke else args.iters, args.profile),
     }
     for part in PARTS:
         if part in parts:

@@ -20,6 +20,7 @@ import random
 import re
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -70,9 +71,6 @@ def profile_config(model, batch: int, ctx: int, kernel: str, phase: str, args, d
     runner = graph_runner(model, setup, kernel, batch, ctx, device)
     rng = random.Random(args.seed)
     batches = [make_batch(table, batch, ctx, rng) for _ in range(4)]
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runner.capture()
@@ -86,27 +84,19 @@ def profile_config(model, batch: int, ctx: int, kernel: str, phase: str, args, d
         hooks = label_modules(model) if stacks else []
         for i in range(args.warmup):
             runner.step(batches[i % len(batches)], eager=eager)
-        sync(device)
-        with torch.profiler.profile(activities=activities, with_stack=stacks) as prof:
-            for i in range(args.steps):
-                runner.step(batches[i % len(batches)], eager=eager)
-            sync(device)
+        profiled = profile_steps(
+            lambda i: runner.step(batches[i % len(batches)], eager=eager),
+            args.steps,
+            device,
+            top=args.top,
+            torch_ops=phase == "eager",
+            with_stack=stacks,
+        )
         for hook in hooks:
             hook.remove()
     replays = runner.stats.graph_steps
     runner.close()
-    kernels = kernel_times(prof, args.steps)
-    groups: dict[str, float] = defaultdict(float)
-    for name, us in kernels.items():
-        groups[group_of(name)] += us
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]
-    ops = []
-    if phase == "eager" and device.type == "cuda":  # which torch ops launch them, with counts
-        for op in prof.key_averages():
-            if op.key.startswith("aten::") and op.self_device_time_total:
-                us, calls = op.self_device_time_total / args.steps, op.count / args.steps
-                ops.append((op.key, us, calls))
-        ops.sort(key=lambda row: -row[1])
+    prof = profiled.pop("profile")
     sites = call_sites(prof, args.steps, args.top, device=device.type == "cuda") if stacks else []
     return {
         "batch": batch,
@@ -114,11 +104,48 @@ def profile_config(model, batch: int, ctx: int, kernel: str, phase: str, args, d
         "kernel": kernel,
         "phase": phase,
         "graph_replays": replays,
+        **profiled,
+        "call_sites": sites,
+    }
+
+
+def profile_steps(
+    step: Callable[[int], object],
+    steps: int,
+    device: torch.device,
+    *,
+    top: int = 15,
+    torch_ops: bool = False,
+    with_stack: bool = False,
+) -> dict:
+    """Device time of ``step(i)`` for ``i < steps`` under torch.profiler, per step: the
+    total, by kernel group, the ``top`` kernels and (``torch_ops``) the aten ops that
+    launched them. Kernels inside a replayed CUDA graph are counted like any other. The
+    caller warms up first; ``profile`` in the result is the profiler, for more queries."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync(device)
+    with torch.profiler.profile(activities=activities, with_stack=with_stack) as prof:
+        for i in range(steps):
+            step(i)
+        sync(device)
+    kernels = kernel_times(prof, steps)
+    groups: dict[str, float] = defaultdict(float)
+    for name, us in kernels.items():
+        groups[group_of(name)] += us
+    ops = []
+    if torch_ops and device.type == "cuda":  # which torch ops launch them, with counts
+        for op in prof.key_averages():
+            if op.key.startswith("aten::") and op.self_device_time_total:
+                ops.append((op.key, op.self_device_time_total / steps, op.count / steps))
+        ops.sort(key=lambda row: -row[1])
+    return {
         "device_us_per_step": sum(kernels.values()),
         "groups_us": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
-        "top_kernels_us": top,
-        "torch_ops": ops[: 2 * args.top],
-        "call_sites": sites,
+        "top_kernels_us": sorted(kernels.items(), key=lambda kv: -kv[1])[:top],
+        "torch_ops": ops[: 2 * top],
+        "profile": prof,
     }
 
 
@@ -192,16 +219,36 @@ def call_sites(prof: torch.profiler.profile, steps: int, top: int, *, device: bo
     return rows[: 3 * top]
 
 
+def print_groups(title: str, profiled: dict) -> str:
+    """Print (and return) a profile's kernel groups and top kernels, per step."""
+    total = profiled["device_us_per_step"] or float("nan")
+    rows = [(g, us, 100 * us / total) for g, us in profiled["groups_us"].items()]
+    text = print_table(title, ("group", "us/step", "%"), rows)
+    tops = [(name[:90], us, 100 * us / total) for name, us in profiled["top_kernels_us"]]
+    return text + "\n" + print_table("top kernels", ("kernel", "us/step", "%"), tops)
+
+
+def print_side_by_side(title: str, profiled: dict[str, dict]) -> str:
+    """Print (and return) several profiles' kernel groups as columns (us per step), then
+    the top kernels of each: where one variant's step spends what another's does not."""
+    names = list(profiled)
+    groups = sorted({g for p in profiled.values() for g in p["groups_us"]})
+    rows = [(g, *(profiled[n]["groups_us"].get(g, 0.0) for n in names)) for g in groups]
+    rows.append(("total", *(profiled[n]["device_us_per_step"] for n in names)))
+    text = print_table(title, ("group", *(f"{n} us" for n in names)), rows)
+    for n in names:
+        tops = [(k[:90], us) for k, us in profiled[n]["top_kernels_us"]]
+        text += "\n" + print_table(f"top kernels, {n}", ("kernel", "us/step"), tops)
+    return text
+
+
 def report(row: dict) -> str:
     total = row["device_us_per_step"] or float("nan")
     title = (
         f"B {row['batch']} ctx {row['ctx']} ({row['kernel']}, {row['phase']}): "
         f"{total:.0f} us of kernels per step, {row['graph_replays']} graph replays"
     )
-    rows = [(g, us, 100 * us / total) for g, us in row["groups_us"].items()]
-    text = print_table(title, ("group", "us/step", "%"), rows)
-    tops = [(name[:90], us, 100 * us / total) for name, us in row["top_kernels_us"]]
-    text += "\n" + print_table("top kernels", ("kernel", "us/step", "%"), tops)
+    text = print_groups(title, row)
     if row["torch_ops"]:
         ops = [(name, us, calls) for name, us, calls in row["torch_ops"]]
         text += "\n" + print_table(

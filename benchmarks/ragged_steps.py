@@ -6,7 +6,8 @@ prompt chunk of ``C`` tokens, as one mixed batch, for D in ``--decoding`` and C 
 one process: replayed from the token bucket that holds it, and eagerly (the same runner,
 ``eager=``: fresh plans, the forward without a graph). Reported per batch: step time
 (median and p99 over ``--iters`` after ``--warmup``), their ratio, and the planner's host
-time per ragged replay (the runner's refresh: ``planner.replay``). The KV each request
+time per ragged replay (the runner's refresh: ``planner.replay``); with ``--profile N``,
+the device time of N steps of each, kernel group by kernel group, side by side. The KV each request
 reads is its own range of cache slots (rows of the token table), so attention reads as
 much memory as a real step; what it reads is whatever the cache holds.
 
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import logits_of, plot_bars, print_table, time_calls, write_json
+from benchmarks.profile_step import print_side_by_side, profile_steps
 from dsv32_engine.serving.engine import DecodeEngine
 from dsv32_engine.serving.run_config import load_run_config
 from graphs.sizes import default_token_ladder
@@ -104,6 +106,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 engine.device,
                 **timing,
             )
+            profiled = {}
+            if args.profile:
+                profiled = {
+                    variant: _profile(engine, batch, inputs, args.profile, eager)
+                    for variant, eager in (("graph", None), ("eager", "benchmark"))
+                }
+                print_side_by_side(f"kernels of {decoding} decoding + {chunk} chunk", profiled)
             row = {
                 **_agreement(engine, batch, inputs),
                 "decoding": decoding,
@@ -115,6 +124,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "eager": eager,
                 "planner_host_us_per_ragged_replay": host * 1e6,
                 "speedup_median": eager["median_ms"] / graph["median_ms"],
+                "profile": profiled,
             }
             rows.append(row)
     return {
@@ -124,6 +134,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "capture": capture,
         "rows": rows,
     }
+
+
+def _profile(engine: DecodeEngine, batch: ForwardBatch, inputs, steps: int, eager) -> dict:
+    """Device time of the batch's step (replayed, or eager), by kernel group."""
+    profiled = profile_steps(
+        lambda _: engine.runner.step(batch, inputs, eager=eager), steps, engine.device, top=12
+    )
+    del profiled["profile"]
+    return profiled
 
 
 def _agreement(engine: DecodeEngine, batch: ForwardBatch, inputs) -> dict[str, Any]:
@@ -161,6 +180,13 @@ def main() -> None:
     p.add_argument("--context", type=int, default=2048, help="KV tokens of each decoding request")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also profile STEPS steps of each batch, replayed and eager: kernels by group",
+    )
     p.add_argument("--out", help="write the JSON here")
     p.add_argument("--plot", help="write a PNG plot here")
     p.add_argument("--smoke", action="store_true", help="the CPU tiny model, a few steps")
