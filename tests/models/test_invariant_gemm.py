@@ -30,6 +30,7 @@ from dsv32_engine.models.layers.ffn import MLP, Gate, MoE
 from dsv32_engine.models.layers.grouped_gemm_triton import INVARIANT_TILE_ROWS, grouped_mm_triton
 from dsv32_engine.models.layers.indexer import Indexer
 from dsv32_engine.models.layers.invariant_gemm import (
+    TileConfig,
     invariant_contract,
     invariant_linear,
     invariant_mm,
@@ -154,10 +155,40 @@ def test_empty_batch_and_reference() -> None:
 def test_tile_config_depends_on_the_weight_only() -> None:
     """No ``M`` in its inputs; the shapes the model uses get enough column tiles."""
     assert list(inspect.signature(tile_config).parameters) == ["n", "k", "groups", "ieee"]
-    assert tile_config(129280, 7168, 1, False)[:3] == (64, 128, 64)  # the LM head
-    assert tile_config(2240, 7168, 1, False)[1] == 16  # wq_a | wkv_a | wk
-    assert tile_config(512, 128, 128, False)[1] == 128  # absorb, 128 heads
-    assert tile_config(64, 7168, 1, True)[:3] == (16, 16, 32)  # weights_proj, fp32
+    assert tile_config(129280, 7168, 1, False) == (64, 128, 64, 4, 4, 1)  # the LM head
+    assert tile_config(2240, 7168, 1, False).splits == 8  # wq_a | wkv_a | wk: 18 x 8 tiles
+    assert tile_config(7168, 16384, 1, False).splits == 4  # wo: 56 x 4
+    assert tile_config(24576, 1536, 1, False).splits == 1  # wq_b: 192 column tiles
+    assert tile_config(512, 128, 128, False)[1:] == (128, 64, 4, 4, 1)  # absorb, 128 heads
+    assert tile_config(64, 7168, 1, True) == (16, 16, 32, 4, 3, 16)  # weights_proj, fp32
+    assert tile_config(64, 96, 1, True).splits == 1  # too short a K to split
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_k_rows_are_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
+    """A weight cut along K (a decode GEMM with few column tiles): the partials are added
+    in split order, then the bias, so a row's bits still ignore its batch; the sum stays
+    close to the float64 reference, and to the unsplit kernel."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 24, 40 * 32 + 8  # K not a multiple of the split
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=gen)
+    ieee = dtype == torch.float32
+    config = tile_config(n, k, 1, ieee)
+    assert config.splits > 1  # the shape really splits
+    row = torch.randn(1, k, generator=gen).to(dtype)
+    alone = invariant_linear(row, weight, bias)
+    for m in BATCHES:
+        pos = m - 1
+        batch = _batch_with(row[0], m, pos, gen)
+        out = invariant_linear(batch, weight, bias)
+        assert torch.equal(_bits(out[pos : pos + 1]), _bits(alone)), m
+        ref = linear_reference(batch, weight, bias)
+        tol = 1e-5 if ieee else 1e-2
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+        whole = invariant_mm(batch, weight.t(), bias=bias, config=TileConfig(*config[:5]))
+        torch.testing.assert_close(out.float(), whole.float(), rtol=tol, atol=tol)
 
 
 # ------------------------------------------------------------- MoE pieces

@@ -9,9 +9,12 @@ speculative greedy stops equalling plain greedy (issue 39).
 Here one Triton kernel computes ``out[g] = a[g] @ b[g]`` (``g`` an optional batch over
 weights, e.g. the MLA heads) with a FIXED tile configuration: ``BLOCK_M``, ``BLOCK_N``,
 ``BLOCK_K``, ``num_warps`` and ``num_stages`` come from the weight's ``N``, ``K``, group
-count and dtypes only (``tile_config``), never from ``M``; no split-K, no autotuning.
-Each output element is one fp32 accumulator walked over ``K`` in ``BLOCK_K`` steps in
-order, rounded once to the output dtype. The rows of a tile are independent lanes of the
+count and dtypes only (``tile_config``), never from ``M``; no autotuning. A weight with
+few column tiles (a decode GEMM that would leave most SMs idle) is cut along ``K`` into a
+FIXED number of splits, also from ``N``, ``K`` and the group count only: each split walks
+its ``K`` range in order into an fp32 partial, and a second kernel adds the partials in
+split order, then the bias, and rounds once. Without splits, each output element is one
+fp32 accumulator walked over ``K`` in ``BLOCK_K`` steps in order, rounded once. The rows of a tile are independent lanes of the
 same instructions, so a row's result is the same bits wherever it sits in whichever batch
 (``M`` is not specialised on either: one compiled kernel for every batch size).
 
@@ -40,6 +43,7 @@ except ImportError:  # pragma: no cover - triton is a hard dependency on Linux
     tl = None
 
 __all__ = [
+    "MAX_SPLITS",
     "MIN_PROGRAMS",
     "TileConfig",
     "invariant_contract",
@@ -57,14 +61,30 @@ SM count, so the configuration is the same on every device."""
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
+_SUM_BLOCK = 512
+"""Columns per program of the split sum."""
+
+
+MAX_SPLITS = 16
+"""At most this many ``K`` splits: each adds an fp32 partial per output element."""
+
+MIN_SPLIT_STEPS = 4
+"""Each split walks at least this many ``BLOCK_K`` steps (the pipeline's depth)."""
+
 
 class TileConfig(tuple):
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``."""
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, splits)``."""
 
     __slots__ = ()
 
-    def __new__(cls, bm: int, bn: int, bk: int, warps: int, stages: int) -> TileConfig:
-        return super().__new__(cls, (bm, bn, bk, warps, stages))
+    def __new__(
+        cls, bm: int, bn: int, bk: int, warps: int, stages: int, splits: int = 1
+    ) -> TileConfig:
+        return super().__new__(cls, (bm, bn, bk, warps, stages, splits))
+
+    @property
+    def splits(self) -> int:
+        return self[5]
 
 
 def tile_config(n: int, k: int, groups: int, ieee: bool) -> TileConfig:
@@ -72,20 +92,37 @@ def tile_config(n: int, k: int, groups: int, ieee: bool) -> TileConfig:
     whether it multiplies in IEEE fp32, never from the batch's rows.
 
     16-bit: 64-row tiles (one Hopper warpgroup MMA) and 64-deep K steps, 4-stage
-    pipeline. IEEE fp32 (CUDA-core FMAs, where a wasted row costs as much as a used one):
-    16-row tiles and 32-deep K steps. ``BLOCK_N`` the widest of 128..16 that keeps
-    ``MIN_PROGRAMS`` column tiles, 16 if none does."""
-    bn = 16
-    for width in (128, 64, 32):
-        if groups * triton.cdiv(n, width) >= MIN_PROGRAMS:
-            bn = width
-            break
-    bn = min(bn, max(16, triton.next_power_of_2(n)))
+    pipeline, ``BLOCK_N`` 128 (the weight's width below that): wide loads keep enough
+    bytes in flight per SM to read a decode GEMM's weight at HBM speed. Where the column
+    tiles over the groups are fewer than ``MIN_PROGRAMS``, ``K`` is cut into the fewest
+    power-of-two splits that reach it (at most ``MAX_SPLITS``, each at least
+    ``MIN_SPLIT_STEPS`` K steps). IEEE fp32 (CUDA-core FMAs, where a wasted row costs as
+    much as a used one): 16-row tiles and 32-deep K steps, ``BLOCK_N`` the widest of
+    128..16 that keeps ``MIN_PROGRAMS`` column tiles, split likewise."""
     if ieee:
+        bn = 16
+        for width in (128, 64, 32):
+            if groups * triton.cdiv(n, width) >= MIN_PROGRAMS:
+                bn = width
+                break
+        bn = min(bn, max(16, triton.next_power_of_2(n)))
         bk = min(32, max(16, triton.next_power_of_2(k)))
-        return TileConfig(16, bn, bk, 4, 3)
+        return TileConfig(16, bn, bk, 4, 3, _splits(n, k, groups, bn, bk))
+    bn = min(128, max(16, triton.next_power_of_2(n)))
     bk = min(64, max(16, triton.next_power_of_2(k)))
-    return TileConfig(64, bn, bk, 4, 4)
+    return TileConfig(64, bn, bk, 4, 4, _splits(n, k, groups, bn, bk))
+
+
+def _splits(n: int, k: int, groups: int, bn: int, bk: int) -> int:
+    """The fewest power-of-two ``K`` splits giving ``MIN_PROGRAMS`` programs per row tile."""
+    tiles, steps, splits = groups * triton.cdiv(n, bn), triton.cdiv(k, bk), 1
+    while (
+        tiles * splits < MIN_PROGRAMS
+        and splits < MAX_SPLITS
+        and steps >= 2 * splits * MIN_SPLIT_STEPS
+    ):
+        splits *= 2
+    return splits
 
 
 def _invariant_mm_kernel(
@@ -105,14 +142,18 @@ def _invariant_mm_kernel(
     so_g,
     so_m,
     so_n,
+    k_split,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    SPLITS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    g = tl.program_id(2).to(tl.int64)
+    groups = tl.num_programs(2) // SPLITS
+    g = tl.program_id(2).to(tl.int64) // SPLITS
+    split = tl.program_id(2) % SPLITS
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     row_ok = rows < m
@@ -120,9 +161,11 @@ def _invariant_mm_kernel(
     a_rows = a_ptr + g * sa_g + rows.to(tl.int64)[:, None] * sa_m
     b_cols = b_ptr + g * sb_g + cols.to(tl.int64)[None, :] * sb_n
     acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, k, BK):  # in order, the same steps for every row: no split-K
+    k_first = split * k_split  # this split's K range, walked in order: the same for every row
+    k_end = tl.minimum(k_first + k_split, k)
+    for k0 in range(k_first, k_end, BK):
         ks = k0 + tl.arange(0, BK)
-        k_ok = ks < k
+        k_ok = ks < k_end
         a = tl.load(a_rows + ks[None, :] * sa_k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_cols + ks[:, None] * sb_k, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if UPCAST:  # fp32 products: IEEE fp32, the interpreter, or mixed operand dtypes
@@ -132,15 +175,51 @@ def _invariant_mm_kernel(
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+    ok = row_ok[:, None] & col_ok[None, :]
+    if SPLITS > 1:  # an fp32 partial [split, g, row, col]; the bias comes after the sum
+        at = ((split * groups + g) * m + rows.to(tl.int64)[:, None]) * n
+        tl.store(out_ptr + at + cols[None, :], acc, mask=ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + g * so_g + rows.to(tl.int64)[:, None] * so_m + cols[None, :] * so_n
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _sum_splits_kernel(
+    out_ptr,
+    part_ptr,
+    bias_ptr,
+    m,
+    n,
+    groups,
+    so_g,
+    so_m,
+    so_n,
+    BN: tl.constexpr,
+    SPLITS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """``out[g, row] = sum over splits, in split order, of part[split, g, row] (+ bias)``,
+    rounded once: the same additions for every row."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(2).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    ok = cols < n
+    acc = tl.load(part_ptr + (g * m + row) * n + cols, mask=ok, other=0.0)
+    for split in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + ((split * groups + g) * m + row) * n + cols, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + g * so_g + rows.to(tl.int64)[:, None] * so_m + cols[None, :] * so_n
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    out = out_ptr + g * so_g + row * so_m + cols * so_n
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 _invariant_mm = LazyKernel(_invariant_mm_kernel, only=(["m"], []))
 """Only ``m`` unspecialised: the row count changes every batch and must neither compile a
 new variant nor select a different one (``m == 1`` would)."""
+
+_sum_splits = LazyKernel(_sum_splits_kernel, only=(["m"], []))
 
 
 def invariant_mm(
@@ -150,11 +229,13 @@ def invariant_mm(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    config: TileConfig | None = None,
 ) -> torch.Tensor:
     """``a [G, M, K] @ b [G, K, N] (+ bias [N])`` -> ``[G, M, N]`` in ``out_dtype`` (``a``'s
     by default); 2-D ``a [M, K] @ b [K, N]`` likewise. Any strides (``b`` is typically a
     transposed ``nn.Linear`` weight, a view). ``out``: a ``[G, M, N]`` (or ``[M, N]``) view
-    to write into (e.g. a permuted ``[M, G, N]`` buffer), returned."""
+    to write into (e.g. a permuted ``[M, G, N]`` buffer), returned. ``config``: another
+    tile configuration than ``tile_config``'s (the benchmark's sweep; tests)."""
     flat = a.dim() == 2
     if flat:
         a, b = a.unsqueeze(0), b.unsqueeze(0)
@@ -177,10 +258,14 @@ def invariant_mm(
             groups, m, n, dtype=torch.float32 if emulate else out_dtype, device=a.device
         )
     if m and n and groups:
-        bm, bn, bk, warps, stages = tile_config(n, k, groups, ieee)
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), groups)
+        bm, bn, bk, warps, stages, splits = config or tile_config(n, k, groups, ieee)
+        k_split = triton.cdiv(triton.cdiv(k, bk), splits) * bk  # whole K steps per split
+        parts = target
+        if splits > 1:
+            parts = torch.empty(splits, groups, m, n, dtype=torch.float32, device=a.device)
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), groups * splits)
         _invariant_mm[grid](
-            target,
+            parts,
             a,
             b,
             target if bias is None else bias,
@@ -190,15 +275,31 @@ def invariant_mm(
             *a.stride(),
             *b.stride(),
             *target.stride(),
+            k_split,
             BM=bm,
             BN=bn,
             BK=bk,
+            SPLITS=splits,
             HAS_BIAS=bias is not None,
             IEEE=ieee,
             UPCAST=ieee or _interpreting(),
             num_warps=warps,
             num_stages=stages,
         )
+        if splits > 1:
+            _sum_splits[(m, triton.cdiv(n, _SUM_BLOCK), groups)](
+                target,
+                parts,
+                target if bias is None else bias,
+                m,
+                n,
+                groups,
+                *target.stride(),
+                BN=_SUM_BLOCK,
+                SPLITS=splits,
+                HAS_BIAS=bias is not None,
+                num_warps=4,
+            )
     if emulate:
         if out is None:
             out = target.to(out_dtype)
