@@ -286,8 +286,21 @@ def gather_index_cache(
     slots = slots.to(torch.int64)
     block = torch.div(slots, PAGE, rounding_mode="floor")
     offset = slots - block * PAGE
-    keys = k_view.view(torch.uint8)[block, offset].view(torch.float8_e4m3fn)
+    # A key's bytes move as the widest words its layout allows (8 bytes for D = 128):
+    # torch's index kernel copies one element per thread, so bytes would take 8x the work.
+    keys = _as_words(k_view)[block, offset].view(torch.uint8).view(torch.float8_e4m3fn)
     return keys, s_view[block, offset]
+
+
+def _as_words(k_view: torch.Tensor) -> torch.Tensor:
+    """``k_view [nb, 64, D]`` (1-byte elements) as the widest integer words (8, 4, 2 or 1
+    bytes) that divide ``D``, its strides and its offset: the same bytes, fewer elements."""
+    raw = k_view.view(torch.uint8)
+    for word, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        aligned = raw.storage_offset() % word == 0 and raw.shape[-1] % word == 0
+        if aligned and all(stride % word == 0 for stride in raw.stride()[:-1]):
+            return raw.view(dtype)
+    return raw
 
 
 def pack_index_kv_cache(

@@ -4,7 +4,7 @@ Per layer: gather the requests' index keys flat (``kv_slots``), score the query 
 chunks of ``plan.indexer_chunk_rows`` with deep_gemm's ``fp8_mqa_logits`` in its
 compressed layout, ``plan.max_seq_len`` columns a row, and keep each token's best
 ``topk`` (``row_topk``); a token whose causal KV fits in ``topk`` takes all of it instead,
-chosen per row with ``torch.where``. Chunk bounds come from the token count (a shape) and
+chosen per row with ``torch.where``, and is not scored (an empty range). Chunk bounds come from the token count (a shape) and
 the plan's scalars, never from the batch's values (``extend_ops``), so the whole function
 has static shapes and no host reads: a CUDA graph captures it, its chunks valid for every
 batch it replays. Sparse MLA then reads the selected slots exactly as in decode
@@ -51,6 +51,11 @@ def indexer_topk_extend(
     if width <= topk:  # a plan scalar: no token's KV exceeds top-k, none is scored
         return whole.to(torch.int32)
     keys = gather_index_cache(index_cache, slots)
+    # A token whose causal KV fits in top-k takes all of it (``whole``): its score range is
+    # emptied, so the logits kernel and the selection do no work for it. ``width`` is a
+    # bound under a graph (the bucket's), so without this every token would be scored.
+    needs_scores = plan.kv_lens > topk
+    ke = torch.where(needs_scores, ke, ks)
     count = (ke - ks).contiguous()
     best = torch.empty(tokens, topk, dtype=torch.int32, device=slots.device)
     for first, end in indexer_chunk_bounds(tokens, plan.indexer_chunk_rows):
@@ -67,4 +72,4 @@ def indexer_topk_extend(
         row_topk(logits, count[first:end], topk, best[first:end])
     picked = slots[(ks[:, None] + best.clamp(min=0)).clamp(max=last).long()]
     scored = torch.where(best >= 0, picked, -1)
-    return torch.where((plan.kv_lens > topk)[:, None], scored, whole).to(torch.int32)
+    return torch.where(needs_scores[:, None], scored, whole).to(torch.int32)

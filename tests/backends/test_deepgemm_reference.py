@@ -24,6 +24,7 @@ from backends.deepgemm import (
     _native,
     dequantize_fp8_per_vector,
     fp8_paged_mqa_logits,
+    gather_index_cache,
     get_paged_mqa_logits_metadata,
     index_cache_views,
     new_index_cache,
@@ -355,6 +356,24 @@ def test_cache_views_follow_a_strided_block_pool():
     keys, scales = index_cache_views(cache)
     assert torch.equal(keys[1, 1].view(torch.uint8), k_fp8[1].view(torch.uint8))
     assert scales[2, 63].item() == k_scale[2, 0].item()
+
+
+@pytest.mark.parametrize("d", [128, 36, 18, 9])
+@pytest.mark.parametrize("first", [0, 1])
+def test_gather_moves_whole_words_and_equals_the_bytes(d, first):
+    """The gather copies keys as 8/4/2/1-byte words, whichever the layout allows (a pool
+    sliced from block ``first``, key widths of every alignment): the same bytes as a
+    gather of single bytes."""
+    nb = 4
+    g = torch.Generator().manual_seed(d + first)
+    pool = torch.randint(0, 256, (nb + 1, PAGE, 1, d + 4), dtype=torch.uint8, generator=g)
+    cache = pool[first : first + nb]
+    slots = torch.randint(0, nb * PAGE, (77,), generator=g, dtype=torch.int32)
+    keys, scales = gather_index_cache(cache, slots)
+    all_keys, all_scales = unpack_index_kv_cache(cache)
+    assert keys.dtype == torch.float8_e4m3fn and keys.shape == (77, d)
+    assert torch.equal(keys.view(torch.uint8), all_keys[slots.long()].view(torch.uint8))
+    assert torch.equal(scales.view(torch.int32), all_scales[slots.long()].view(torch.int32))
 
 
 def test_cache_validation():

@@ -211,6 +211,32 @@ def test_chunks_come_from_the_token_count_and_plan_scalars(seed, monkeypatch):
     assert all(n == rows for n in sizes[:-1]) and 1 <= sizes[-1] <= rows
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_only_tokens_past_topk_are_scored(seed, monkeypatch):
+    """Under a static width (a captured plan's) every token goes through the logits kernel,
+    but a token whose causal KV fits in top-k gets an empty range: the kernel and the
+    selection do no work for it. Tokens past top-k keep their whole causal range."""
+    rng = random.Random(seed)
+    topk = rng.choice([4, 16, 64])
+    batch = extend_batch(rng, rng.choice([ForwardMode.EXTEND, ForwardMode.MIXED]), 40)
+    plan = widened(planner(topk, 1 << 30).plan(batch)["nsa"], MAX_CTX + 17, 1 << 30)
+    ranges: list[torch.Tensor] = []
+    real = extend_attention.fp8_mqa_logits
+
+    def spy(q, kv, weights, ks, ke, clean_logits=False, max_seqlen_k=0):
+        ranges.append(ke - ks)
+        return real(q, kv, weights, ks, ke, clean_logits, max_seqlen_k)
+
+    monkeypatch.setattr(extend_attention, "fp8_mqa_logits", spy)
+    q, w, cache = indexer_inputs(seed, plan.positions.shape[0], ties=False)
+    indexer_topk_extend(plan, q, w, cache)
+    scored = torch.cat(ranges)
+    kv = plan.kv_lens
+    assert torch.equal(scored[kv <= topk], torch.zeros_like(scored[kv <= topk]))
+    full = plan.kv_ranges[1] - plan.kv_ranges[0]
+    assert torch.equal(scored[kv > topk], full[kv > topk])
+
+
 def test_chunk_rows_and_bounds():
     assert indexer_row_bytes(1) == indexer_row_bytes(256) == 1024
     assert indexer_row_bytes(257) == 2048 and indexer_row_bytes(0) == 0
