@@ -26,7 +26,7 @@ from benchmarks.deepgemm_cases import (  # noqa: E402
     make_logits_inputs,
     schedule_cases,
 )
-from benchmarks.deepgemm_checks import check_logits, check_schedule  # noqa: E402
+from benchmarks.deepgemm_checks import LOGITS_TOL, check_logits, check_schedule  # noqa: E402
 from benchmarks.deepgemm_graphs import graph_checks  # noqa: E402
 
 DG = _native.load()
@@ -108,3 +108,36 @@ def test_references_on_cuda_equal_cpu():
 def test_cuda_graph_capture_and_replay():
     results = graph_checks(DEV, DG)
     assert results and all(r["ok"] for r in results), results
+
+
+@needs_dg
+def test_ragged_logits_with_empty_ranges():
+    """The extend indexer empties the score range of every token whose KV fits in top-k.
+    The real ``fp8_mqa_logits`` (compressed layout) must then leave the other rows exactly
+    as they are with every range full, and those rows must match the reference."""
+    g = torch.Generator(device=DEV).manual_seed(11)
+    tokens, heads, dim, kv_tokens, width = 192, 64, 128, 6000, 2500
+    q = torch.randn(tokens, heads, dim, generator=g, device=DEV).to(torch.float8_e4m3fn)
+    keys = torch.randn(kv_tokens, dim, generator=g, device=DEV).to(torch.float8_e4m3fn)
+    scales = torch.rand(kv_tokens, generator=g, device=DEV) + 0.5
+    w = torch.randn(tokens, heads, generator=g, device=DEV)
+    ks = torch.randint(0, kv_tokens - width, (tokens,), generator=g, device=DEV).int()
+    ke = ks + torch.randint(1, width + 1, (tokens,), generator=g, device=DEV).int()
+    empty = torch.rand(tokens, generator=g, device=DEV) < 0.5
+    empty[:64] = True  # a whole block of empty rows, as a decode block that fits top-k
+    ke_some = torch.where(empty, ks, ke)
+    full = deepgemm.fp8_mqa_logits(q, (keys, scales), w, ks, ke, False, width, backend="native")
+    some = deepgemm.fp8_mqa_logits(
+        q, (keys, scales), w, ks, ke_some, False, width, backend="native"
+    )
+    ref = deepgemm.reference_fp8_mqa_logits(q, (keys, scales), w, ks, ke, False, width)
+    valid = torch.arange(width, device=DEV)[None, :] < (ke - ks)[:, None]
+    kept = valid & ~empty[:, None]
+    assert int(kept.sum()) > 0
+    assert torch.equal(some[kept], full[kept])
+    # Within the verified kernels' tolerance of the magnitude bound (all terms positive).
+    fp8 = torch.float8_e4m3fn
+    q_abs, k_abs = q.float().abs().to(fp8), keys.float().abs().to(fp8)
+    bound = deepgemm.reference_fp8_mqa_logits(q_abs, (k_abs, scales), w.abs(), ks, ke, False, width)
+    err = (full[valid] - ref[valid]).abs()
+    assert bool((err <= LOGITS_TOL * bound[valid] + 1e-6).all()), float(err.max())
