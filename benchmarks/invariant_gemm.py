@@ -7,7 +7,8 @@ kernel with its tile configuration (``tile_config``: split along K where a weigh
 column tiles), the same kernel unsplit, and ``--sweep``'s configurations. The floor is the
 weight's bytes over a device-to-device copy's bandwidth measured in the same process. Every
 variant runs 20 calls inside one CUDA graph (a decode step replays them so; a Python launch
-would time the host), timed with events: median of ``--iters`` replays per call. The
+would time the host), timed with events (``graph_timers.time_graph``): median of ``--iters``
+replays per call. The
 invariant kernel's rows are also checked bit for bit: row 0 alone equals row 0 in the batch.
 
     python3 -m benchmarks.invariant_gemm --out "$OUT/invariant_gemm.json"   # a GPU
@@ -16,13 +17,13 @@ invariant kernel's rows are also checked bit for bit: row 0 alone equals row 0 i
 from __future__ import annotations
 
 import argparse
-import statistics
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import machine, print_table, write_json
+from benchmarks.common import machine, plot_bars, print_table, write_json
+from benchmarks.graph_timers import time_graph
 from dsv32_engine.models.layers.invariant_gemm import TileConfig, invariant_mm, tile_config
 
 SITES: dict[str, tuple[int, int, int, torch.dtype]] = {
@@ -66,29 +67,8 @@ def _call(a: torch.Tensor, w: torch.Tensor, config: TileConfig | None, out_dtype
 
 
 def _graph_time(fn, iters: int) -> float:
-    """Microseconds per call: ``CALLS`` calls in one graph, median over replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    samples = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / CALLS)
-    del graph
-    return statistics.median(samples)
+    """Microseconds per call: ``CALLS`` calls in one graph, median over ``iters`` replays."""
+    return time_graph(fn, warmup=3, iters=iters, reps=CALLS)["median_us"]
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -133,6 +113,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {"machine": machine(), "copy_bandwidth_gbs": bandwidth / 1e9, "rows": rows}
 
 
+def sums(result: dict[str, Any]) -> dict[int, dict[str, float]]:
+    """Microseconds per variant summed over the sites, per row count: a step's GEMMs."""
+    out: dict[int, dict[str, float]] = {}
+    for r in result["rows"]:
+        for variant, us in r["us"].items():
+            out.setdefault(r["m"], {}).setdefault(variant, 0.0)
+            out[r["m"]][variant] += us
+    return out
+
+
 def table(result: dict[str, Any]) -> None:
     rows = result["rows"]
     names = list(rows[0]["us"]) if rows else []
@@ -145,9 +135,7 @@ def table(result: dict[str, Any]) -> None:
             for r in rows
         ],
     )  # fmt: skip
-    for m in sorted({r["m"] for r in rows}):
-        at = [r for r in rows if r["m"] == m]
-        total = {v: sum(r["us"][v] for r in at) for v in names}
+    for m, total in sums(result).items():
         print(f"M {m}: sum over sites " + ", ".join(f"{v} {t:.1f} us" for v, t in total.items()))
 
 
@@ -166,12 +154,22 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--iters", type=int, default=20, help="graph replays per variant")
     p.add_argument("--out", help="write the JSON here")
+    p.add_argument("--plot", help="write a PNG here: each variant summed over the sites, per M")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("invariant_gemm times CUDA kernels: no CUDA device here")
     result = measure(args)
     table(result)
     write_json(args.out, result)
+    totals = sums(result)
+    variants = list(next(iter(totals.values()))) if totals else []
+    plot_bars(
+        args.plot,
+        "DeepSeek-V3.2 GEMM sites: invariant kernel vs cuBLAS",
+        [f"M {m}" for m in totals],
+        {v: [totals[m][v] for m in totals] for v in variants},
+        "us per step's GEMMs (sum over sites)",
+    )
 
 
 if __name__ == "__main__":
