@@ -95,7 +95,8 @@ def test_the_ragged_steps_benchmark_replays_and_agrees_with_eager(tmp_path, monk
     from benchmarks import ragged_steps
 
     out = tmp_path / "ragged.json"
-    monkeypatch.setattr(sys, "argv", ["ragged_steps", "--smoke", "--out", str(out)])
+    argv = ["ragged_steps", "--smoke", "--profile", "1", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphWarning)
         ragged_steps.main()
@@ -109,3 +110,4 @@ def test_the_ragged_steps_benchmark_replays_and_agrees_with_eager(tmp_path, monk
         assert r["bucket"] == min(s for s in ladder if s >= r["tokens"])
         assert r["same_argmax"] and r["max_abs_diff"] == 0.0
         assert r["planner_host_us_per_ragged_replay"] > 0
+        assert set(r["profile"]) == {"graph", "eager"}  # CPU: no device kernels to count

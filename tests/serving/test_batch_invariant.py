@@ -83,6 +83,7 @@ def test_the_claims_hold_on_the_cpu_in_both_modes(tmp_path, capsys):
     others (decode and verify), chunked prefill equals the whole prompt; float32 CPU. The
     speed part runs (both modes' decode steps side by side) but its ratio is not judged."""
     args = ["--smoke", "--default-too", "--out", str(tmp_path), "--limit", "1000"]
+    args += ["--profile", "1"]  # the kernel profile's path runs (no CUDA kernels to see here)
     status = batch_invariance.main(args)  # the CPU's step times prove nothing: no limit
     report = json.loads((tmp_path / "batch_invariance.json").read_text())
     assert status == 0, report["failures"]
@@ -93,6 +94,9 @@ def test_the_claims_hold_on_the_cpu_in_both_modes(tmp_path, capsys):
             rows = report[part][mode]
             assert rows and all(r["bit_identical"] for r in rows.values()), (part, mode, rows)
     assert set(report["speed"]["tiny"]) == {"1", "2", "4"}
+    profiled = report["speed"]["tiny"]["1"]["profile"]  # the smallest and largest batch
+    assert set(profiled) == {"default", "invariant"} and "profile" in report["speed"]["tiny"]["4"]
+    assert set(profiled["invariant"]) >= {"device_us_per_step", "groups_us", "top_kernels_us"}
     assert set(report["logits"]["invariant"]) == {
         "decode in 3",
         "decode in 9",
