@@ -303,12 +303,7 @@ def part_speed(s: Setting, iters: int, profile: int = 0) -> dict[str, Any]:
 
 def _profile(steps: dict[str, Callable[[int], Any]], n: int, device) -> dict[str, Any]:
     """Each mode's decode step, ``n`` steps under the profiler: device time by kernel group."""
-    out = {}
-    for mode_name, step in steps.items():
-        profiled = profile_steps(step, n, device, top=12)
-        del profiled["profile"]
-        out[mode_name] = profiled
-    return out
+    return {name: profile_steps(step, n, device, top=12)[0] for name, step in steps.items()}
 
 
 def _decode_step(engine: DecodeEngine, requests: list[Request], device: torch.device):

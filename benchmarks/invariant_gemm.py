@@ -8,8 +8,8 @@ column tiles), the same kernel unsplit, and ``--sweep``'s configurations. The fl
 weight's bytes over a device-to-device copy's bandwidth measured in the same process. Every
 variant runs 20 calls inside one CUDA graph (a decode step replays them so; a Python launch
 would time the host), timed with events (``graph_timers.time_graph``): median of ``--iters``
-replays per call. The
-invariant kernel's rows are also checked bit for bit: row 0 alone equals row 0 in the batch.
+replays per call. The invariant kernel's rows are also checked bit for bit: row 0 alone
+equals row 0 in the batch.
 
     python3 -m benchmarks.invariant_gemm --out "$OUT/invariant_gemm.json"   # a GPU
 """
@@ -24,7 +24,12 @@ import torch.nn.functional as F
 
 from benchmarks.common import machine, plot_bars, print_table, write_json
 from benchmarks.graph_timers import time_graph
-from dsv32_engine.models.layers.invariant_gemm import TileConfig, invariant_mm, tile_config
+from dsv32_engine.models.layers.invariant_gemm import (
+    TileConfig,
+    invariant_mm,
+    narrow_block_n,
+    tile_config,
+)
 
 SITES: dict[str, tuple[int, int, int, torch.dtype]] = {
     # name: (N, K, groups, weight dtype), DeepSeek-V3.2's dimensions
@@ -46,13 +51,8 @@ CALLS = 20
 
 
 def _unsplit(config: TileConfig, n: int, groups: int) -> TileConfig:
-    """The kernel before K splits: ``BLOCK_N`` narrowed (to 16) for column tiles instead."""
-    bn = 16
-    for width in (128, 64, 32):
-        if groups * -(-n // width) >= 128:
-            bn = width
-            break
-    return TileConfig(config[0], min(bn, max(16, 1 << (n - 1).bit_length())), *config[2:5], 1)
+    """The kernel before K splits: ``BLOCK_N`` narrowed for column tiles instead."""
+    return TileConfig(config[0], narrow_block_n(n, groups), *config[2:5], 1)
 
 
 def _call(a: torch.Tensor, w: torch.Tensor, config: TileConfig | None, out_dtype: torch.dtype):

@@ -84,7 +84,7 @@ def profile_config(model, batch: int, ctx: int, kernel: str, phase: str, args, d
         hooks = label_modules(model) if stacks else []
         for i in range(args.warmup):
             runner.step(batches[i % len(batches)], eager=eager)
-        profiled = profile_steps(
+        profiled, prof = profile_steps(
             lambda i: runner.step(batches[i % len(batches)], eager=eager),
             args.steps,
             device,
@@ -96,7 +96,6 @@ def profile_config(model, batch: int, ctx: int, kernel: str, phase: str, args, d
             hook.remove()
     replays = runner.stats.graph_steps
     runner.close()
-    prof = profiled.pop("profile")
     sites = call_sites(prof, args.steps, args.top, device=device.type == "cuda") if stacks else []
     return {
         "batch": batch,
@@ -117,11 +116,11 @@ def profile_steps(
     top: int = 15,
     torch_ops: bool = False,
     with_stack: bool = False,
-) -> dict:
+) -> tuple[dict, torch.profiler.profile]:
     """Device time of ``step(i)`` for ``i < steps`` under torch.profiler, per step: the
     total, by kernel group, the ``top`` kernels and (``torch_ops``) the aten ops that
-    launched them. Kernels inside a replayed CUDA graph are counted like any other. The
-    caller warms up first; ``profile`` in the result is the profiler, for more queries."""
+    launched them; and the profiler, for more queries. Kernels inside a replayed CUDA
+    graph are counted like any other. The caller warms up first."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -145,8 +144,7 @@ def profile_steps(
         "groups_us": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
         "top_kernels_us": sorted(kernels.items(), key=lambda kv: -kv[1])[:top],
         "torch_ops": ops[: 2 * top],
-        "profile": prof,
-    }
+    }, prof
 
 
 _REPO_DIRS = ("dsv32_engine/models/", "backends/", "planner/", "graphs/")

@@ -7,9 +7,9 @@ one process: replayed from the token bucket that holds it, and eagerly (the same
 ``eager=``: fresh plans, the forward without a graph). Reported per batch: step time
 (median and p99 over ``--iters`` after ``--warmup``), their ratio, and the planner's host
 time per ragged replay (the runner's refresh: ``planner.replay``); with ``--profile N``,
-the device time of N steps of each, kernel group by kernel group, side by side. The KV each request
-reads is its own range of cache slots (rows of the token table), so attention reads as
-much memory as a real step; what it reads is whatever the cache holds.
+the device time of N steps of each, kernel group by kernel group, side by side. The KV
+each request reads is its own range of cache slots (rows of the token table), so
+attention reads as much memory as a real step; what it reads is whatever the cache holds.
 
     python3 -m benchmarks.ragged_steps --config dsv32-shapes --out "$OUT/ragged.json" \
         --plot "$OUT/ragged.png"                    # the H200
@@ -138,11 +138,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def _profile(engine: DecodeEngine, batch: ForwardBatch, inputs, steps: int, eager) -> dict:
     """Device time of the batch's step (replayed, or eager), by kernel group."""
-    profiled = profile_steps(
-        lambda _: engine.runner.step(batch, inputs, eager=eager), steps, engine.device, top=12
-    )
-    del profiled["profile"]
-    return profiled
+    step = lambda _: engine.runner.step(batch, inputs, eager=eager)  # noqa: E731
+    return profile_steps(step, steps, engine.device, top=12)[0]
 
 
 def _agreement(engine: DecodeEngine, batch: ForwardBatch, inputs) -> dict[str, Any]:

@@ -4,11 +4,11 @@ Per layer: gather the requests' index keys flat (``kv_slots``), score the query 
 chunks of ``plan.indexer_chunk_rows`` with deep_gemm's ``fp8_mqa_logits`` in its
 compressed layout, ``plan.max_seq_len`` columns a row, and keep each token's best
 ``topk`` (``row_topk``); a token whose causal KV fits in ``topk`` takes all of it instead,
-chosen per row with ``torch.where``, and is not scored (an empty range). Chunk bounds come from the token count (a shape) and
-the plan's scalars, never from the batch's values (``extend_ops``), so the whole function
-has static shapes and no host reads: a CUDA graph captures it, its chunks valid for every
-batch it replays. Sparse MLA then reads the selected slots exactly as in decode
-(``sparse_mla_decode``, one row per query token).
+chosen per row with ``torch.where``, and is not scored (an empty range). Chunk bounds come
+from the token count (a shape) and the plan's scalars, never from the batch's values
+(``extend_ops``), so the whole function has static shapes and no host reads: a CUDA graph
+captures it, its chunks valid for every batch it replays. Sparse MLA then reads the
+selected slots exactly as in decode (``sparse_mla_decode``, one row per query token).
 """
 
 from __future__ import annotations

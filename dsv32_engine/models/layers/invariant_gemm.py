@@ -14,8 +14,8 @@ few column tiles (a decode GEMM that would leave most SMs idle) is cut along ``K
 FIXED number of splits, also from ``N``, ``K`` and the group count only: each split walks
 its ``K`` range in order into an fp32 partial, and a second kernel adds the partials in
 split order, then the bias, and rounds once. Without splits, each output element is one
-fp32 accumulator walked over ``K`` in ``BLOCK_K`` steps in order, rounded once. The rows of a tile are independent lanes of the
-same instructions, so a row's result is the same bits wherever it sits in whichever batch
+fp32 accumulator walked over ``K`` in ``BLOCK_K`` steps in order, rounded once. The rows
+of a tile are independent lanes of the same instructions, so a row's result is the same bits wherever it sits in whichever batch
 (``M`` is not specialised on either: one compiled kernel for every batch size).
 
 16-bit operands multiply on tensor cores; fp32 ones (or a 16-bit activation against an
@@ -50,6 +50,7 @@ __all__ = [
     "invariant_linear",
     "invariant_mm",
     "invariant_mm_reference",
+    "narrow_block_n",
     "tile_config",
 ]
 
@@ -100,17 +101,23 @@ def tile_config(n: int, k: int, groups: int, ieee: bool) -> TileConfig:
     much as a used one): 16-row tiles and 32-deep K steps, ``BLOCK_N`` the widest of
     128..16 that keeps ``MIN_PROGRAMS`` column tiles, split likewise."""
     if ieee:
-        bn = 16
-        for width in (128, 64, 32):
-            if groups * triton.cdiv(n, width) >= MIN_PROGRAMS:
-                bn = width
-                break
-        bn = min(bn, max(16, triton.next_power_of_2(n)))
+        bn = narrow_block_n(n, groups)
         bk = min(32, max(16, triton.next_power_of_2(k)))
         return TileConfig(16, bn, bk, 4, 3, _splits(n, k, groups, bn, bk))
     bn = min(128, max(16, triton.next_power_of_2(n)))
     bk = min(64, max(16, triton.next_power_of_2(k)))
     return TileConfig(64, bn, bk, 4, 4, _splits(n, k, groups, bn, bk))
+
+
+def narrow_block_n(n: int, groups: int) -> int:
+    """The widest ``BLOCK_N`` of 128..16 that keeps ``MIN_PROGRAMS`` column tiles over the
+    groups (16 if none does), and no wider than the weight."""
+    bn = 16
+    for width in (128, 64, 32):
+        if groups * triton.cdiv(n, width) >= MIN_PROGRAMS:
+            bn = width
+            break
+    return min(bn, max(16, triton.next_power_of_2(n)))
 
 
 def _splits(n: int, k: int, groups: int, bn: int, bk: int) -> int:
