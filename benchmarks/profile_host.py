@@ -19,41 +19,26 @@ and the top functions; ``--out`` writes everything as JSON.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import dataclasses
-import pstats
 import random
 import warnings
 
 import numpy as np
 import torch
 
-from benchmarks.common import machine, num_sms_of, print_table, sync, time_host, write_json
+from benchmarks.common import (
+    cprofile_top,
+    machine,
+    num_sms_of,
+    print_table,
+    sync,
+    time_host,
+    write_json,
+)
 from benchmarks.planner_overhead import extend_setup
 from graphs import GraphRunner, PulledTransport
 from planner import Limits, Planner, PlanSet
 from tests.support.batches import make_pool, random_batch
-
-
-def _profile(fn, iters: int, top: int) -> list[dict]:
-    prof = cProfile.Profile()
-    prof.enable()
-    for i in range(iters):
-        fn(i)
-    prof.disable()
-    stats = pstats.Stats(prof)
-    rows = []
-    for (path, line, name), (_cc, nc, tt, ct, _) in stats.stats.items():
-        rows.append(
-            {
-                "function": f"{path.split('/')[-1]}:{line}({name})",
-                "calls_per_iter": nc / iters,
-                "self_us": 1e6 * tt / iters,
-                "total_us": 1e6 * ct / iters,
-            }
-        )
-    rows.sort(key=lambda r: -r["self_us"])
-    return rows[:top]
 
 
 def _torch_profile(fn, iters: int, device: torch.device) -> str:
@@ -147,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         sync(device)
         results[name] = {"median_us": median, "p99_us": p99}
         if not name.startswith("floor"):
-            results[name]["top"] = _profile(fn, args.iters, args.top)
+            results[name]["top"] = cprofile_top(fn, args.iters, args.top)
             if device.type == "cuda":
                 results[name]["torch_profile"] = _torch_profile(fn, 20, device)
         sync(device)

@@ -7,7 +7,10 @@ one process: replayed from the token bucket that holds it, and eagerly (the same
 ``eager=``: fresh plans, the forward without a graph). Reported per batch: step time
 (median and p99 over ``--iters`` after ``--warmup``), their ratio, and the planner's host
 time per ragged replay (the runner's refresh: ``planner.replay``); with ``--profile N``,
-the device time of N steps of each, kernel group by kernel group, side by side. The KV
+the device time of N steps of each, kernel group by kernel group, side by side; with
+``--host-profile N``, where the replayed step's host time goes (cProfile of N steps, each
+synchronised as timed) and ``planner.replay`` alone in a tight loop, to tell its own work
+from what a step between replays costs it (caches and clocks after a device wait). The KV
 each request reads is its own range of cache slots (rows of the token table), so
 attention reads as much memory as a real step; what it reads is whatever the cache holds.
 
@@ -19,11 +22,22 @@ attention reads as much memory as a real step; what it reads is whatever the cac
 from __future__ import annotations
 
 import argparse
+import cProfile
 from typing import Any
 
 import torch
 
-from benchmarks.common import logits_of, plot_bars, print_table, time_calls, write_json
+from benchmarks.common import (
+    cprofile_rows,
+    cprofile_top,
+    logits_of,
+    plot_bars,
+    print_table,
+    sync,
+    time_calls,
+    time_host,
+    write_json,
+)
 from benchmarks.profile_step import print_side_by_side, profile_steps
 from dsv32_engine.serving.engine import DecodeEngine
 from dsv32_engine.serving.run_config import load_run_config
@@ -113,6 +127,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     for variant, eager in (("graph", None), ("eager", "benchmark"))
                 }
                 print_side_by_side(f"kernels of {decoding} decoding + {chunk} chunk", profiled)
+            hosted = _host_profile(engine, batch, inputs, args.host_profile)
             row = {
                 **_agreement(engine, batch, inputs),
                 "decoding": decoding,
@@ -125,6 +140,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "planner_host_us_per_ragged_replay": host * 1e6,
                 "speedup_median": eager["median_ms"] / graph["median_ms"],
                 "profile": profiled,
+                "host_profile": hosted,
             }
             rows.append(row)
     return {
@@ -140,6 +156,53 @@ def _profile(engine: DecodeEngine, batch: ForwardBatch, inputs, steps: int, eage
     """Device time of the batch's step (replayed, or eager), by kernel group."""
     step = lambda _: engine.runner.step(batch, inputs, eager=eager)  # noqa: E731
     return profile_steps(step, steps, engine.device, top=12)[0]
+
+
+def _host_profile(engine: DecodeEngine, batch: ForwardBatch, inputs, steps: int) -> dict:
+    """Where a replayed step's planner time goes: ``planner.replay`` profiled (cProfile, top
+    functions by self time) inside ``steps`` synchronised steps, and again back to back
+    alone, with the median of each unprofiled: the same calls, warm or after a step."""
+    if not steps:
+        return {}
+    runner, planner = engine.runner, engine.runner.planner
+    runner.step(batch, inputs)
+    plans = runner.last_plans  # the bucket the step replayed
+    replay = planner.replay
+
+    def alone(_: int) -> None:
+        replay(batch, plans.reqs, tokens=plans.tokens)
+
+    out = {"alone": time_host(alone, warmup=20, iters=max(steps, 100))}
+    out["alone_top"] = cprofile_top(alone, max(steps, 100), top=15)
+    sync(engine.device)
+    prof = cProfile.Profile()
+
+    def profiled(*args, **kwargs):
+        prof.enable()
+        try:
+            return replay(*args, **kwargs)
+        finally:
+            prof.disable()
+
+    planner.replay = profiled  # this benchmark's own instance: the runner's call goes through
+    try:
+        for _ in range(steps):
+            runner.step(batch, inputs)
+            sync(engine.device)
+    finally:
+        del planner.replay
+    out["in_steps_top"] = cprofile_rows(prof, steps, top=15)
+    print(
+        f"host: planner.replay alone p50 {out['alone']['median_us']:.1f} us, p99 "
+        f"{out['alone']['p99_us']:.1f} us; profiled (self us per call, alone | in steps):"
+    )
+    for name in ("alone_top", "in_steps_top"):
+        for row in out[name]:
+            print(
+                f"  {name[:-4]:8s} {row['self_us']:8.1f} {row['total_us']:8.1f} "
+                f"{row['calls_per_iter']:6.1f}  {row['function']}"
+            )
+    return out  # fmt: skip
 
 
 def _agreement(engine: DecodeEngine, batch: ForwardBatch, inputs) -> dict[str, Any]:
@@ -184,6 +247,13 @@ def main() -> None:
         metavar="STEPS",
         help="also profile STEPS steps of each batch, replayed and eager: kernels by group",
     )
+    p.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also cProfile STEPS replayed steps of each batch and time planner.replay alone",
+    )
     p.add_argument("--out", help="write the JSON here")
     p.add_argument("--plot", help="write a PNG plot here")
     p.add_argument("--smoke", action="store_true", help="the CPU tiny model, a few steps")
@@ -191,6 +261,7 @@ def main() -> None:
     if args.smoke:
         args.config, args.decoding, args.chunks = "dsv32-tiny", [2, 4], [8, 32]
         args.context, args.iters, args.warmup = 64, 3, 1
+        args.host_profile = min(args.host_profile, 3)
     result = measure(args)
     table(result)
     write_json(args.out, result)
