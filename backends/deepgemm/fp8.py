@@ -288,11 +288,11 @@ def gather_index_cache(
     offset = slots - block * PAGE
     # A key's bytes move as the widest words its layout allows (8 bytes for D = 128):
     # torch's index kernel copies one element per thread, so bytes would take 8x the work.
-    keys = _as_words(k_view)[block, offset].view(torch.uint8).view(torch.float8_e4m3fn)
+    keys = as_words(k_view)[block, offset].view(torch.uint8).view(torch.float8_e4m3fn)
     return keys, s_view[block, offset]
 
 
-def _as_words(k_view: torch.Tensor) -> torch.Tensor:
+def as_words(k_view: torch.Tensor) -> torch.Tensor:
     """``k_view [nb, 64, D]`` (1-byte elements) as the widest integer words (8, 4, 2 or 1
     bytes) that divide ``D``, its strides and its offset: the same bytes, fewer elements."""
     raw = k_view.view(torch.uint8)
