@@ -121,12 +121,14 @@ def time_paired(
     warmup: int,
     iters: int,
     ratios_to: Sequence[str] = (),
+    between: Callable[[], Any] | None = None,
 ) -> dict[str, dict[str, float]]:
     """:func:`time_host` of several variants of one step, interleaved call by call (each
     round in a shuffled order), so the host's drift, which on the GPU hosts moves medians by 2x between
     blocks of calls, falls on every variant alike. Each variant's statistics, plus
     ``ratio_to_first``: the median over iterations of its time over the first variant's, and
-    ``ratio_to <name>`` the same over each variant named in ``ratios_to``."""
+    ``ratio_to <name>`` the same over each variant named in ``ratios_to``. ``between()`` runs
+    untimed before every timed call (what a serving loop does between two of them)."""
     names = list(variants)
     for i in range(warmup):
         for name in names:
@@ -138,6 +140,8 @@ def time_paired(
         # evicted the caches, or always right after the same other one
         shuffle(order)
         for name in order:
+            if between is not None:
+                between()
             start = time.perf_counter()
             variants[name](i)
             samples[name].append((time.perf_counter() - start) * 1e6)

@@ -118,6 +118,8 @@ class StagingLayout:
         wanted = list(sources)
         named = {source for source, _ in wanted}
         wanted += [(source, 0) for source in SOURCES if source not in named]
+        self.sources = wanted
+        """Every (source, pad) staged, in order: what :meth:`packed` lays out again."""
         self.segments: dict[tuple[str, int], Segment] = {}
         offset = 0
         for source, pad in wanted:
@@ -144,6 +146,12 @@ class StagingLayout:
         )
         """What ``_fill`` reads of each segment, unpacked once, with the batch attribute its
         source is read from (None: derived, or written as a constant)."""
+
+    def packed(self, reqs: int, tokens: int) -> StagingLayout:
+        """The same segments, in the same order, sized for a bucket of ``reqs`` requests and
+        ``tokens`` tokens: a captured bucket's batches stage into this, so the fill, the
+        range pass and the copy touch the bucket's elements, not the mode's capacity."""
+        return StagingLayout(self.sources, reqs, tokens)
 
     def fill_checked(
         self,
@@ -499,6 +507,18 @@ class Stager:
         self.device_buf = (
             torch.zeros(self.size * regions, dtype=torch.int32, device=device) if static else None
         )
+        self._buckets: dict[tuple[int, int], StagingLayout] = {}
+
+    def layout_for(self, reqs: int, tokens: int) -> StagingLayout:
+        """The layout a batch padded to ``reqs`` requests and ``tokens`` tokens stages in: a
+        static stager's, packed per bucket at the start of each region (captures are few,
+        so are buckets); a fresh stager's, its one layout."""
+        if not self.static:
+            return self.layout
+        layout = self._buckets.get((reqs, tokens))
+        if layout is None:
+            layout = self._buckets[(reqs, tokens)] = self.layout.packed(reqs, tokens)
+        return layout
 
     def stage(
         self,
@@ -527,8 +547,10 @@ class Stager:
             raise BatchError(
                 "more batches than staging regions", field="steps", expected=self.regions, actual=n
             )
+        layout = self.layout_for(reqs, tokens)
         size = self.size + extra if n == 1 else self.size
-        total = size * n
+        # the last region ends where its bucket's inputs end: a single batch sends only those
+        total = size * (n - 1) + (layout.size if self.static else size)
         fresh_on_host = not self.static and self.device.type == "cpu"
         if fresh_on_host:  # the plan's own memory, filled in place
             host = torch.empty(total + device_extra, dtype=torch.int32)
@@ -539,7 +561,7 @@ class Stager:
         for r, batch in enumerate(batches):
             region = view[r * size : (r + 1) * size] if n > 1 else view
             pending.append(
-                self.layout.fill_checked(
+                layout.fill_checked(
                     region,
                     batch,
                     reqs,

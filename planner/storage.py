@@ -345,9 +345,11 @@ class StaticStorage(_Storage):
         tokens = dims["tokens"]
         views = self._views.get((reqs, tokens))
         if views is None:
+            # the bucket's own packed layout (``Stager.layout_for``): what replays stage into
+            segments = source_segments(self.program, self.stager.layout_for(reqs, tokens))
             views = {
                 key: staged[seg.offset : seg.offset + (tokens if seg.per_token else reqs)]
-                for key, seg in self.segments.items()
+                for key, seg in segments.items()
             }
             for key, spec in _outputs(self.program.steps):
                 shape = resolve_shape(spec.shape, dims, field=f"{key[0]}.{key[1]}")
