@@ -28,17 +28,29 @@ def default_capture_ladder(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
 
 
-def default_token_ladder(max_tokens: int, reqs: int) -> list[int]:
-    """Token buckets of ragged (extend, mixed) graphs: 16, 32, 64, ... and ``max_tokens``.
+_MIDPOINTS_FROM = 256
+"""The token bucket past which the default ladder adds a midpoint to each doubling."""
 
-    Doubling keeps the graphs few (each captures the whole forward at that many tokens)
-    and the padding under half a bucket. No bucket equals ``reqs``, the request bucket of
+
+def default_token_ladder(max_tokens: int, reqs: int) -> list[int]:
+    """Token buckets of ragged (extend, mixed) graphs: 16, 32, 64, 128, 256, then 384, 512,
+    768, 1024, 1536, ... (a step of 1.5x or 1.33x), and ``max_tokens``.
+
+    Up to 256 tokens the buckets double: the forward's GEMMs there cost about the same
+    padded or not (their weights' bytes dominate), so more graphs would buy nothing. Past
+    it they are compute-bound and a padded token costs what a real one does: on
+    dsv32-shapes a 272-token mixed step replayed at 512 tokens spent 26.7 ms in GEMMs
+    against 18.5 ms eagerly (docs/benchmarks.md, issue 37), so the ladder adds the
+    midpoints ``3 * 2**k``, which bound the padding by a third of a bucket there, for one
+    graph more per doubling. No bucket equals ``reqs``, the request bucket of
     ragged graphs: an output with that many rows could be per token or per request, so it
     could not be sliced; such a bucket moves up by one token (down, at ``max_tokens``: a
     batch of exactly ``max_tokens`` tokens then runs eagerly, counted).
     """
     _check_max_batch(max_tokens, "max_tokens")
-    sizes = {s for s in (1 << k for k in range(4, max_tokens.bit_length())) if s < max_tokens}
+    doubling = [1 << k for k in range(4, max_tokens.bit_length())]
+    midpoints = [3 * s // 2 for s in doubling if s >= _MIDPOINTS_FROM]
+    sizes = {s for s in doubling + midpoints if s < max_tokens}
     sizes.add(max_tokens)
     if reqs in sizes:
         sizes.discard(reqs)
