@@ -118,8 +118,7 @@ class StagingLayout:
         wanted = list(sources)
         named = {source for source, _ in wanted}
         wanted += [(source, 0) for source in SOURCES if source not in named]
-        self.sources = wanted
-        """Every (source, pad) staged, in order: what :meth:`packed` lays out again."""
+        self.sources = wanted  # every (source, pad) staged, in order: what packed() lays out
         self.segments: dict[tuple[str, int], Segment] = {}
         offset = 0
         for source, pad in wanted:
@@ -511,8 +510,7 @@ class Stager:
 
     def layout_for(self, reqs: int, tokens: int) -> StagingLayout:
         """The layout a batch padded to ``reqs`` requests and ``tokens`` tokens stages in: a
-        static stager's, packed per bucket at the start of each region (captures are few,
-        so are buckets); a fresh stager's, its one layout."""
+        static stager's own per bucket (buckets are few), a fresh stager's one layout."""
         if not self.static:
             return self.layout
         layout = self._buckets.get((reqs, tokens))

@@ -345,7 +345,6 @@ class StaticStorage(_Storage):
         tokens = dims["tokens"]
         views = self._views.get((reqs, tokens))
         if views is None:
-            # the bucket's own packed layout (``Stager.layout_for``): what replays stage into
             segments = source_segments(self.program, self.stager.layout_for(reqs, tokens))
             views = {
                 key: staged[seg.offset : seg.offset + (tokens if seg.per_token else reqs)]
