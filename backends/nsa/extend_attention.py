@@ -1,10 +1,13 @@
 """Layer-side NSA for extend batches: the ragged indexer's top-k over an :class:`NSAExtendPlan`.
 
-Per layer: gather the requests' index keys flat (``kv_slots``), score the query tokens in
+Per layer: gather the requests' index keys flat (``kv_slots``; on CUDA only the batch's
+``kv_indptr[-1]`` entries, however long the graph's bound), score the query tokens in
 chunks of ``plan.indexer_chunk_rows`` with deep_gemm's ``fp8_mqa_logits`` in its
 compressed layout, ``plan.max_seq_len`` columns a row, and keep each token's best
 ``topk`` (``row_topk``); a token whose causal KV fits in ``topk`` takes all of it instead,
-chosen per row with ``torch.where``, and is not scored (an empty range). Chunk bounds come
+and is not scored (an empty range). The gather and the final choice of slots are one
+Triton launch each on CUDA (``extend_triton``), their torch forms here the references,
+and the CPU's path. Chunk bounds come
 from the token count (a shape) and the plan's scalars, never from the batch's values
 (``extend_ops``), so the whole function has static shapes and no host reads: a CUDA graph
 captures it, its chunks valid for every batch it replays. Sparse MLA then reads the

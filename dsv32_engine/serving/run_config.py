@@ -61,8 +61,9 @@ class PlannerSection(_Section):
         None,
         ge=1,
         description="the most KV (sum of lengths) a prompt-chunk or mixed batch may hold and "
-        "still replay a ragged graph, whose flat KV gathers are this long; None: max_batch x "
-        "max_context (set it on a GPU: every ragged replay gathers this many index keys)",
+        "still replay a ragged graph, whose flat KV buffers are this long; None: max_batch x "
+        "max_context (on a GPU set it to what a loaded step holds: it costs graph memory; "
+        "the index-key gather moves only the batch's own KV)",
     )
     mla_kernel: Literal["auto", "triton", "torch", "flashinfer"] = Field(
         "auto",
