@@ -6,11 +6,11 @@ chunks of ``plan.indexer_chunk_rows`` with deep_gemm's ``fp8_mqa_logits`` in its
 compressed layout, ``plan.max_seq_len`` columns a row, and keep each token's best
 ``topk`` (``row_topk``); a token whose causal KV fits in ``topk`` takes all of it instead,
 and is not scored (an empty range). The gather and the final choice of slots are one
-Triton launch each on CUDA (``extend_triton``), their torch forms here the references,
-and the CPU's path. Chunk bounds come
-from the token count (a shape) and the plan's scalars, never from the batch's values
-(``extend_ops``), so the whole function has static shapes and no host reads: a CUDA graph
-captures it, its chunks valid for every batch it replays. Sparse MLA then reads the
+Triton launch each on CUDA (``extend_triton``); their torch forms here are the references
+and the CPU's path. Chunk bounds come from the token count (a shape) and the plan's
+scalars, never from the batch's values (``extend_ops``), so the whole function has static
+shapes and no host reads: a CUDA graph captures it, its chunks valid for every batch it
+replays. Sparse MLA then reads the
 selected slots exactly as in decode (``sparse_mla_decode``, one row per query token).
 """
 
@@ -80,12 +80,14 @@ def gather_keys(
     """The index keys and scales of ``slots``, flat: ``(k_fp8 [N, D], k_scale [N])``. On
     CUDA only the first ``count`` (a device scalar: the batch's flat KV) are written, one
     launch (``extend_triton``): the entries past it are never in a score range. Elsewhere,
-    or for a key width that is not a power-of-two count of words, every entry
-    (``gather_index_cache``, the reference)."""
+    or for keys the kernel cannot address (rows not dense within a page, a width that is
+    not a power-of-two count of words), every entry (``gather_index_cache``, the reference)."""
     k_view, s_view = index_cache_views(index_cache)
     words = as_words(k_view)
     width = words.shape[-1]
-    if not (slots.is_cuda and triton_available(slots.device)) or width & (width - 1):
+    addressable = words.stride()[1:] == (width, 1) and s_view.stride(1) == 1
+    on_gpu = slots.is_cuda and triton_available(slots.device)
+    if not (on_gpu and addressable) or width & (width - 1):
         return gather_index_cache(index_cache, slots)
     keys = torch.empty(slots.shape[0], width, dtype=words.dtype, device=slots.device)
     scales = torch.empty(slots.shape[0], dtype=torch.float32, device=slots.device)
