@@ -100,7 +100,7 @@ def test_the_ragged_steps_benchmark_replays_and_agrees_with_eager(tmp_path, monk
     from benchmarks import ragged_steps
 
     out = tmp_path / "ragged.json"
-    argv = ["ragged_steps", "--smoke", "--profile", "1", "--out", str(out)]
+    argv = ["ragged_steps", "--smoke", "--profile", "1", "--host-profile", "2", "--out", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphWarning)
@@ -116,3 +116,24 @@ def test_the_ragged_steps_benchmark_replays_and_agrees_with_eager(tmp_path, monk
         assert r["same_argmax"] and r["max_abs_diff"] == 0.0
         assert r["planner_host_us_per_ragged_replay"] > 0
         assert set(r["profile"]) == {"graph", "eager"}  # CPU: no device kernels to count
+        hosted = r["host_profile"]  # the replay alone, and profiled inside the steps
+        assert hosted["alone"]["median_us"] > 0
+        assert any("replay" in f["function"] for f in hosted["in_steps_top"] + hosted["alone_top"])
+
+
+def test_the_ragged_replay_benchmark_times_cold_replays(tmp_path):
+    """``ragged_replay --evict``: every variant timed with the caches written over before
+    each call, the sizes each batch routed to within the captured buckets."""
+    import json
+
+    from benchmarks import ragged_replay
+
+    out = tmp_path / "replay.json"
+    argv = ["--max-batch", "16", "--context", "256", "--chunk", "24", "--decoding", "6"]
+    argv += ["--req-buckets", "8", "16", "--token-buckets", "16", "32", "64"]
+    argv += ["--warmup", "2", "--iters", "6", "--evict", "1", "--out", str(out)]
+    assert ragged_replay.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert set(result["timed"]) == {"decode", "mixed", "extend"}
+    assert all(t["median_us"] > 0 and t["iters"] == 6 for t in result["timed"].values())
+    assert "1 MB written before each" in result["table"]
