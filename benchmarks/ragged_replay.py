@@ -19,7 +19,8 @@ loop's do:
 The three are interleaved call by call (``benchmarks.common.time_paired``), so the host's
 drift falls on each alike. ``--evict MB`` writes that much memory before every timed call,
 as the model's step between two replays does: the replay then runs with cold caches, as in
-a serving loop (in a tight loop its code and data stay cached, 3-5x faster than there). Only the public API is used, so the same script measures an
+a serving loop (in a tight loop its code and data stay cached, 3-5x faster than there).
+Only the public API is used, so the same script measures an
 older commit's tree beside this one (``git archive HEAD | tar -x -C /tmp/old``, then run
 both alternately).
 
@@ -156,14 +157,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "mixed": ragged("mixed"),
         "extend": ragged("extend"),
     }
-    evict = np.zeros(args.evict << 18, dtype=np.int32) if args.evict else None
+    between = None
+    if args.evict:
+        evict = np.zeros(args.evict << 18, dtype=np.int32)  # MB of int32
 
-    def between() -> None:
-        np.add(evict, 1, out=evict)  # every cache line written: what a step leaves behind
+        def between() -> None:
+            np.add(evict, 1, out=evict)  # every cache line written: what a step leaves behind
 
-    timed = time_paired(
-        variants, warmup=args.warmup, iters=args.iters, between=between if args.evict else None
-    )
+    timed = time_paired(variants, warmup=args.warmup, iters=args.iters, between=between)
     tokens = {name: sorted(b.num_tokens for b in made[name][args.warmup :]) for name in made}
     return {"timed": timed, "tokens": tokens}
 

@@ -202,7 +202,7 @@ def _host_profile(engine: DecodeEngine, batch: ForwardBatch, inputs, steps: int)
                 f"  {name[:-4]:8s} {row['self_us']:8.1f} {row['total_us']:8.1f} "
                 f"{row['calls_per_iter']:6.1f}  {row['function']}"
             )
-    return out  # fmt: skip
+    return out
 
 
 def _agreement(engine: DecodeEngine, batch: ForwardBatch, inputs) -> dict[str, Any]:

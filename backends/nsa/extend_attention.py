@@ -82,12 +82,13 @@ def gather_keys(
     launch (``extend_triton``): the entries past it are never in a score range. Elsewhere,
     or for keys the kernel cannot address (rows not dense within a page, a width that is
     not a power-of-two count of words), every entry (``gather_index_cache``, the reference)."""
+    if not (slots.is_cuda and triton_available(slots.device)):
+        return gather_index_cache(index_cache, slots)
     k_view, s_view = index_cache_views(index_cache)
     words = as_words(k_view)
     width = words.shape[-1]
     addressable = words.stride()[1:] == (width, 1) and s_view.stride(1) == 1
-    on_gpu = slots.is_cuda and triton_available(slots.device)
-    if not (on_gpu and addressable) or width & (width - 1):
+    if not addressable or width & (width - 1):
         return gather_index_cache(index_cache, slots)
     keys = torch.empty(slots.shape[0], width, dtype=words.dtype, device=slots.device)
     scales = torch.empty(slots.shape[0], dtype=torch.float32, device=slots.device)
