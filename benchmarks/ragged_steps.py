@@ -2,7 +2,7 @@
 
 Issue 37's measurement: ``D`` requests decoding at ``--context`` tokens of KV plus one
 prompt chunk of ``C`` tokens, as one mixed batch, for D in ``--decoding`` and C in
-``--chunks``. Each batch runs through the engine's graph runner twice, side by side in
+``--chunks`` (after ``--prefix`` cached tokens of its prompt). Each batch runs through the engine's graph runner twice, side by side in
 one process: replayed from the token bucket that holds it, and eagerly (the same runner,
 ``eager=``: fresh plans, the forward without a graph). Reported per batch: step time
 (median and p99 over ``--iters`` after ``--warmup``), their ratio, and the planner's host
@@ -45,12 +45,13 @@ from graphs.sizes import default_token_ladder
 from planner.batch import ForwardBatch, ForwardMode
 
 
-def mixed_batch(engine: DecodeEngine, decoding: int, context: int, chunk: int):
-    """``decoding`` one-token extends at ``context`` KV and one ``chunk``-token prompt."""
+def mixed_batch(engine: DecodeEngine, decoding: int, context: int, chunk: int, prefix: int = 0):
+    """``decoding`` one-token extends at ``context`` KV and one ``chunk``-token prompt
+    chunk after ``prefix`` cached tokens of its prompt."""
     table = engine.pool.req_to_token
     slots = engine.cache.num_slots
     width = table.shape[1]
-    lens, new, rows = [context] * decoding + [chunk], [1] * decoding + [chunk], []
+    lens, new, rows = [context] * decoding + [prefix + chunk], [1] * decoding + [chunk], []
     locs, positions = [], []
     for r, (length, n) in enumerate(zip(lens, new)):
         row = r + 1  # row 0 is the null request
@@ -94,7 +95,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "graphs.token_sizes": routed_buckets(args.decoding, args.chunks, top),
         "loop.chunk_tokens": max(args.chunks),
         "planner.max_batch": top,
-        "planner.ragged_kv_tokens": top * args.context + max(args.chunks),
+        "planner.ragged_kv_tokens": top * args.context + args.prefix + max(args.chunks),
     }
     engine = DecodeEngine(load_run_config(args.config, overrides))
     capture = engine.runner.capture().summary()
@@ -102,7 +103,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for decoding in args.decoding:
         for chunk in args.chunks:
-            batch, ids = mixed_batch(engine, decoding, args.context, chunk)
+            batch, ids = mixed_batch(engine, decoding, args.context, chunk, args.prefix)
             size, why = engine.runner.route(
                 ForwardMode.MIXED, batch.bs, batch.num_tokens, int(batch.seq_lens_cpu.sum())
             )
@@ -147,6 +148,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "config": args.config,
         "device": str(engine.device),
         "context": args.context,
+        "prefix": args.prefix,
         "capture": capture,
         "rows": rows,
     }
@@ -219,7 +221,8 @@ def _agreement(engine: DecodeEngine, batch: ForwardBatch, inputs) -> dict[str, A
 
 def table(result: dict[str, Any]) -> str:
     return print_table(
-        f"mixed steps, {result['config']} on {result['device']}, context {result['context']}",
+        f"mixed steps, {result['config']} on {result['device']}, context {result['context']}, "
+        f"chunk prefix {result.get('prefix', 0)}",
         ("decoding", "chunk", "bucket", "graph ms p50", "p99", "eager ms p50", "p99",
          "speed-up", "host us/replay", "max |g-e|", "argmax"),
         [
@@ -238,6 +241,13 @@ def main() -> None:
     p.add_argument("--decoding", type=int, nargs="+", default=[16, 64])
     p.add_argument("--chunks", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--context", type=int, default=2048, help="KV tokens of each decoding request")
+    p.add_argument(
+        "--prefix",
+        type=int,
+        default=0,
+        help="cached tokens before the chunk (0: a fresh prompt; past --context every "
+        "chunk token reads a full top-k, as decoding requests do)",
+    )
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument(
