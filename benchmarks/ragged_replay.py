@@ -16,7 +16,17 @@ loop's do:
 - ``extend``: 1 to 4 prompts sharing a chunk budget of ``--chunk`` tokens, each after a
   cached prefix that grows.
 
-The three are interleaved call by call (``benchmarks.common.time_paired``), so the host's
+Beside the mixed replay the table has two floor rows, timed on the same mixed batches in the
+same interleaved run, so the planner's number is read against what no replay can go below
+(measured next to it, on the same host at the same moment):
+
+- ``floor``: the batch's five host inputs written into one preallocated int32 host buffer
+  (pinned on CUDA) and its used prefix copied to the device in one copy: no checks, no
+  padding, no planner. A pure-Python replay cannot do less.
+- ``floor+checks``: the floor plus the fewest numpy checks that refuse bad input (the range
+  of each input, a repeated slot, positions that do not continue each request's KV).
+
+The five are interleaved call by call (``benchmarks.common.time_paired``), so the host's
 drift falls on each alike. ``--evict MB`` writes that much memory before every timed call,
 as the model's step between two replays does: the replay then runs with cold caches, as in
 a serving loop (in a tight loop its code and data stay cached, 3-5x faster than there).
@@ -31,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -110,6 +122,114 @@ class Serving:
         return ragged_batch(self.table, ForwardMode.EXTEND, pools, lens, new)
 
 
+Inputs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | torch.Tensor, np.ndarray]
+"""A ragged batch's five int32 inputs: lengths, extend lengths, pool rows, slots, positions;
+the slots stay a device tensor where the engine hands them over on the device."""
+
+
+def batch_inputs(batch: ForwardBatch) -> Inputs:
+    """The five inputs, host ones as numpy views (no copy). A ragged batch has all five
+    (no None test here: the floor checks nothing)."""
+    slots = batch.out_cache_loc
+    return (
+        batch.seq_lens_cpu.numpy(),
+        batch.extend_lens_cpu.numpy(),  # type: ignore[union-attr]
+        batch.req_pool_indices.numpy(),
+        slots if slots.is_cuda else slots.numpy(),
+        batch.positions.numpy(),  # type: ignore[union-attr]
+    )
+
+
+class Staging:
+    """One preallocated int32 host buffer (pinned on CUDA, its numpy view taken once) and its
+    device twin: the least host work any replay must do is write its host inputs here, copy
+    the used prefix over in one copy, and copy a device-resident input after it on the
+    device (as the planner does), so this is the floor a pure-Python replay cannot go
+    below."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host = torch.empty(capacity, dtype=I32, pin_memory=self.cuda)
+        self.view = self.host.numpy()
+        self.dev = torch.empty(capacity, dtype=I32, device=device)
+
+    def stage(self, inputs: Inputs) -> int:
+        """Write the host ``inputs`` into consecutive slices, copy the used prefix, then the
+        device ones after it; the entries used."""
+        view, used, on_device = self.view, 0, []
+        for a in inputs:
+            if isinstance(a, torch.Tensor):
+                on_device.append(a)
+                continue
+            view[used : used + a.size] = a
+            used += a.size
+        self.dev[:used].copy_(self.host[:used], non_blocking=self.cuda)
+        for t in on_device:
+            self.dev[used : used + t.shape[0]].copy_(t)
+            used += t.shape[0]
+        return used
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Limits a replay refuses input past: slots ``< kv_slots``, pool rows ``< pool_rows``,
+    lengths ``1..context``, positions ``< context``."""
+
+    kv_slots: int
+    pool_rows: int
+    context: int
+
+
+def _within(a: np.ndarray, lo: int, hi: int, name: str) -> None:
+    """Refuse ``a`` unless every value is in ``lo..hi`` (inclusive): one min, one max."""
+    if a.min() < lo or a.max() > hi:
+        raise ValueError(f"{name} outside {lo}..{hi}")
+
+
+def check_inputs(inputs: Inputs, bounds: Bounds) -> None:
+    """The fewest numpy checks a replay needs to refuse a bad ragged batch (ValueError): each
+    input's range, no slot written twice, positions continuing each request's KV (request
+    ``r``'s tokens at ``seq_len - extend_len + arange(extend_len)``). Slots on the device
+    are not read (a read would wait for the GPU; the planner leaves them to debug mode
+    too). The floor plus these is the floor of a replay that validates its input."""
+    seq, ext, pools, loc, pos = inputs
+    ctx = bounds.context
+    _within(seq, 1, ctx, "seq_lens")
+    _within(ext, 1, ctx, "extend_lens")
+    _within(pools, 0, bounds.pool_rows - 1, "req_pool_indices")
+    _within(pos, 0, ctx - 1, "positions")
+    ends = np.cumsum(ext)
+    if not (seq.size == ext.size == pools.size and loc.shape[0] == pos.size == ends[-1]):
+        raise ValueError("sizes disagree: requests or tokens")
+    if not isinstance(loc, torch.Tensor):
+        _within(loc, 0, bounds.kv_slots - 1, "out_cache_loc")
+        ordered = np.sort(loc)
+        if (ordered[1:] == ordered[:-1]).any():
+            raise ValueError("out_cache_loc: a slot repeated")
+    # token j of request r sits at seq[r] - ext[r] + (j - start[r]) = (seq[r] - end[r]) + j
+    if (np.repeat(seq - ends, ext) + np.arange(pos.size) != pos).any():
+        raise ValueError("positions do not continue each request's KV")
+
+
+def floor_variants(
+    batches: Sequence[ForwardBatch], bounds: Bounds, device: torch.device
+) -> dict[str, Callable[[int], None]]:
+    """``floor`` and ``floor+checks`` of ``batches`` (one call per batch), each staging into
+    its own preallocated buffers, sized for the largest batch."""
+    capacity = max(sum(a.shape[0] for a in batch_inputs(b)) for b in batches)
+    bare, checked = Staging(capacity, device), Staging(capacity, device)
+
+    def floor(i: int) -> None:
+        bare.stage(batch_inputs(batches[i]))
+
+    def floor_checks(i: int) -> None:
+        inputs = batch_inputs(batches[i])
+        check_inputs(inputs, bounds)
+        checked.stage(inputs)
+
+    return {"floor": floor, "floor+checks": floor_checks}
+
+
 def bucket_of(batch: ForwardBatch, reqs: list[int], tokens: list[int]) -> tuple[int, int]:
     """The smallest captured bucket holding ``batch`` (fewest tokens, then fewest requests)."""
     n = batch.num_tokens
@@ -152,9 +272,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         batches, at = made[name], buckets[name]
         return lambda i: planner.replay(batches[i], at[i][1], tokens=at[i][0])
 
+    bounds = Bounds(kv_slots=limits.kv_slots, pool_rows=table.shape[0], context=args.context)
     variants = {
         "decode": lambda i: planner.replay(made["decode"][i], bs),
         "mixed": ragged("mixed"),
+        **floor_variants(made["mixed"], bounds, device),  # the floor beside the mixed replay
         "extend": ragged("extend"),
     }
     between = None
@@ -164,8 +286,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         def between() -> None:
             np.add(evict, 1, out=evict)  # every cache line written: what a step leaves behind
 
-    timed = time_paired(variants, warmup=args.warmup, iters=args.iters, between=between)
-    tokens = {name: sorted(b.num_tokens for b in made[name][args.warmup :]) for name in made}
+    timed = time_paired(
+        variants, warmup=args.warmup, iters=args.iters, ratios_to=("floor",), between=between
+    )
+    batches_of = {"floor": "mixed", "floor+checks": "mixed"}  # the floor rows time mixed batches
+    tokens = {
+        name: sorted(b.num_tokens for b in made[batches_of.get(name, name)][args.warmup :])
+        for name in variants
+    }
     return {"timed": timed, "tokens": tokens}
 
 

@@ -100,12 +100,15 @@ def test_the_ragged_steps_benchmark_replays_and_agrees_with_eager(tmp_path, monk
     from benchmarks import ragged_steps
 
     out = tmp_path / "ragged.json"
-    argv = ["ragged_steps", "--smoke", "--profile", "1", "--host-profile", "2", "--out", str(out)]
+    argv = ["ragged_steps", "--smoke", "--profile", "1", "--host-profile", "2", "--prefix", "24"]
+    argv += ["--out", str(out)]  # the chunk continues a prompt: 24 cached tokens before it
     monkeypatch.setattr(sys, "argv", argv)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphWarning)
         ragged_steps.main()
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["prefix"] == 24
     assert [(r["decoding"], r["chunk"]) for r in rows] == [(2, 8), (2, 32), (4, 8), (4, 32)]
     # Only the routed buckets are captured, and they are the full default ladder's choice:
     # the batches pad as they would in a server (5 requests; chunks up to 32 tokens).
@@ -134,6 +137,42 @@ def test_the_ragged_replay_benchmark_times_cold_replays(tmp_path):
     argv += ["--warmup", "2", "--iters", "6", "--evict", "1", "--out", str(out)]
     assert ragged_replay.main(argv) == 0
     result = json.loads(out.read_text())
-    assert set(result["timed"]) == {"decode", "mixed", "extend"}
+    assert set(result["timed"]) == {"decode", "mixed", "floor", "floor+checks", "extend"}
     assert all(t["median_us"] > 0 and t["iters"] == 6 for t in result["timed"].values())
     assert "1 MB written before each" in result["table"]
+    # the floor rows time the mixed batches: their tokens, and a row each in the table
+    assert (
+        result["tokens"]["floor"] == result["tokens"]["floor+checks"] == result["tokens"]["mixed"]
+    )
+    rows = [line.split()[0] for line in result["table"].splitlines()[3:]]
+    assert rows[1:4] == ["mixed", "floor", "floor+checks"]
+
+
+def test_the_ragged_replay_floor_checks_refuse_bad_input():
+    """``floor+checks`` times checks that can fail: a repeated slot, a position that does not
+    continue its request's KV, a slot past the cache are each refused; the good batch passes."""
+    import torch
+
+    from benchmarks.ragged_replay import Bounds, batch_inputs, check_inputs, ragged_batch
+    from benchmarks.seed_stack import make_table
+
+    table, pages = make_table(4, 256, torch.device("cpu"), 0)
+    kv_slots = pages * 64
+    good = batch_inputs(ragged_batch(table, ForwardMode.MIXED, [1, 2, 3], [40, 9, 30], [1, 1, 6]))
+    bounds = Bounds(kv_slots=kv_slots, pool_rows=table.shape[0], context=256)
+    check_inputs(good, bounds)
+
+    def bad(field: int, at: int, value) -> tuple:
+        arrays = [a.copy() for a in good]
+        arrays[field][at] = value(arrays[field])
+        return tuple(arrays)
+
+    loc, pos = 3, 4
+    cases = {
+        "a slot repeated": bad(loc, 1, lambda a: a[0]),
+        "positions do not continue": bad(pos, 4, lambda a: a[4] + 1),
+        r"out_cache_loc outside": bad(loc, 2, lambda a: kv_slots),
+    }
+    for match, arrays in cases.items():
+        with pytest.raises(ValueError, match=match):
+            check_inputs(arrays, bounds)
