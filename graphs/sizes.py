@@ -30,6 +30,9 @@ def default_capture_ladder(max_batch: int) -> list[int]:
 
 _MIDPOINTS_FROM = 256
 """The token bucket past which the default ladder adds a midpoint to each doubling."""
+_TOP_GAP = 16
+"""The fewest tokens a full-chunk bucket (see :func:`default_token_ladder`) lies from any
+other: closer, another graph would save too little padding to pay for itself."""
 
 
 def default_token_ladder(max_tokens: int, reqs: int) -> list[int]:
@@ -42,7 +45,13 @@ def default_token_ladder(max_tokens: int, reqs: int) -> list[int]:
     dsv32-shapes a 272-token mixed step replayed at 512 tokens spent 26.7 ms in GEMMs
     against 18.5 ms eagerly (docs/benchmarks.md, issue 37), so the ladder adds the
     midpoints ``3 * 2**k``, which bound the padding by a third of a bucket there, for one
-    graph more per doubling. No bucket equals ``reqs``, the request bucket of
+    graph more per doubling. A loaded loop's steps are a full chunk (``max_tokens - reqs``,
+    the engine's bound being a chunk plus a decode row per request) and, mixed, its
+    decoding requests on top: from 256 tokens on the ladder also holds the full chunk and
+    the chunk plus a quarter and a half of ``reqs``, so such a step pads by at most a
+    quarter of ``reqs`` where it has few decoding requests (on dsv32-shapes 16 decoding
+    beside a 1,024-token chunk padded 1,040 tokens to 1,089 and ran 2% slower than eager;
+    docs/benchmarks.md, issue 37). No bucket equals ``reqs``, the request bucket of
     ragged graphs: an output with that many rows could be per token or per request, so it
     could not be sliced; such a bucket moves up by one token (down, at ``max_tokens``: a
     batch of exactly ``max_tokens`` tokens then runs eagerly, counted).
@@ -52,6 +61,10 @@ def default_token_ladder(max_tokens: int, reqs: int) -> list[int]:
     midpoints = [3 * s // 2 for s in doubling if s >= _MIDPOINTS_FROM]
     sizes = {s for s in doubling + midpoints if s < max_tokens}
     sizes.add(max_tokens)
+    chunk = max_tokens - reqs
+    for s in (chunk, chunk + reqs // 4, chunk + reqs // 2):
+        if s >= _MIDPOINTS_FROM and all(abs(s - t) >= _TOP_GAP for t in sizes):
+            sizes.add(s)
     if reqs in sizes:
         sizes.discard(reqs)
         sizes.add(reqs + 1 if reqs < max_tokens else reqs - 1)

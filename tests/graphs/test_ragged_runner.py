@@ -42,10 +42,14 @@ def eager_chunks():
 def test_the_token_ladder_doubles_and_never_equals_the_request_bucket():
     assert default_token_ladder(264, 8) == [16, 32, 64, 128, 256, 264]
     # past 256 tokens a midpoint per doubling: padding at most a third of a bucket there
+    # and a full chunk (max_tokens - reqs) plus a quarter and a half of reqs: a loaded
+    # loop's mixed step, a chunk with few decoding requests on top, pads by reqs / 4
     assert default_token_ladder(2176, 128) == [
-        16, 32, 64, 129, 256, 384, 512, 768, 1024, 1536, 2048, 2176
+        16, 32, 64, 129, 256, 384, 512, 768, 1024, 1536, 2048, 2080, 2112, 2176
     ]  # fmt: skip
-    assert default_token_ladder(384, 8)[-2:] == [256, 384]
+    assert default_token_ladder(1000 + 64, 64)[-4:] == [768, 1000, 1024, 1064]  # 16 apart
+    assert default_token_ladder(256 + 64, 64)[-4:] == [256, 272, 288, 320]
+    assert default_token_ladder(384, 8)[-2:] == [256, 384]  # within 16 tokens of the top
     assert default_token_ladder(100, 16) == [17, 32, 64, 100]  # 16 is the request bucket
     assert default_token_ladder(16, 16) == [15]  # at the top: one token down
     assert token_ladder(100, 16, [8, 40]) == [8, 40]
