@@ -85,7 +85,10 @@ class GraphRunner:
     ``use_cuda_graph``: ``None`` uses real CUDA graphs when the planner's device is
     CUDA and the emulation otherwise; ``False`` forces the emulation (the same
     runner logic without capture, handy for debugging on a GPU); ``True``
-    requires CUDA. ``enabled=False`` runs every step eagerly.
+    requires CUDA. ``enabled=False`` runs every step eagerly. ``extend_tokens``: the most
+    query tokens an extend batch of the caller's loop holds (its chunk budget, where mixed
+    steps add decode rows on top): extend graphs stop at the smallest token bucket holding
+    it, mixed ones go on to the top of the ladder.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class GraphRunner:
         modes: Iterable[ForwardMode | str] | None = None,
         sizes: Sequence[int] | None = None,
         token_sizes: Sequence[int] | bool | None = None,
+        extend_tokens: int | None = None,
         use_cuda_graph: bool | None = None,
         enabled: bool = True,
         warmup: WarmupHook | None = None,
@@ -124,6 +128,20 @@ class GraphRunner:
             if ragged and any(m.ragged for m in self.modes)
             else []
         )
+        self._extend_ladder = self.token_sizes
+        """The token buckets of extend graphs: ``token_sizes`` up to ``extend_tokens``."""
+        if extend_tokens is not None:
+            if isinstance(extend_tokens, bool) or not isinstance(extend_tokens, int):
+                raise ConfigError("must be an int", field="extend_tokens", actual=extend_tokens)
+            if extend_tokens < 1:
+                raise ConfigError(
+                    "an extend batch holds at least one token",
+                    field="extend_tokens",
+                    expected=">= 1",
+                    actual=extend_tokens,
+                )
+            cut = bisect.bisect_left(self.token_sizes, extend_tokens)
+            self._extend_ladder = self.token_sizes[: cut + 1]
         self.warmup_hook = warmup
         self.warmup_runs = (1 if self.kind == "cuda" else 0) if warmup_runs is None else warmup_runs
         """Eager runs of each graph's forward before its capture: one on CUDA (kernels JIT-
@@ -245,7 +263,9 @@ class GraphRunner:
 
     def _ladder_of(self, mode: ForwardMode) -> list[int]:
         """What is captured of ``mode``: request buckets, or a ragged mode's token buckets."""
-        return self.token_sizes if mode.ragged else self.sizes
+        if not mode.ragged:
+            return self.sizes
+        return self._extend_ladder if mode is ForwardMode.EXTEND else self.token_sizes
 
     def _rows(self, mode: ForwardMode, size: int) -> int:
         """Per-token rows of the graph of ``size`` in ``mode``."""
@@ -297,7 +317,7 @@ class GraphRunner:
         if mode.ragged:
             if kv_tokens > self.planner.limits.kv_token_capacity:
                 return None, KV_OVER_BOUND
-            want, top = max(tokens, 1), self.token_sizes[-1]
+            want, top = max(tokens, 1), self._ladder_of(mode)[-1]
         else:
             want, top = max(bs, 1), self.sizes[-1]
         i = bisect.bisect_left(ladder, want)

@@ -142,6 +142,7 @@ class DecodeEngine:
             modes=modes,
             sizes=config.graphs.sizes,
             token_sizes=token_sizes,
+            extend_tokens=config.loop.chunk_tokens,  # prompt chunks; mixed steps add decodes
             enabled=enabled if isinstance(enabled, bool) else True,
         )
         self.scheduler = Scheduler(self.cache, self.pool, p.max_batch, page)

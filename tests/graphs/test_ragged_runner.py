@@ -68,12 +68,18 @@ def test_every_forward_replays_and_tokens_equal_eager_chunks(eager_chunks, mixed
     assert said == [] and not stats.eager and not stats.ragged  # nothing eager at all
     ragged = ForwardMode.MIXED if mixed else ForwardMode.EXTEND
     buckets = {size for (mode, size), n in stats.replays.items() if mode == ragged.value and n}
-    assert buckets and buckets <= set(engine.runner.token_sizes)
+    captured = engine.runner.captured_sizes(ragged)
+    assert buckets and buckets <= set(captured)
+    # extend graphs stop at the chunk budget (16 tokens); mixed steps add decode rows on top
+    ladder = engine.runner.token_sizes
+    assert engine.runner.captured_sizes(ForwardMode.EXTEND) == [s for s in ladder if s <= 16]
+    if mixed:
+        assert captured == ladder and ladder[-1] > 16
     assert engine.planner.stats.verified == stats.graph_steps  # debug: each replay re-planned
     assert result.tokens == eager_chunks[mixed]
     # the summary reports each bucket's capture cost
     labels = set(stats.summary()["capture_costs"])
-    assert {f"{ragged.value}/t{t}" for t in engine.runner.token_sizes} <= labels
+    assert {f"{ragged.value}/t{t}" for t in captured} <= labels
     assert f"capture {ragged.value}/t{engine.runner.token_sizes[0]}" in stats.render(200)
     summary = stats.summary()
     assert summary["ragged_replays"] == sum(
