@@ -222,7 +222,7 @@ def _agreement(engine: DecodeEngine, batch: ForwardBatch, inputs) -> dict[str, A
 def table(result: dict[str, Any]) -> str:
     return print_table(
         f"mixed steps, {result['config']} on {result['device']}, context {result['context']}, "
-        f"chunk prefix {result.get('prefix', 0)}",
+        f"chunk prefix {result['prefix']}",
         ("decoding", "chunk", "bucket", "graph ms p50", "p99", "eager ms p50", "p99",
          "speed-up", "host us/replay", "max |g-e|", "argmax"),
         [

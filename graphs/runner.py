@@ -27,7 +27,7 @@ import torch
 from graphs.graph import Graph, GraphKind, new_graph, new_pool, recover_after_failed_capture
 from graphs.inputs import InputSpec, StaticInputs, as_specs
 from graphs.outputs import GraphOutputError, output_kinds, slice_outputs
-from graphs.sizes import capture_ladder, token_ladder
+from graphs.sizes import capture_ladder, check_positive, token_ladder
 from graphs.stats import GraphStats
 from planner.batch import RAGGED_MODES, ForwardBatch, ForwardMode
 from planner.errors import BatchError, ConfigError, GraphSafetyError, ReplayError
@@ -131,15 +131,7 @@ class GraphRunner:
         self._extend_ladder = self.token_sizes
         """The token buckets of extend graphs: ``token_sizes`` up to ``extend_tokens``."""
         if extend_tokens is not None:
-            if isinstance(extend_tokens, bool) or not isinstance(extend_tokens, int):
-                raise ConfigError("must be an int", field="extend_tokens", actual=extend_tokens)
-            if extend_tokens < 1:
-                raise ConfigError(
-                    "an extend batch holds at least one token",
-                    field="extend_tokens",
-                    expected=">= 1",
-                    actual=extend_tokens,
-                )
+            check_positive(extend_tokens, "extend_tokens")
             cut = bisect.bisect_left(self.token_sizes, extend_tokens)
             self._extend_ladder = self.token_sizes[: cut + 1]
         self.warmup_hook = warmup

@@ -23,7 +23,7 @@ TOKEN_FIELD = "token_sizes"
 
 def default_capture_ladder(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 64, every 16 beyond, and ``max_batch``; ascending."""
-    _check_max_batch(max_batch)
+    check_positive(max_batch)
     sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, max_batch + 1, 16)]
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
 
@@ -56,7 +56,7 @@ def default_token_ladder(max_tokens: int, reqs: int) -> list[int]:
     could not be sliced; such a bucket moves up by one token (down, at ``max_tokens``: a
     batch of exactly ``max_tokens`` tokens then runs eagerly, counted).
     """
-    _check_max_batch(max_tokens, "max_tokens")
+    check_positive(max_tokens, "max_tokens")
     doubling = [1 << k for k in range(4, max_tokens.bit_length())]
     midpoints = [3 * s // 2 for s in doubling if s >= _MIDPOINTS_FROM]
     sizes = {s for s in doubling + midpoints if s < max_tokens}
@@ -104,7 +104,7 @@ def capture_ladder(
     """
     if sizes is None:
         return default_capture_ladder(max_batch)
-    _check_max_batch(max_batch, limit)
+    check_positive(max_batch, limit)
     if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
         raise ConfigError("capture sizes must be a list of integers", field=field, actual=sizes)
     values = list(sizes)
@@ -140,6 +140,9 @@ def capture_ladder(
     return values
 
 
-def _check_max_batch(max_batch: int, name: str = "max_batch") -> None:
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise ConfigError(f"{name} must be a positive integer", field=name, actual=max_batch)
+def check_positive(value: int, name: str = "max_batch") -> None:
+    """A count of requests or tokens the ladders are built for: an int of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"{name} must be a positive integer", field=name, expected=">= 1", actual=value
+        )
