@@ -36,6 +36,17 @@ _FAST_KEPT = 64
 """Specialisations kept per kernel for the direct launch (block sizes x index dtypes)."""
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n >= 1``): block sizes are host arithmetic, so a
+    tile configuration is worked out (and tested) where Triton is not installed."""
+    return 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``a / b`` rounded up, for the same host arithmetic (grids, tile counts)."""
+    return -(-a // b)
+
+
 def _interpreting() -> bool:
     # Ask triton itself when it can tell, so this agrees with what triton.jit does.
     knobs = getattr(triton, "knobs", None)

@@ -48,6 +48,7 @@ import math
 import torch
 
 from backends.common.triton_kernels import LazyKernel, triton_available
+from backends.common.triton_launch import next_power_of_2
 from backends.nsa.sparse_mla_checks import check_inputs, check_out, check_workspace, strides8
 from backends.nsa.sparse_mla_plan import (
     DEFAULT_CONFIG,
@@ -244,10 +245,6 @@ _combine = LazyKernel(_combine_kernel, aligned=True)
 # --- launcher ----------------------------------------------------------------------
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def sparse_mla_decode_triton(
     q_nope_abs: torch.Tensor,
     q_rope: torch.Tensor,
@@ -297,7 +294,7 @@ def sparse_mla_decode_triton(
     n_o = rows * splits * heads * latent
     ws_o = out if direct else workspace[:n_o]
     ws_lse = out if direct else workspace[n_o:need]
-    block_h = min(config.block_h, max(16, _next_pow2(heads)))
+    block_h = min(config.block_h, max(16, next_power_of_2(heads)))
     blocks = head_blocks(heads, block_h)
     _attend[(rows * splits * blocks,)](
         q_nope_abs,
@@ -332,7 +329,7 @@ def sparse_mla_decode_triton(
         num_stages=config.num_stages,
     )
     if not direct:
-        block_s = max(2, _next_pow2(splits))
+        block_s = max(2, next_power_of_2(splits))
         block_l = min(latent, max(16, _COMBINE_TILE // block_s))
         _combine[(rows * heads * (latent // block_l),)](
             ws_o,

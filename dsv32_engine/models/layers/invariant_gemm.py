@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.common.triton_kernels import LazyKernel, _interpreting, require_launchable
+from backends.common.triton_launch import cdiv, next_power_of_2
 
 try:
     import triton
@@ -102,10 +103,10 @@ def tile_config(n: int, k: int, groups: int, ieee: bool) -> TileConfig:
     128..16 that keeps ``MIN_PROGRAMS`` column tiles, split likewise."""
     if ieee:
         bn = narrow_block_n(n, groups)
-        bk = min(32, max(16, triton.next_power_of_2(k)))
+        bk = min(32, max(16, next_power_of_2(k)))
         return TileConfig(16, bn, bk, 4, 3, _splits(n, k, groups, bn, bk))
-    bn = min(128, max(16, triton.next_power_of_2(n)))
-    bk = min(64, max(16, triton.next_power_of_2(k)))
+    bn = min(128, max(16, next_power_of_2(n)))
+    bk = min(64, max(16, next_power_of_2(k)))
     return TileConfig(64, bn, bk, 4, 4, _splits(n, k, groups, bn, bk))
 
 
@@ -114,15 +115,15 @@ def narrow_block_n(n: int, groups: int) -> int:
     groups (16 if none does), and no wider than the weight."""
     bn = 16
     for width in (128, 64, 32):
-        if groups * triton.cdiv(n, width) >= MIN_PROGRAMS:
+        if groups * cdiv(n, width) >= MIN_PROGRAMS:
             bn = width
             break
-    return min(bn, max(16, triton.next_power_of_2(n)))
+    return min(bn, max(16, next_power_of_2(n)))
 
 
 def _splits(n: int, k: int, groups: int, bn: int, bk: int) -> int:
     """The fewest power-of-two ``K`` splits giving ``MIN_PROGRAMS`` programs per row tile."""
-    tiles, steps, splits = groups * triton.cdiv(n, bn), triton.cdiv(k, bk), 1
+    tiles, steps, splits = groups * cdiv(n, bn), cdiv(k, bk), 1
     while (
         tiles * splits < MIN_PROGRAMS
         and splits < MAX_SPLITS

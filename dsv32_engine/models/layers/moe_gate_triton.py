@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from backends.common.triton_kernels import LazyKernel, require_launchable
+from backends.common.triton_launch import next_power_of_2
 from dsv32_engine.models.layers.exact import sigmoid
 from dsv32_engine.models.layers.swiglu_triton import exp_is_libdevice, libdevice  # the kernel's exp
 
@@ -229,10 +230,6 @@ def _check(
         raise ValueError(f"top_k {top_k} out of 1..{eligible} (experts in the kept groups)")
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def route_triton(
     logits: torch.Tensor,
     bias: torch.Tensor,
@@ -266,13 +263,13 @@ def route_triton(
         logits.stride(0) if rows > 1 else n_experts,
         float(route_scale),
         TOP_K=top_k,
-        TOPK_P2=_pow2(top_k),
+        TOPK_P2=next_power_of_2(top_k),
         LANES=lanes,
         LOG_LANES=lanes.bit_length() - 1,
         N_GROUP=groups,
-        GROUPS_P2=_pow2(groups),
+        GROUPS_P2=next_power_of_2(groups),
         PER_GROUP=per if groups == 1 else per_group,
-        PER_P2=_pow2(per),
+        PER_P2=next_power_of_2(per),
         TOPK_GROUP=topk_group if groups > 1 else 1,
         # The interpreter cannot call libdevice; it evaluates tl.exp with numpy instead.
         LIBDEVICE_EXP=exp_is_libdevice(),
