@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import backends.deepgemm._native as native  # noqa: E402
+from backends.common.triton_kernels import triton_available  # noqa: E402
 from planner import PlanSet  # noqa: E402
 from planner import ops as ops_module  # noqa: E402
 from planner import registry as registry_module  # noqa: E402
@@ -26,12 +27,26 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    """The suite's two switches, each decided here only: ``gpu`` tests skip without CUDA,
+    and ``triton`` tests skip where Triton cannot run on their tensors' device. CI runs the
+    suite without Triton, then installs it and runs ``-m triton``: a test that skipped for
+    want of Triton any other way would run in neither (``tests/test_triton_marker.py``)."""
+    no_cuda = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if no_cuda is not None and "gpu" in item.keywords:
+            item.add_marker(no_cuda)
+        mark = item.get_closest_marker("triton")
+        if mark is not None:
+            # CPU tensors unless told: on a GPU machine TRITON_INTERPRET is off (above), so
+            # the interpreter tests skip there and the CUDA ones (device=DEVICE) run.
+            device = torch.device(mark.kwargs.get("device", "cpu"))
+            if not triton_available(device):
+                reason = (
+                    f"Triton cannot run on {device} here: it needs Triton (pip install -e "
+                    "'.[dev]') and, on the CPU, TRITON_INTERPRET=1 (set by tests/conftest.py "
+                    "where there is no GPU)"
+                )
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture

@@ -32,12 +32,9 @@ from backends.common import triton_kernels as tri  # noqa: E402
 from tests.support import REPO  # noqa: E402
 from tests.support.kernels import DEVICE, I32, garbage, ints  # noqa: E402
 
-needs_triton = pytest.mark.skipif(
-    not tri.triton_available(DEVICE), reason=f"Triton cannot run on {DEVICE} here"
-)
 IMPLS = [
     pytest.param(ref, id="torch"),
-    pytest.param(tri, id="triton", marks=needs_triton),
+    pytest.param(tri, id="triton", marks=pytest.mark.triton(device=DEVICE)),
 ]
 
 
@@ -277,7 +274,7 @@ def scan_kernel(request, monkeypatch):
     return request.param
 
 
-@needs_triton
+@pytest.mark.triton(device=DEVICE)
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 1000, 1024, 1025, 4096, 4097, 12345])
 def test_cumsum_with_zero_parity(scan_kernel, n):
     gen = torch.Generator().manual_seed(n)
@@ -285,7 +282,7 @@ def test_cumsum_with_zero_parity(scan_kernel, n):
     _assert_same(*_both("cumsum_with_zero", (n + 1,), x))
 
 
-@needs_triton
+@pytest.mark.triton(device=DEVICE)
 @pytest.mark.parametrize("n", [1, 3, 1000, 1025])
 @pytest.mark.parametrize(
     ("lo", "hi"), [(None, None), (-50, None), (None, 70), (-50, 70), (70, -50), (1, 1)]
@@ -296,14 +293,14 @@ def test_clamp_into_parity(n, lo, hi):
     _assert_same(*_both("clamp_into", (n,), x, lo, hi))
 
 
-@needs_triton
+@pytest.mark.triton(device=DEVICE)
 @pytest.mark.parametrize("n", [1, 2, 5, 1024, 1025])
 @pytest.mark.parametrize("step", [0, 1, 3, -2])
 def test_uniform_offsets_parity(n, step):
     _assert_same(*_both("uniform_offsets", (n,), step))
 
 
-@needs_triton
+@pytest.mark.triton(device=DEVICE)
 def test_1d_kernels_parity_at_a_million(scan_kernel):
     n = 1_000_000
     x = _rand(torch.Generator().manual_seed(n), -10_000, 10_000, n)
@@ -325,7 +322,7 @@ GATHER_CASES = [
 ]
 
 
-@needs_triton
+@pytest.mark.triton(device=DEVICE)
 @pytest.mark.parametrize(("reqs", "width", "ctx", "pool"), GATHER_CASES)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_gather_token_slots_parity(reqs, width, ctx, pool, index_dtype):
@@ -350,7 +347,7 @@ PAGE_CASES = [
 ]
 
 
-@needs_triton
+@pytest.mark.triton(device=DEVICE)
 @pytest.mark.parametrize(("reqs", "width", "page_size"), PAGE_CASES)
 @pytest.mark.parametrize("extra_pages", [-1, 0, 3])  # fewer, exactly, more pages than needed
 def test_page_table_from_slots_parity(reqs, width, page_size, extra_pages):
@@ -363,7 +360,7 @@ def test_page_table_from_slots_parity(reqs, width, page_size, extra_pages):
     _assert_same(*_both("page_table_from_slots", (reqs, pages), slots, page_size))
 
 
-@needs_triton
+@pytest.mark.triton(device=DEVICE)
 @pytest.mark.parametrize("reqs", [1, 5, 300, 4096])
 @pytest.mark.parametrize("next_n", [1, 2, 3, 4])
 def test_causal_lengths_parity(reqs, next_n):
@@ -372,7 +369,7 @@ def test_causal_lengths_parity(reqs, next_n):
     _assert_same(*_both("causal_lengths", (reqs * next_n,), seq_lens, next_n))
 
 
-@needs_triton
+@pytest.mark.triton(device=DEVICE)
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_2d_kernels_parity_on_random_shapes(data):
@@ -394,7 +391,7 @@ def test_2d_kernels_parity_on_random_shapes(data):
     _assert_same(*_both("causal_lengths", (reqs * next_n,), seq_lens, next_n))
 
 
-@needs_triton
+@pytest.mark.triton(device=DEVICE)
 def test_import_order_does_not_matter():
     """Another test module may import triton, or this package, before anything sets
     TRITON_INTERPRET; the launchers must still run under the interpreter then."""

@@ -18,17 +18,16 @@ from hypothesis import strategies as st
 from backends.common import ragged_ref as ref
 from backends.common import ragged_triton as tri
 from backends.common import torch_ref
-from backends.common.triton_kernels import triton_available
 from backends.deepgemm import reference_fp8_mqa_logits
 from planner.errors import PlanError
 from planner.ops import get_op
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 I32 = torch.int32
-needs_triton = pytest.mark.skipif(
-    not triton_available(DEVICE), reason=f"Triton cannot run on {DEVICE} here"
-)
-IMPLS = [pytest.param(ref, id="torch"), pytest.param(tri, id="triton", marks=needs_triton)]
+IMPLS = [
+    pytest.param(ref, id="torch"),
+    pytest.param(tri, id="triton", marks=pytest.mark.triton(device=DEVICE)),
+]
 OPS = [
     "token_request",
     "token_positions",
@@ -241,7 +240,7 @@ TRITON_CASES = [
 ]
 
 
-@needs_triton
+@pytest.mark.triton(device=DEVICE)
 @pytest.mark.parametrize(("reqs", "options"), TRITON_CASES)
 def test_triton_bit_equal_to_the_reference(reqs, options):
     rng = random.Random(reqs * 31 + len(options))
@@ -255,7 +254,7 @@ def test_triton_bit_equal_to_the_reference(reqs, options):
         assert torch.equal(call(tri, name, batch, t), expected), name
 
 
-@needs_triton
+@pytest.mark.triton(device=DEVICE)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=st.integers(1, 40), decode=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_triton_bit_equal_on_random_batches(reqs, decode, seed):

@@ -12,14 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.common.triton_kernels import triton_available
 from backends.deepgemm.fp8 import quantize_fp8_e4m3_per_vector_reference
 from backends.deepgemm.fp8_triton import quantize_fp8_triton, quantize_fp8_weighted_triton
 
-needs_triton = pytest.mark.skipif(
-    not triton_available(torch.device("cpu")), reason="no interpreter"
-)
-pytestmark = needs_triton
+pytestmark = pytest.mark.triton
 D = 128
 SCALE = D**-0.5
 

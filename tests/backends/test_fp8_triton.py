@@ -16,7 +16,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.common.triton_kernels import triton_available
 from backends.deepgemm import fp8
 from backends.deepgemm.fp8 import (
     _pow2_ceil_scale,
@@ -26,9 +25,6 @@ from backends.deepgemm.fp8 import (
 from backends.deepgemm.fp8_triton import quantize_fp8_triton
 from planner.errors import PlanError
 
-needs_triton = pytest.mark.skipif(
-    not triton_available(torch.device("cpu")), reason="no interpreter"
-)
 F32 = torch.float32
 NAN, INF = float("nan"), float("inf")
 CENTRES = torch.tensor([448.0 * 2.0**k for k in range(-22, 120)], dtype=F32)
@@ -162,7 +158,7 @@ def test_scale_rule_holds_over_whole_binades() -> None:
 # ------------------------------------------------------------------ kernel, interpreter
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.float64])
 @pytest.mark.parametrize("rows", [1, 2, 7, 33])
 @pytest.mark.parametrize("groups", [1, 3])
@@ -173,7 +169,7 @@ def test_random_vectors_bit_equal(dtype, rows, groups) -> None:
     assert_bit_equal(x.to(dtype))
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("block", [1, 16, 64, 96, 256])
 def test_other_block_sizes(block) -> None:
     x = random_vectors(torch.Generator().manual_seed(block), 9, 2, block)
@@ -181,7 +177,7 @@ def test_other_block_sizes(block) -> None:
     assert_bit_equal(x, block)
 
 
-@needs_triton
+@pytest.mark.triton
 def test_amax_on_and_around_448_times_powers_of_two() -> None:
     x = centre_vectors(torch.Generator().manual_seed(1))
     assert_bit_equal(x)
@@ -191,7 +187,7 @@ def test_amax_on_and_around_448_times_powers_of_two() -> None:
     assert torch.equal(s.squeeze(1), CENTRES / 448)
 
 
-@needs_triton
+@pytest.mark.triton
 def test_zero_floor_tiny_and_huge_vectors() -> None:
     x = extreme_vectors()
     assert_bit_equal(x)
@@ -203,7 +199,7 @@ def test_zero_floor_tiny_and_huge_vectors() -> None:
     assert q.view(torch.uint8)[1, 0] == 0x80 and (q.view(torch.uint8)[9, ::2] == 0x80).all()
 
 
-@needs_triton
+@pytest.mark.triton
 def test_fp8_rounding_ties_and_neighbours_at_scale_one() -> None:
     x = tie_vectors()
     assert_bit_equal(x)
@@ -215,7 +211,7 @@ def test_fp8_rounding_ties_and_neighbours_at_scale_one() -> None:
     assert q.float()[x == 1.1875].unique().tolist() == [1.25]
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_nan_and_inf_vectors_bit_equal() -> None:
     x = special_vectors(torch.Generator().manual_seed(3))
@@ -225,7 +221,7 @@ def test_nan_and_inf_vectors_bit_equal() -> None:
     assert (s == 1).all()
 
 
-@needs_triton
+@pytest.mark.triton
 def test_strided_and_awkward_layouts() -> None:
     gen = torch.Generator().manual_seed(4)
     wide = torch.randn(12, 3 * 128 + 36, generator=gen).to(torch.bfloat16)
@@ -243,7 +239,7 @@ def test_strided_and_awkward_layouts() -> None:
     assert q.shape == (0, 3, 256) and s.shape == (0, 3, 2)
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, sNaN
 @settings(max_examples=40, deadline=None)
 @given(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.common.triton_kernels import triton_available
 from backends.deepgemm import fp8
 from backends.deepgemm.fp8 import (
     PAGE,
@@ -27,7 +26,7 @@ from planner.errors import PlanError
 from tests.backends.test_fp8_rotate_triton import SCALE, exact_sum_vectors, signs, torch_path
 from tests.backends.test_fp8_triton import random_vectors
 
-pytestmark = pytest.mark.skipif(not triton_available(torch.device("cpu")), reason="no interpreter")
+pytestmark = pytest.mark.triton
 D = 128
 WIDTH = D + 4
 

@@ -14,13 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.common.triton_kernels import triton_available
 from backends.deepgemm.fp8 import as_words, gather_index_cache, index_cache_views
 from backends.nsa.extend_attention import select_slots_reference
 from backends.nsa.extend_triton import gather_index_keys_triton, select_slots_triton
 from tests.support.extend_select_cases import random_cache, random_selection
 
-pytestmark = pytest.mark.skipif(not triton_available(torch.device("cpu")), reason="no interpreter")
+pytestmark = pytest.mark.triton
 
 
 @settings(max_examples=25, deadline=None)

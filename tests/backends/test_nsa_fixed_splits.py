@@ -29,7 +29,6 @@ from backends.nsa.sparse_mla_plan import (
 from backends.nsa.sparse_mla_triton import sparse_mla_decode_triton
 from planner import ConfigError, ForwardMode, Limits, Planner, SchemaError
 from planner.ops import HOST, get_op
-from tests.support.kernels import needs_triton
 from tests.support.planners import PlannerSetup, replay_smallest
 
 I32 = torch.int32
@@ -98,7 +97,7 @@ def _run(provider: str, splits: int, lens: torch.Tensor, topk: int) -> list[int]
 
 PROVIDERS = [
     "torch",
-    pytest.param("triton", marks=needs_triton),
+    pytest.param("triton", marks=pytest.mark.triton),
     HOST,
 ]
 
@@ -204,7 +203,7 @@ def _target_and_kv():
     return (q, qr, idx, torch.tensor([90], dtype=I32)), kv
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("fixed", [1, 4])
 def test_the_kernels_row_is_bit_identical_alone_and_inside_batches(fixed):
     target, kv = _target_and_kv()
@@ -215,7 +214,7 @@ def test_the_kernels_row_is_bit_identical_alone_and_inside_batches(fixed):
         assert torch.equal(got, alone), (fixed, size, pos)
 
 
-@needs_triton
+@pytest.mark.triton
 def test_without_it_the_same_row_differs_between_batch_sizes():
     """The demonstration: the wave model cuts the lone row into 6 splits and combines them,
     but writes it directly from one split in a batch of 64; in fp32 the sums differ in the

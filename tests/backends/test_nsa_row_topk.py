@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from backends.common.triton_kernels import triton_available
 from backends.nsa import topk as topk_module
 from backends.nsa.topk import row_topk, row_topk_provider
 from backends.nsa.topk_ref import map_positions_to_slots, order_keys, reference_row_topk
@@ -22,7 +21,6 @@ from tests.support.row_topk_cases import (
     SYNCING_OPS,
     Trace,
     mapped_reference,
-    needs_triton,
     random_case,
     random_slots,
     ref,
@@ -169,13 +167,18 @@ def test_slot_map_checks_name_the_field(field: str, kw: dict) -> None:
     with pytest.raises(PlanError) as e:
         map_positions_to_slots(out, kw["slots"], kw["next_n"])
     assert e.value.field == field
-    if triton_available(torch.device("cpu")):
-        with pytest.raises(PlanError) as e:
-            row_topk_triton(x, lengths, 3, out, **kw)
-        assert e.value.field == field
 
 
-@needs_triton
+@pytest.mark.triton
+@pytest.mark.parametrize(("field", "kw"), bad_slot_maps())
+def test_the_triton_provider_checks_slot_maps_by_the_same_names(field: str, kw: dict) -> None:
+    x, lengths = torch.zeros(4, 8), torch.full((4,), 8, dtype=I32)
+    with pytest.raises(PlanError) as e:
+        row_topk_triton(x, lengths, 3, torch.empty(4, 3, dtype=I32), **kw)
+    assert e.value.field == field
+
+
+@pytest.mark.triton
 def test_row_topk_forwards_slots_to_the_triton_provider(monkeypatch) -> None:
     monkeypatch.setattr(topk_module, "row_topk_provider", lambda device: "triton")
     gen = torch.Generator().manual_seed(9)
@@ -187,12 +190,10 @@ def test_row_topk_forwards_slots_to_the_triton_provider(monkeypatch) -> None:
     assert torch.equal(out, mapped_reference(x, lengths, 8, slots, 2))
 
 
-@pytest.mark.parametrize("provider", ["torch", "triton"])
+@pytest.mark.parametrize("provider", ["torch", pytest.param("triton", marks=pytest.mark.triton)])
 def test_indexer_topk_is_the_old_topk_then_torch_mapping(monkeypatch, provider: str) -> None:
     """The decode indexer, wired to the fused call, returns what its former seven torch ops
     after a positions-only top-k returned (written out here as they were)."""
-    if provider == "triton" and not triton_available(torch.device("cpu")):
-        pytest.skip("no interpreter")
     from backends.nsa import attention as nsa
 
     gen = torch.Generator().manual_seed(13)

@@ -16,7 +16,6 @@ from tests.support.row_topk_cases import (
     INF,
     NAN,
     mapped_reference,
-    needs_triton,
     random_case,
     random_slots,
 )
@@ -51,7 +50,7 @@ def check_triton(x: torch.Tensor, lengths: torch.Tensor, k: int, **kw) -> None:
     assert torch.equal(got, want), (lengths.tolist(), k, got, want)
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("kind", ["distinct", "ties", "nasty", "normal"])
 def test_triton_matches_reference_bit_for_bit(kind: str, kernel: str) -> None:
@@ -64,7 +63,7 @@ def test_triton_matches_reference_bit_for_bit(kind: str, kernel: str) -> None:
         check_triton(x, lengths, k, **KERNELS[kernel])
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("kernel", list(EDGE_KERNELS))
 def test_triton_edge_rows(kernel: str) -> None:
     kw = EDGE_KERNELS[kernel]
@@ -94,7 +93,7 @@ def check_triton_slots(
     assert torch.equal(got, want), (lengths.tolist(), k, next_n, got, want)
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("kernel", ["chunked", "resident"])
 @pytest.mark.parametrize("next_n", [1, 2, 3])
 @pytest.mark.parametrize("kind", ["distinct", "ties", "nasty"])
@@ -113,7 +112,7 @@ def test_triton_slot_map_matches_reference_then_mapping(
         check_triton_slots(x, lengths, k, slots, next_n, **KERNELS[kernel])
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("kernel", list(EDGE_KERNELS))
 def test_triton_slot_map_edge_rows(kernel: str) -> None:
     kw = EDGE_KERNELS[kernel]
@@ -138,7 +137,7 @@ def test_triton_slot_map_edge_rows(kernel: str) -> None:
     check_triton_slots(x, lengths, 5, table, 2, **kw)
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("digit_bits", [4, 5, 6, 7, 8])
 def test_resident_lengths_around_k_and_the_block(digit_bits: int) -> None:
     """Lengths at 0, 1, k - 1, k, k + 1 and either side of one and two resident blocks, for
@@ -155,7 +154,7 @@ def test_resident_lengths_around_k_and_the_block(digit_bits: int) -> None:
         check_triton_slots(x, lengths, k, random_slots(gen, 10 // next_n, width), next_n, **kw)
 
 
-@needs_triton
+@pytest.mark.triton
 def test_resident_ties_and_signed_zeros_across_chunks() -> None:
     """Threshold ties whose lowest positions straddle re-read chunks, and zeros of both
     signs that must tie wherever they sit."""
@@ -176,7 +175,7 @@ def test_resident_ties_and_signed_zeros_across_chunks() -> None:
         check_triton(y, torch.tensor([50, 49, 33], dtype=I32), 31, resident=16, digit_bits=bits)
 
 
-@needs_triton
+@pytest.mark.triton
 @settings(max_examples=25, deadline=None)
 @given(
     data=st.data(),
@@ -198,7 +197,7 @@ def test_resident_matches_reference_on_random_rows(
     check_triton(x.view(rows, width), torch.tensor(lengths, dtype=I32), k, **kw)
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize(
     ("knobs", "message"),
     [

@@ -30,7 +30,6 @@ from backends.nsa.sparse_mla_ref import mask_past_plan, plain_reference, sparse_
 from backends.nsa.sparse_mla_triton import sparse_mla_decode_triton
 from planner.errors import PlanError
 from tests.support import REPO
-from tests.support.kernels import needs_triton
 
 I32 = torch.int32
 SCALE = 0.3
@@ -77,7 +76,7 @@ def test_split_plan_known_values():
     assert plan.tolist() == [[0, 16, 32, 40], [0, 16, 17, 17], [0, 0, 0, 0]]
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("seed", range(6))
 def test_split_plan_triton_is_bit_equal_and_well_formed(seed):
     g = torch.Generator().manual_seed(seed)
@@ -167,7 +166,7 @@ CASES = [  # (lens, splits, heads, topk)
 ]
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("config", [BN16, LAZY], ids=["eager-rescale", "lazy-rescale"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_fp32_kernel_matches_the_split_reference_tightly(case, config):
@@ -190,7 +189,7 @@ def test_fp32_kernel_matches_the_split_reference_tightly(case, config):
         assert rel(part[live], ref.partial[live]) < 1e-5
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_kernel_is_within_the_stated_tolerance(dtype):
     errors = []
@@ -208,7 +207,7 @@ def test_low_precision_kernel_is_within_the_stated_tolerance(dtype):
     assert sum(errors) / len(errors) < 3e-3, errors
 
 
-@needs_triton
+@pytest.mark.triton
 def test_lazy_rescale_with_rising_and_falling_maxima():
     """Logits that climb by 18 (log2) per 16-key tile force a rescale on every tile (and
     would overflow fp16, whose range 2^16 is what bounds the 2^8 slack, if the slack were
@@ -230,7 +229,7 @@ def test_lazy_rescale_with_rising_and_falling_maxima():
             assert rel(lazy, ref) < tol
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("config", [BN16, LAZY], ids=["eager-rescale", "lazy-rescale"])
 def test_rows_without_valid_slots_are_zero_and_extremes_are_exact(config):
     """All-holes rows, empty rows, all-valid rows and duplicated slots, split and direct."""
@@ -249,7 +248,7 @@ def test_rows_without_valid_slots_are_zero_and_extremes_are_exact(config):
         assert rel(out, sparse_mla_split_reference(q, qr, kv, idx, SCALE, plan).out) < 1e-5
 
 
-@needs_triton
+@pytest.mark.triton
 def test_positions_past_the_plan_are_never_read():
     q, qr, kv, idx, lens = make_case([30, 11], topk=40, dtype=torch.float32, holes=0.0, seed=6)
     plan = plan_for(lens, 2, 40)
@@ -261,7 +260,7 @@ def test_positions_past_the_plan_are_never_read():
     assert torch.equal(mask_past_plan(idx, plan)[1, 11:], torch.full((29,), -1, dtype=I32))
 
 
-@needs_triton
+@pytest.mark.triton
 def test_strided_queries_and_output():
     """Views as the model makes them (einsum / split outputs) need no copy."""
     q, qr, kv, idx, lens = make_case([40, 20], heads=8, dtype=torch.float32, seed=7)
@@ -276,7 +275,7 @@ def test_strided_queries_and_output():
     assert rel(got, sparse_mla_split_reference(q, qr, kv, idx, SCALE, plan).out) < 1e-5
 
 
-@needs_triton
+@pytest.mark.triton
 def test_no_host_syncs(monkeypatch):
     """Only shapes are checked: the launcher is capturable (the interpreter reads tensors
     through numpy, never through these)."""
@@ -332,7 +331,7 @@ def test_argument_checks_name_the_field():
     assert e.value.field == "softmax_scale"
 
 
-@needs_triton
+@pytest.mark.triton
 def test_benchmark_smoke_runs_on_the_cpu(tmp_path):
     """benchmarks/bench_sparse_mla.py --smoke, so the GPU script cannot rot between sessions."""
     path = REPO / "benchmarks" / "bench_sparse_mla.py"

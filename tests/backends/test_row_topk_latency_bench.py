@@ -6,13 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from backends.common.triton_kernels import triton_available
 from benchmarks import row_topk_latency as bench
 
 
-@pytest.mark.skipif(not triton_available(torch.device("cpu")), reason="no interpreter")
+@pytest.mark.triton
 def test_row_topk_latency_smoke(tmp_path: Path) -> None:
     out = tmp_path / "row_topk_latency.json"
     assert bench.main(["--smoke", "--device", "cpu", "--out", str(out)]) == 0

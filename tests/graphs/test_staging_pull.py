@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from graphs.staging_pull import SLOTS, PulledRing, pull_reference
 from planner.errors import ReplayError
-from tests.support.kernels import DEVICE, needs_triton
+from tests.support.kernels import DEVICE
 
 
 def _state(words: int, seq: int, tags: list[int], seed: int):
@@ -31,7 +31,7 @@ def _state(words: int, seq: int, tags: list[int], seed: int):
     kind=st.sampled_from(["pull", "sent", "stale", "ahead", "never filled"]),
     seed=st.integers(0, 2**31 - 1),
 )
-@needs_triton
+@pytest.mark.triton(device=DEVICE)
 def test_the_pull_kernel_equals_its_reference(words, seq, kind, seed):
     """Every tag the ring writes, or finds stale, on slots wider than one pass of the kernel.
     On a GPU host the kernel reads pinned host memory into device memory, as in a graph."""

@@ -21,8 +21,6 @@ import inspect
 import pytest
 import torch
 
-from backends.common import triton_kernels as tk
-from backends.common.triton_kernels import triton_available
 from dsv32_engine.models.config import DSV32Config
 from dsv32_engine.models.layers import exact, grouped_gemm, invariant_gemm
 from dsv32_engine.models.layers.exact import Linear
@@ -44,11 +42,7 @@ from dsv32_engine.models.layers.moe_routing import combine, sort_by_expert_torch
 from dsv32_engine.models.model import DSV32Model
 from dsv32_engine.models.mtp import MTPDraft
 from tests.models.test_model import Session
-
-interpreted = pytest.mark.skipif(
-    not triton_available(torch.device("cpu")) or not tk._stdlib_interpretable(),
-    reason="the Triton interpreter is not on (TRITON_INTERPRET=1 before triton is imported)",
-)
+from tests.support.kernels import interpretable_stdlib
 
 BATCHES = (4, 17, 64)
 DTYPES = (torch.bfloat16, torch.float32)
@@ -72,7 +66,8 @@ def _batch_with(row: torch.Tensor, m: int, pos: int, gen: torch.Generator) -> to
 # ------------------------------------------------------------------- the kernel
 
 
-@interpreted
+@pytest.mark.triton
+@interpretable_stdlib
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_row_is_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
@@ -92,7 +87,8 @@ def test_linear_row_is_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
             torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
-@interpreted
+@pytest.mark.triton
+@interpretable_stdlib
 def test_mixed_dtypes_widen_to_fp32_as_the_indexer_head_weights() -> None:
     """bf16 activations against an fp32 weight, fp32 out: ``weights_proj`` in the mode."""
     gen = torch.Generator().manual_seed(1)
@@ -108,7 +104,8 @@ def test_mixed_dtypes_widen_to_fp32_as_the_indexer_head_weights() -> None:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
-@interpreted
+@pytest.mark.triton
+@interpretable_stdlib
 @pytest.mark.parametrize("equation", ["rhd,hdc->rhc", "rhc,hdc->rhd"])
 def test_batched_head_contractions_are_row_invariant(equation: str) -> None:
     """The MLA absorb and output einsums: one GEMM per head over strided views."""
@@ -131,7 +128,8 @@ def test_batched_head_contractions_are_row_invariant(equation: str) -> None:
             torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
 
 
-@interpreted
+@pytest.mark.triton
+@interpretable_stdlib
 def test_gate_contraction_and_unknown_equations() -> None:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 32, generator=gen)
@@ -142,7 +140,8 @@ def test_gate_contraction_and_unknown_equations() -> None:
         invariant_contract("erd,eid->eri", x, w, torch.float32)
 
 
-@interpreted
+@pytest.mark.triton
+@interpretable_stdlib
 def test_empty_batch_and_reference() -> None:
     w = torch.randn(4, 16)
     assert invariant_linear(torch.empty(0, 16), w).shape == (0, 4)
@@ -164,7 +163,8 @@ def test_tile_config_depends_on_the_weight_only() -> None:
     assert tile_config(64, 96, 1, True).splits == 1  # too short a K to split
 
 
-@interpreted
+@pytest.mark.triton
+@interpretable_stdlib
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_split_k_rows_are_the_same_bits_in_any_batch(dtype: torch.dtype) -> None:
     """A weight cut along K (a decode GEMM with few column tiles): the partials are added
@@ -194,7 +194,8 @@ def test_split_k_rows_are_the_same_bits_in_any_batch(dtype: torch.dtype) -> None
 # ------------------------------------------------------------- MoE pieces
 
 
-@interpreted
+@pytest.mark.triton
+@interpretable_stdlib
 def test_grouped_mm_with_fixed_tile_rows_is_row_invariant() -> None:
     gen = torch.Generator().manual_seed(4)
     groups, k, n = 4, 40, 24

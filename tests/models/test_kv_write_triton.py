@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from backends.common import triton_kernels as tk
-from backends.common.triton_kernels import LazyKernel, triton_available
+from backends.common.triton_kernels import LazyKernel
 from dsv32_engine.models.config import DSV32Config
 from dsv32_engine.models.layers import kv_write_triton, mla
 from dsv32_engine.models.layers.kv_write_triton import write_latent_kv_triton
@@ -32,11 +32,9 @@ from dsv32_engine.models.layers.rope import (
     yarn_inv_freq,
 )
 from dsv32_engine.models.layers.rope_triton import rope_interleaved_triton
+from tests.support.kernels import interpretable_stdlib
 
-pytestmark = pytest.mark.skipif(
-    not triton_available(torch.device("cpu")) or not tk._stdlib_interpretable(),
-    reason="the Triton interpreter is not on (TRITON_INTERPRET=1 before triton is imported)",
-)
+pytestmark = [pytest.mark.triton, interpretable_stdlib]
 
 EPS = 1e-6
 SLOTS = 12

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from backends.common import triton_kernels as tk
-from backends.common.triton_kernels import LazyKernel, triton_available
+from backends.common.triton_kernels import LazyKernel
 from dsv32_engine.models.config import DSV32Config
 from dsv32_engine.models.layers import layer_norm_triton as lnt
 from dsv32_engine.models.layers import norm as norm_module
@@ -37,12 +37,9 @@ from dsv32_engine.models.layers.rope import (
     yarn_inv_freq,
 )
 from dsv32_engine.models.layers.rope_triton import rope_half_leading_triton
+from tests.support.kernels import interpretable_stdlib
 
-pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(
-    not triton_available(torch.device("cpu")) or not tk._stdlib_interpretable(),
-    reason="the Triton interpreter is not on (TRITON_INTERPRET=1 before triton is imported)",
-)
+pytestmark = [pytest.mark.triton, interpretable_stdlib]
 
 EPS = 1e-6
 BF16 = torch.bfloat16

@@ -12,15 +12,12 @@ import random
 import pytest
 import torch
 
-from backends.common.triton_kernels import triton_available
 from dsv32_engine.models.config import DSV32Config
 from dsv32_engine.models.model import DSV32Model
 from planner import ForwardBatch, ForwardMode, Limits, Planner
 from tests.support.batches import make_pool
 
-pytestmark = pytest.mark.skipif(
-    not triton_available(torch.device("cpu")), reason="needs the Triton interpreter"
-)
+pytestmark = pytest.mark.triton
 CFG = DSV32Config.tiny()
 CTX = 128
 

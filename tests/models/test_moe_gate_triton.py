@@ -19,18 +19,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.common import triton_kernels as tk
-from backends.common.triton_kernels import triton_available
 from dsv32_engine.models.config import DSV32Config
 from dsv32_engine.models.layers.ffn import Gate
 from dsv32_engine.models.layers.moe_dispatch_triton import MAX_PAIRS, sort_by_expert_triton
 from dsv32_engine.models.layers.moe_gate_triton import route_reference, route_triton, select_experts
 from dsv32_engine.models.layers.moe_routing import dispatch_takes_kernel, sort_by_expert_torch
+from tests.support.kernels import interpretable_stdlib
 
-pytestmark = pytest.mark.skipif(
-    not triton_available(torch.device("cpu")) or not tk._stdlib_interpretable(),
-    reason="the Triton interpreter is not on (TRITON_INTERPRET=1 before triton is imported)",
-)
+pytestmark = [pytest.mark.triton, interpretable_stdlib]
 
 SCALE = 2.5
 # (experts, top_k, n_group, topk_group): the real routing, small configs with and without

@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backends.common.triton_kernels import triton_available
 from dsv32_engine.models.config import DSV32Config
 from dsv32_engine.models.layers.ffn import DenseMoE, MoE
 from dsv32_engine.models.layers.grouped_gemm import (
@@ -19,10 +18,7 @@ from dsv32_engine.models.layers.moe_routing import sort_by_expert
 from planner.errors import PlanError
 
 I32 = torch.int32
-needs_interp = pytest.mark.skipif(
-    not triton_available(torch.device("cpu")), reason="no interpreter"
-)
-CPU_PROVIDERS = ["loop", pytest.param("triton", marks=needs_interp)]
+CPU_PROVIDERS = ["loop", pytest.param("triton", marks=pytest.mark.triton)]
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

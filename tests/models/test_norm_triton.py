@@ -19,16 +19,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.common import triton_kernels as tk
-from backends.common.triton_kernels import LazyKernel, triton_available
+from backends.common.triton_kernels import LazyKernel
 from dsv32_engine.models.layers import norm_triton
 from dsv32_engine.models.layers.norm import RMSNorm, rms_norm_reference
 from dsv32_engine.models.layers.norm_triton import rms_norm_triton
+from tests.support.kernels import interpretable_stdlib
 
-triton = pytest.importorskip("triton")
-pytestmark = pytest.mark.skipif(
-    not triton_available(torch.device("cpu")) or not tk._stdlib_interpretable(),
-    reason="the Triton interpreter is not on (TRITON_INTERPRET=1 before triton is imported)",
-)
+pytestmark = [pytest.mark.triton, interpretable_stdlib]
 
 RTOL = 1e-6  # fp32 accumulation against a float64 reference rounded to fp32
 EPS = 1e-6

@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.common.triton_kernels import triton_available
 from dsv32_engine.models.config import DSV32Config
 from dsv32_engine.models.layers import rope
 from dsv32_engine.models.layers.indexer import Indexer
@@ -28,10 +27,7 @@ from dsv32_engine.models.layers.rope import (
 )
 from dsv32_engine.models.layers.rope_triton import rope_half_leading_triton, rope_interleaved_triton
 
-pytestmark = pytest.mark.skipif(
-    not triton_available(torch.device("cpu")),
-    reason="needs Triton's interpreter (triton installed, TRITON_INTERPRET=1)",
-)
+pytestmark = pytest.mark.triton
 
 
 def _cos_sin(gen: torch.Generator, rows: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,16 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from backends.common import triton_kernels as tk
-from backends.common.triton_kernels import LazyKernel, triton_available
+from backends.common.triton_kernels import LazyKernel
 from dsv32_engine.models.layers import swiglu_triton
 from dsv32_engine.models.layers.exact import silu
 from dsv32_engine.models.layers.ffn import MLP
 from dsv32_engine.models.layers.swiglu_triton import silu_mul, silu_mul_triton
+from tests.support.kernels import interpretable_stdlib
 
-pytestmark = pytest.mark.skipif(
-    not triton_available(torch.device("cpu")) or not tk._stdlib_interpretable(),
-    reason="the Triton interpreter is not on (TRITON_INTERPRET=1 before triton is imported)",
-)
+pytestmark = [pytest.mark.triton, interpretable_stdlib]
 
 BF16 = torch.bfloat16
 

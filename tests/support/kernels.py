@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
+
+from backends.common import triton_kernels as tk
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 I32 = torch.int32
 
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="Triton is not installed (a GPU and the dev extra have it; the main job does not)",
+interpretable_stdlib = pytest.mark.skipif(
+    tk.triton is not None and tk._interpreting() and not tk._stdlib_interpretable(),
+    reason="triton.language was imported before TRITON_INTERPRET=1: its library functions "
+    "(tl.cumsum, tl.sort, ...) cannot be interpreted",
 )
-"""Tests of Triton kernels (run by Triton's interpreter on the CPU)."""
+"""Beside ``pytest.mark.triton``, for the kernels that call Triton's library functions: the
+interpreter runs them only when TRITON_INTERPRET was set before ``triton.language`` was first
+imported (conftest sets it first; a plugin importing triton earlier would freeze them)."""
 
 
 def ints(values, dtype: torch.dtype = I32) -> torch.Tensor:

@@ -4,18 +4,13 @@ mapping, and a dispatch trace that shows static shapes and no host sync."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backends.common.triton_kernels import triton_available
 from backends.nsa.topk_ref import map_positions_to_slots, reference_row_topk
 
 I32 = torch.int32
 NAN, INF = float("nan"), float("inf")
-needs_triton = pytest.mark.skipif(
-    not triton_available(torch.device("cpu")), reason="no interpreter"
-)
 
 
 def ref(rows: list[list[float]], lengths: list[int], k: int) -> list[list[int]]:
