@@ -95,9 +95,7 @@ def run_once(name: str, debug: bool, steps: int, warmup: int) -> dict[str, Any]:
     if debug:
         os.environ["PLANNER_DEBUG"] = "1"
     try:
-        engine = DecodeEngine(
-            load_run_config(ROOT / "dsv32_engine" / "configs" / yaml_name, overrides)
-        )
+        engine = DecodeEngine(load_run_config(ROOT / "configs" / yaml_name, overrides))
     finally:
         os.environ.pop("PLANNER_DEBUG", None)
         if old is not None:

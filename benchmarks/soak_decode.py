@@ -63,7 +63,7 @@ def part_decode(args: argparse.Namespace, device: torch.device) -> dict[str, Any
         "loop.seed": args.seed,
         "planner.max_batch": args.max_batch,
     }
-    path = ROOT / "dsv32_engine" / "configs" / args.config
+    path = ROOT / "configs" / args.config
     config = load_run_config(path, overrides)
     overrides["loop.requests"] = requests_for(config, args.decode_steps)
     engine = DecodeEngine(load_run_config(path, overrides))

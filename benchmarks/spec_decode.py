@@ -84,9 +84,7 @@ def run_one(config: RunConfig, model) -> tuple[dict[str, Any], dict[int, list[in
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--config", type=Path, default=ROOT / "dsv32_engine" / "configs" / "dsv32-small-spec.yaml"
-    )
+    p.add_argument("--config", type=Path, default=ROOT / "configs" / "dsv32-small-spec.yaml")
     p.add_argument("--requests", type=int, default=None, help="override loop.requests")
     p.add_argument("--out", type=Path, default=None, help="directory for the JSON result")
     p.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, few requests")

@@ -9,5 +9,11 @@ so installing the wheel adds no generic top-level package beside ``planner``,
 
 from pathlib import Path
 
-SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
-"""The run configs shipped as package data, selectable by name (``--config dsv32-tiny-spec``)."""
+_PACKAGE = Path(__file__).resolve().parent
+SHIPPED_CONFIGS = (
+    _PACKAGE / "configs" if (_PACKAGE / "configs").is_dir() else _PACKAGE.parent / "configs"
+)
+"""The run configs selectable by name (``--config dsv32-tiny-spec``). They live in the
+repository's top-level ``configs/``; a wheel installs them as this package's data
+(``dsv32_engine/configs``, mapped in ``setup.py``), so the installed copy comes first and a
+source checkout (``pip install -e .`` or ``PYTHONPATH``) reads the folder itself."""

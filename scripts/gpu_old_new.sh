@@ -16,7 +16,7 @@
 #   refresh   benchmarks/replay_overhead.py (each tree's own): the graph runner's refresh
 #   small     the decode loop, dsv32-small, 16 requests
 #   shapes    the decode loop, dsv32-shapes (61 layers), 64 requests
-#   arrivals  the decode loop under arrivals (dsv32_engine/configs/dsv32-small-arrivals.yaml), graphs on
+#   arrivals  the decode loop under arrivals (configs/dsv32-small-arrivals.yaml), graphs on
 #   eager     the same with --no-graphs: every decode step an eager plan
 # Each command is bounded by STEP_TIMEOUT seconds (default 150); stopped from outside (a
 # `timeout` around the whole script), it still packs what ran.
@@ -98,11 +98,11 @@ shapes() {
 }
 arrivals() {
     both arrivals "old new" python3 -m planner decode \
-        --config "$NEW/dsv32_engine/configs/dsv32-small-arrivals.yaml" --quiet --json @JSON@
+        --config "$NEW/configs/dsv32-small-arrivals.yaml" --quiet --json @JSON@
 }
 eager() {
     both eager "new old" python3 -m planner decode \
-        --config "$NEW/dsv32_engine/configs/dsv32-small-arrivals.yaml" --no-graphs --quiet --json @JSON@
+        --config "$NEW/configs/dsv32-small-arrivals.yaml" --no-graphs --quiet --json @JSON@
 }
 
 steps=("$@")

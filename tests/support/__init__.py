@@ -6,5 +6,5 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 """The repository root (configs/, benchmarks/, docs/ and the packages)."""
-TINY_YAML = REPO / "dsv32_engine" / "configs" / "dsv32-tiny.yaml"
+TINY_YAML = REPO / "configs" / "dsv32-tiny.yaml"
 """The tiny DeepSeek-V3.2 run config the engine tests serve."""
