@@ -8,6 +8,10 @@ would import it). Each example ends by printing ``<its file's stem>: ok``, the l
 here, so a new example is covered by adding the file. Sub-folders (``examples/plugin/``, a
 package with tests of its own) are not scripts and are not globbed.
 
+Every example uses the library alone (``planner``, ``backends``, ``graphs``): run in one
+child, none of them imports a ``dsv32_engine`` module, directly or through the library, so
+what they show is what an engine that adopts the library can do without the demo.
+
 The README's Python snippets are held to the examples too: a snippet is either an excerpt
 whose first line names its ``examples/`` files (each of its lines must be a line of them)
 or a script that runs as shown.
@@ -118,6 +122,44 @@ def outside(tmp_path_factory) -> dict[str, subprocess.CompletedProcess[str]]:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_runs_from_outside_the_checkout(path, outside):
     _check(path, outside[str(path)])
+
+
+# ---- the library alone ------------------------------------------------------------------------
+
+APP = "dsv32_engine"
+"""The demo application: no example may import it."""
+APP_MODULES = """
+import contextlib, io, json, runpy, sys
+app, found, seen = sys.argv[1], {}, set()
+for path in sys.argv[2:]:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(BaseException):
+        runpy.run_path(path, run_name="__main__")  # whether it runs is the tests' above
+    loaded = {m for m in sys.modules if m.partition(".")[0] == app}
+    found[path], seen = sorted(loaded - seen), seen | loaded
+print(json.dumps(found))
+"""
+"""Runs each script as ``__main__`` in one child, in order, and names the application's
+modules each one imported first (the first argument is the application's name)."""
+
+
+def test_examples_use_the_library_alone(tmp_path):
+    """No example imports the demo application, not even through the library; a probe that
+    does (run last) shows the check sees an import of it."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"import {APP}.serving.cli\n")
+    done = subprocess.run(
+        [sys.executable, "-c", APP_MODULES, APP, *map(str, EXAMPLES), str(probe)],
+        cwd=REPO,
+        env=_env(checkout=True),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S * (len(EXAMPLES) + 1),
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert f"{APP}.serving.cli" in found.pop(str(probe))
+    assert found == {str(p): [] for p in EXAMPLES}, "examples importing the application"
 
 
 # ---- the README's Python snippets -------------------------------------------------------------

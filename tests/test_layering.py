@@ -11,9 +11,12 @@ a cycle, from this check; optional GPU libraries such as ``deep_gemm`` or ``flas
 may still be imported lazily through ``importlib``). ``benchmarks/`` is no layer (a
 benchmark may import anything).
 
-The core is held to its budget (at most 5,500 lines of Python in at most 18 modules, the
-``python -m planner`` entry aside) and reaches into no private internals: no ``ctypes``,
-no reference counts, no hunting for CUDA symbols, no ``torch._C``.
+The core holds one concept per module: each module's docstring names its concept on its
+first line, and each file stays under about 600 lines (a file past that usually holds two
+concepts; the three past it today are held to their size until they are split, see
+``OVER_THE_LINE``). No total caps the core: a cap on its sum made commits trim docstrings
+and split concepts apart to fit. The core reaches into no private internals: no
+``ctypes``, no reference counts, no hunting for CUDA symbols, no ``torch._C``.
 """
 
 from __future__ import annotations
@@ -44,8 +47,11 @@ DISPATCH = {"dsv32_engine/serving/cli.py", "planner/__init__.py"}
 """Modules that import by name (``"module:function"`` strings): the CLI its commands, so
 that ``--help`` needs no torch, and the core package its public names, on first use (PEP
 562). Those names are checked below as the imports they are."""
-CORE_LINES = 5500
-CORE_MODULES = 18
+MODULE_LINES = 600
+"""A core file past this many lines is two concepts in one file: split it by concept."""
+OVER_THE_LINE = {"planner/planner.py": 738, "planner/checks.py": 669, "planner/program.py": 633}
+"""Core files past ``MODULE_LINES`` today, each held to its size until it is split by
+concept (issue 53): one may shrink, never grow, and leaves this list once under the line."""
 FORBIDDEN_IN_CORE = (
     "ctypes",
     "getrefcount",
@@ -175,49 +181,75 @@ def test_every_import_points_down():
     assert not found, "layering violations:\n" + "\n".join(found)
 
 
-def core_budget(root: Path) -> list[str]:
-    """What breaks the core's budget: too many lines or modules, a forbidden name."""
-    files = [p for p in sorted((root / "planner").rglob("*.py")) if p.name != "__main__.py"]
+def core_rules(root: Path, over_the_line: dict[str, int] = OVER_THE_LINE) -> list[str]:
+    """What breaks the core's rules: a file that is not Python, a module without a docstring
+    naming its concept, a file past its line count, a forbidden name; and an entry of
+    ``over_the_line`` that is gone or back under the line (take it off the list)."""
+    core = root / "planner"
     found = [
         f"{p.relative_to(root).as_posix()}: not Python"
-        for p in (root / "planner").rglob("*")
+        for p in sorted(core.rglob("*"))
         if p.is_file() and p.suffix not in (".py", ".pyc")
     ]
-    lines = sum(len(p.read_text().splitlines()) for p in files)
-    if lines > CORE_LINES:
-        found.append(f"planner/: {lines} lines of Python, more than {CORE_LINES}")
-    if len(files) > CORE_MODULES:
-        found.append(f"planner/: {len(files)} modules, more than {CORE_MODULES}")
-    for path in files:
+    for path in sorted(core.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
         text = path.read_text()
+        docstring = ast.get_docstring(ast.parse(text, filename=rel), clean=False) or ""
+        if not docstring.strip() or not docstring.splitlines()[0].strip():
+            found.append(f"{rel}: no module docstring naming its concept on its first line")
+        lines = len(text.splitlines())
+        limit = over_the_line.get(rel, MODULE_LINES)
+        if lines > limit:
+            held = " (held to its size until it is split)" if rel in over_the_line else ""
+            found.append(f"{rel}: {lines} lines, more than {limit}{held}: split it by concept")
+        elif rel in over_the_line and lines <= MODULE_LINES:
+            found.append(f"{rel}: {lines} lines, under {MODULE_LINES}: take it off OVER_THE_LINE")
         for name in FORBIDDEN_IN_CORE:
             if name in text:
-                found.append(f"{path.relative_to(root).as_posix()}: names {name!r}")
+                found.append(f"{rel}: names {name!r}")
+    for rel in over_the_line:
+        if not (root / rel).is_file():
+            found.append(f"{rel}: gone: take it off OVER_THE_LINE")
     return found
 
 
-def test_the_core_keeps_its_budget_and_no_private_internals():
-    found = core_budget(REPO)
-    assert not found, "core budget:\n" + "\n".join(found)
+def test_the_core_keeps_one_concept_per_module_and_no_private_internals():
+    found = core_rules(REPO)
+    assert not found, "core rules:\n" + "\n".join(found)
 
 
-def test_the_budget_check_finds_what_it_is_for(tmp_path):
+def test_the_core_rules_find_what_they_are_for(tmp_path):
     core = tmp_path / "planner"
-    core.mkdir()
-    (core / "__main__.py").write_text("x = 1\n" * (CORE_LINES + 1))  # the entry: not counted
-    (core / "a.py").write_text("import ctypes\n")
-    (core / "b.py").write_text("x = torch._C._cuda_getDevice()\n")
+    (core / "dumps").mkdir(parents=True)
+    concept = '"""One concept."""\n'
+    (core / "__main__.py").write_text(concept + "import ctypes\n")
+    (core / "b.py").write_text(concept + "x = torch._C._cuda_getDevice()\n")
     (core / "screen.c").write_text("int f(void);\n")
-    assert core_budget(tmp_path) == [
+    (core / "bare.py").write_text("x = 1\n")
+    (core / "blank.py").write_text('"""\nThe summary line is empty."""\n')
+    (core / "dumps" / "long.py").write_text(concept + "x = 1\n" * MODULE_LINES)
+    (core / "fits.py").write_text(concept + "x = 1\n" * (MODULE_LINES - 1))  # 600: fine
+    (core / "held.py").write_text(concept + "x = 1\n" * 700)  # 701, held to 701: fine
+    (core / "grew.py").write_text(concept + "x = 1\n" * 700)  # 701, held to 700
+    (core / "shrank.py").write_text(concept + "x = 1\n" * 10)
+    held = {
+        "planner/held.py": 701,
+        "planner/grew.py": 700,
+        "planner/shrank.py": 650,
+        "planner/gone.py": 650,
+    }
+    assert core_rules(tmp_path, held) == [
         "planner/screen.c: not Python",
-        "planner/a.py: names 'ctypes'",
+        "planner/__main__.py: names 'ctypes'",
         "planner/b.py: names 'torch._C'",
+        "planner/bare.py: no module docstring naming its concept on its first line",
+        "planner/blank.py: no module docstring naming its concept on its first line",
+        "planner/dumps/long.py: 601 lines, more than 600: split it by concept",
+        "planner/grew.py: 701 lines, more than 700 (held to its size until it is split): "
+        "split it by concept",
+        "planner/shrank.py: 11 lines, under 600: take it off OVER_THE_LINE",
+        "planner/gone.py: gone: take it off OVER_THE_LINE",
     ]
-    for i in range(CORE_MODULES):
-        (core / f"m{i}.py").write_text("x = 1\n" * (CORE_LINES // CORE_MODULES + 1))
-    found = core_budget(tmp_path)
-    assert f"planner/: {CORE_MODULES + 2} modules, more than {CORE_MODULES}" in found
-    assert any(f.startswith("planner/: ") and "lines of Python" in f for f in found)
 
 
 def test_every_top_level_package_has_a_layer():

@@ -20,9 +20,9 @@ from collections.abc import Callable, Container, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsv32_engine.serving.dumps import INDEX, dump_plans, fsync_dir, write_synced
 from dsv32_engine.serving.outputs import env_count
 from planner.debug import diff_plans
+from planner.dumps import INDEX, dump_plans, fsync_dir, write_synced
 from planner.errors import ConfigError, DumpError
 
 if TYPE_CHECKING:

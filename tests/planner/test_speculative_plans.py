@@ -16,10 +16,10 @@ import torch
 
 from backends.deepgemm import reference_paged_mqa_schedule
 from benchmarks import verify_spec_verify
-from dsv32_engine.serving.dumps import dump_plans, load_dump
 from planner import ForwardBatch, ForwardMode, Limits, Planner
 from planner.batch import step_batches
 from planner.debug import diff_plans, padding_violations
+from planner.dumps import dump_plans, load_dump
 from tests.support.batches import make_pool
 from tests.support.dumps import assert_same_bits
 from tests.support.spec_batches import draft_decode_batch, draft_extend_batch, verify_batch

@@ -4,6 +4,7 @@ one-line errors ``python -m planner inspect/diff`` give on corrupt or missing du
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -17,9 +18,18 @@ import torch
 
 from dsv32_engine.serving.cli import ERROR_PREFIX, build_parser, dispatch
 from dsv32_engine.serving.dump_ring import install_mismatch_dumps
-from dsv32_engine.serving.dumps import INDEX, dump_plans, load_dump
-from planner import DumpError, ForwardMode, PlanSet, ReplayError
+from planner import DumpError, ForwardMode, PlanError, PlanSet, ReplayError
 from planner.debug import tensor_digest
+from planner.dumps import (
+    INDEX,
+    diff_dumps,
+    diff_report,
+    dump_plans,
+    inspect_report,
+    load_dump,
+    print_diff,
+    print_dump,
+)
 from planner.ops import get_op
 from planner.registry import get_backend
 from tests.support import REPO
@@ -116,7 +126,6 @@ def test_replay_without_record_leaves_in_graph_fields_stale(tmp_path):
     plans = planner.replay(batch, 4)  # the graph never replayed: in-graph ops did not run
     with pytest.raises(ReplayError):
         planner.verify(batch, plans)
-    from dsv32_engine.serving.commands.diff import diff_dumps
 
     (where,) = dumper.paths
     diffs = diff_dumps(load_dump(where / "replayed"), load_dump(where / "eager"))
@@ -236,6 +245,44 @@ def test_diff_reports_shape_changes_and_missing_fields(tmp_path, capsys):
     code, out, _ = _run(capsys, "diff", str(a), str(c), "--json")
     statuses = {(f["backend"], f["status"]) for f in json.loads(out)["fields"]}
     assert code == 1 and statuses == {("paged", "only in A"), ("other", "only in B")}
+
+
+# ---- the library the commands wrap -------------------------------------------------------------
+
+
+def test_the_library_prints_what_inspect_prints(one_dump, capsys):
+    """``planner.dumps`` alone shows a dump as the command does: the same text, the same JSON."""
+    path, _ = one_dump
+    for argv, kwargs in (
+        ((), {}),
+        (("--field", "page_table", "--full"), {"field": "page_table", "full": True}),
+    ):
+        code, out, _ = _run(capsys, "inspect", str(path), *argv)
+        text = io.StringIO()
+        print_dump(path, file=text, **kwargs)  # a path: loaded and checked first
+        assert code == 0 and text.getvalue() == out
+    code, out, _ = _run(capsys, "inspect", str(path), "--json", "--field", "max_seq_len")
+    assert code == 0 and json.loads(out) == inspect_report(load_dump(path), "max_seq_len")
+    with pytest.raises(PlanError, match="no field 'nope' .*paged.page_table"):
+        inspect_report(load_dump(path), "nope")
+
+
+def test_the_library_prints_what_diff_prints(tmp_path, capsys):
+    planner = DUMPS.planner()
+    rng = random.Random(8)
+    a = dump_plans(planner.plan(DUMPS.batch(rng, bs=3)), tmp_path / "a")
+    b = dump_plans(planner.plan(DUMPS.batch(rng, bs=3)), tmp_path / "b")
+    text = io.StringIO()
+    assert print_diff(a, load_dump(a), file=text) == []  # paths or loaded dumps
+    assert text.getvalue().endswith("dumps are equal\n")
+    code, out, _ = _run(capsys, "diff", str(a), str(b))
+    text = io.StringIO()
+    differs = print_diff(a, b, file=text)
+    assert code == 1 and text.getvalue() == out
+    assert {f"{d.backend}.{d.field}" for d in differs} >= {"paged.seq_lens"}
+    code, out, _ = _run(capsys, "diff", str(a), str(b), "--json")
+    loaded = load_dump(a), load_dump(b)
+    assert json.loads(out) == diff_report(*loaded, diff_dumps(*loaded))
 
 
 # ---- corrupt, truncated, missing ---------------------------------------------------------------

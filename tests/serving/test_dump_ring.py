@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from dsv32_engine.serving.dump_ring import DumpRing, install_mismatch_dumps
-from dsv32_engine.serving.dumps import load_dump
 from planner import ConfigError, PlanSet, ReplayError
+from planner.dumps import load_dump
 from tests.support.dumps import DUMPS
 
 # ---- ring buffer and environment ---------------------------------------------------------------

@@ -18,8 +18,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv32_engine.serving.dumps import INDEX, dump_plans, load_dump
-from dsv32_engine.serving.dumps import write as dumps_write
 from planner import (
     DumpError,
     ForwardMode,
@@ -29,6 +27,8 @@ from planner import (
     scalar_field,
     tensor_field,
 )
+from planner.dumps import INDEX, dump_plans, load_dump
+from planner.dumps import write as dumps_write
 from planner.registry import get_backend
 from tests.support.dumps import DUMPS, assert_same_bits
 

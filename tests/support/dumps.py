@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from dsv32_engine.serving.dumps import dump_plans
 from planner import PlanSet
 from planner.debug import tensor_digest
+from planner.dumps import dump_plans
 from tests.support.planners import PlannerSetup
 
 DUMPS = PlannerSetup(("paged",), max_batch=12, max_context=200, page_size=16, pool=40, seed=5)

@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from dsv32_engine.serving.dumps import INDEX
+from planner.dumps import INDEX
 
 _STEP = re.compile(r"^step-\d+$")
 _MISMATCH = re.compile(r"^mismatch-\d+$")

@@ -22,6 +22,7 @@ from fp_example_mla.ops import mla_metadata
 
 from graphs import GraphRunner
 from planner import ConfigError, ForwardMode, Limits, Planner, SchemaError
+from planner.dumps import dump_plans, load_dump
 from planner.registry import ENTRY_POINT_GROUP, backend_plans
 from planner.testing import check_provider, random_batch, token_table
 
@@ -124,8 +125,6 @@ def test_bad_options_are_refused_at_build_naming_the_option(options, error, fiel
 
 
 def test_a_dump_loads_back(tmp_path):
-    from dsv32_engine.serving.dumps import dump_plans, load_dump
-
     table = token_table(MAX_BATCH, MAX_CONTEXT)
     batch = random_batch(random.Random(2), table, max_context=MAX_CONTEXT, bs=3)
     plans = planner().plan(batch)

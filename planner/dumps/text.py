@@ -1,32 +1,27 @@
-"""How plan dumps are shown on a terminal: the formatting ``inspect`` and ``diff`` share."""
+"""Plan dumps as text: the cell formats and the console that ``inspect`` and ``diff`` share.
+
+A dump is read by eye on a terminal or by a script through a pipe; both get the same
+cells (shapes as tuples, summaries, heads, the batch line, a dump's title), and piped
+output is not wrapped at 80 columns.
+"""
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
 import torch
 from rich.console import Console
 
-from dsv32_engine.serving.cli import error_line
-from dsv32_engine.serving.dumps import FieldRecord, LoadedDump, json_value
+from planner.dumps.format import FieldRecord, json_value
+from planner.dumps.read import LoadedDump
 
 
 def make_console(out: TextIO) -> Console:
     """A console that does not wrap piped output at 80 columns (it is read by scripts)."""
     wide = out.isatty() or "COLUMNS" in os.environ
     return Console(file=out, width=None if wide else 200, highlight=False, markup=False)
-
-
-def fail(command: str, exc: BaseException) -> int:
-    """A dump that cannot be read: one line (the CLI's prefix, the command), exit status 2."""
-    print(
-        error_line(f"{command}: {exc}" if str(exc) else f"{command}: {type(exc).__name__}"),
-        file=sys.stderr,
-    )
-    return 2
 
 
 def json_tree(value: Any) -> Any:

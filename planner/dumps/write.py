@@ -21,7 +21,8 @@ import torch
 from pydantic import BaseModel
 from safetensors.torch import save as save_safetensors
 
-from dsv32_engine.serving.dumps.format import (
+from planner.debug import tensor_digest
+from planner.dumps.format import (
     FORMAT,
     FORMAT_VERSION,
     INDEX,
@@ -39,7 +40,6 @@ from dsv32_engine.serving.dumps.format import (
     json_value,
     summarize,
 )
-from planner.debug import tensor_digest
 from planner.errors import DumpError
 
 if TYPE_CHECKING:

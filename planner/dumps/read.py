@@ -16,7 +16,8 @@ import torch
 from pydantic import BaseModel, ValidationError
 from safetensors.torch import load as load_safetensors
 
-from dsv32_engine.serving.dumps.format import (
+from planner.debug import tensor_digest
+from planner.dumps.format import (
     FORMAT,
     FORMAT_VERSION,
     INDEX,
@@ -27,8 +28,7 @@ from dsv32_engine.serving.dumps.format import (
     FieldRecord,
     JsonValue,
 )
-from dsv32_engine.serving.dumps.write import blake2b
-from planner.debug import tensor_digest
+from planner.dumps.write import blake2b
 from planner.errors import DumpError
 
 
@@ -120,6 +120,11 @@ class LoadedDump:
     def plans(self) -> dict[str, DumpedPlan]:
         """Backend -> plan stand-in, for :func:`planner.debug.diff_plans`."""
         return {b: DumpedPlan(m, self.tensors[b]) for b, m in self.manifests.items()}
+
+
+def as_loaded(dump: LoadedDump | str | os.PathLike[str]) -> LoadedDump:
+    """A loaded dump as it is, or a path loaded (and checked) by :func:`load_dump`."""
+    return dump if isinstance(dump, LoadedDump) else load_dump(dump)
 
 
 def _read(path: Path) -> bytes:
