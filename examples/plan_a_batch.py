@@ -13,9 +13,8 @@ Runs on the CPU in a second or two: ``python examples/plan_a_batch.py``.
 from __future__ import annotations
 
 import torch
-from pydantic import ValidationError
 
-from planner import ForwardBatch, ForwardMode, Limits, PlanError, Planner, PlanSet
+from planner import ForwardBatch, ForwardMode, Limits, PlanError, Planner, PlanSet, PlanWriteError
 
 MAX_BATCH, MAX_CONTEXT, PAGE = 8, 1024, 64
 
@@ -77,11 +76,12 @@ def main() -> None:
     print("extend nsa.token_request:", nsa.token_request.tolist())
     layer(plans)
 
-    # plans are frozen: a layer cannot rebind a field (debug mode also catches in-place writes)
+    # plans are read-only: rebinding a field is refused, naming it (graphs.GraphRunner also
+    # refuses a layer's in-place write into a plan; debug mode sees writes torch cannot count)
     try:
         nsa.topk = 1
-    except ValidationError as exc:
-        print("frozen:", exc.errors()[0]["msg"])
+    except PlanWriteError as exc:
+        print("refused:", exc)
 
     # bad input is refused at the door, naming the field and the limit
     too_long = ForwardBatch(

@@ -27,10 +27,11 @@ import torch
 from graphs.graph import Graph, GraphKind, new_graph, new_pool, recover_after_failed_capture
 from graphs.inputs import InputSpec, StaticInputs, as_specs
 from graphs.outputs import GraphOutputError, output_kinds, slice_outputs
+from graphs.plan_writes import refuse_plan_writes
 from graphs.sizes import capture_ladder, check_positive, token_ladder
 from graphs.stats import GraphStats
 from planner.batch import RAGGED_MODES, ForwardBatch, ForwardMode
-from planner.errors import BatchError, ConfigError, GraphSafetyError, ReplayError
+from planner.errors import BatchError, ConfigError, GraphSafetyError, PlanWriteError, ReplayError
 from planner.planner import Planner
 from planner.plans import PlanSet
 
@@ -40,6 +41,8 @@ WarmupHook = Callable[[Planner, int], None]
 """``warmup(planner, bs)``: a backend's JIT warm-up (e.g. deep_gemm buckets) before capture."""
 
 GRAPHS_DISABLED = "graphs_disabled"
+"""A runner made with ``enabled=False``: every step eager, as its caller asked (counted, never
+warned)."""
 MODE_NOT_CAPTURED = "mode_not_captured"
 BATCH_TOO_LARGE = "batch_too_large"
 SIZE_DROPPED = "size_dropped"
@@ -189,7 +192,7 @@ class GraphRunner:
             failed = False
             try:
                 self._graphs[(mode, bs)] = self._capture_one(mode, bs, stream)
-            except (GraphOutputError, GraphSafetyError):
+            except (GraphOutputError, GraphSafetyError, PlanWriteError):
                 raise  # a bug in the forward or a provider, the same at every size: say it
             except Exception as exc:  # any failure drops only this size
                 self._drop(mode, bs, exc)
@@ -235,9 +238,13 @@ class GraphRunner:
         def body() -> Any:
             # Binds the very objects the graph reads; nothing is looked up again at replay.
             planner.record(bs, mode, tokens=tokens)
-            out = forward(dict(views), plans)
-            if not kinds:  # at capture only (shapes): a forward that cannot be sliced fails
-                kinds.extend(output_kinds(out, bs, rows))
+            if kinds:  # an emulated replay: a real one runs no Python, the capture checked it
+                return forward(dict(views), plans)
+            # At capture only: a layer writing a plan fails (it would write at every
+            # replay), and so does a forward that cannot be sliced (shapes).
+            with refuse_plan_writes(plans, "the forward at graph capture"):
+                out = forward(dict(views), plans)
+            kinds.extend(output_kinds(out, bs, rows))
             return out
 
         graph = new_graph(self.kind, stream)
@@ -403,7 +410,8 @@ class GraphRunner:
         if padded:
             pad_rows = plans.reqs * self._next_n(_shape(batch, ForwardMode(batch.mode)))
             inputs = self.inputs.padding(plans.reqs, pad_rows)
-        with self.planner.guard(plans):
+        # Always: torch's count of in-place writes; in debug mode also content digests.
+        with self.planner.guard(plans), refuse_plan_writes(plans, "the eager forward"):
             outputs = self.forward(dict(inputs), plans)
         if padded:
             kinds = output_kinds(outputs, plans.reqs, pad_rows)
@@ -418,7 +426,7 @@ class GraphRunner:
         return outputs
 
     def _warn_fallback(self, batch: ForwardBatch, reason: str) -> None:
-        if reason in self._warned or reason in (RAGGED, PEER_EAGER):  # by design, counted
+        if reason in self._warned or reason in (RAGGED, PEER_EAGER, GRAPHS_DISABLED):  # asked for
             return
         self._warned.add(reason)
         mode = ForwardMode(batch.mode)

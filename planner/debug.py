@@ -27,7 +27,7 @@ from planner.schema import Plan
 
 if TYPE_CHECKING:
     from planner.batch import ForwardBatch
-    from planner.plans import PlanSet
+    from planner.plans import PlannerStats, PlanSet
 
 MismatchHook = Callable[["ForwardBatch", "PlanSet", "PlanSet"], None]
 """``on_mismatch(batch, replayed, eager)``: called before a mismatch is raised."""
@@ -77,8 +77,15 @@ def check_replay(
 
 
 @contextmanager
-def guard(plans: Mapping[str, Plan], enabled: bool) -> Iterator[None]:
-    """Digest plans before and after the forward; a layer that wrote raises ``PlanWriteError``."""
+def guard(
+    plans: Mapping[str, Plan], enabled: bool, stats: PlannerStats | None = None
+) -> Iterator[None]:
+    """Digest plans before and after the forward; a layer that wrote raises ``PlanWriteError``
+    (a check that passed counts in ``stats.write_checks``, for the run's summary).
+
+    The always-on check is ``graphs.plan_writes`` (torch's count of in-place writes, no
+    copies); this one compares contents, so it also sees writes torch does not count:
+    Triton and other raw-pointer kernels, ``.numpy()`` and ``.data`` writes."""
     if not enabled:
         yield
         return
@@ -90,6 +97,8 @@ def guard(plans: Mapping[str, Plan], enabled: bool) -> Iterator[None]:
         raise PlanWriteError(
             "a layer wrote into a plan it may only read", field=changed[0], actual=changed
         )
+    if stats is not None:
+        stats.write_checks += 1
 
 
 @dataclass(frozen=True)

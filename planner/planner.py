@@ -718,8 +718,8 @@ class Planner:
 
     @contextmanager
     def guard(self, plans: Mapping[str, Plan]) -> Iterator[None]:
-        """Debug mode: digest plans before and after the forward; a layer that wrote raises."""
-        with guard(plans, self.debug):
+        """Debug mode: digests around a forward, for writes ``graphs.plan_writes`` cannot see."""
+        with guard(plans, self.debug, self.stats):
             yield
 
 

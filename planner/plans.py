@@ -16,8 +16,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from planner.batch import ForwardMode, step_key
-from planner.errors import SchemaError
+from planner.errors import PlanWriteError, SchemaError
 from planner.program import Key, Program, Step
 from planner.schema import Plan
 
@@ -88,6 +90,12 @@ class PlanSet(Mapping[str, Plan]):
                 "no plan for backend" + hint, field=backend, expected=sorted(self._plans)
             ) from None
 
+    def __setitem__(self, backend: str, plan: object) -> None:
+        raise PlanWriteError("a plan set is read-only: layers may only read it", field=backend)
+
+    def __delitem__(self, backend: str) -> None:
+        raise PlanWriteError("a plan set is read-only: layers may only read it", field=backend)
+
     def get(self, backend: str, default: Plan | None = None) -> Plan | None:
         """The backend's plan, or ``default`` when this batch has none (a companion plan
         that only some modes make): ``Mapping.get``'s contract, which ``[]``'s error breaks."""
@@ -126,6 +134,9 @@ class PlannerStats:
     batches: Counter = field(default_factory=Counter)
     host_seconds: Counter = field(default_factory=Counter)
     verified: int = 0
+    """Debug mode: replays compared bit for bit with a fresh eager plan (:meth:`Planner.verify`)."""
+    write_checks: int = 0
+    """Debug mode: forwards whose plans were digested before and after (:meth:`Planner.guard`)."""
     program_runs: Counter = field(default_factory=Counter)
     programs: dict = field(default_factory=dict)
 
@@ -241,15 +252,27 @@ def build_plans(
     dims: Mapping[str, int],
 ) -> dict[str, Plan]:
     """Frozen plans over ``tensors``; scalars from the dimensions or the backend's settings
-    (a backend's own value: two backends may define one setting differently)."""
+    (a backend's own value: two backends may define one setting differently).
+
+    Each tensor of a plan is its own tensor over the planner's memory (``Tensor.data``: same
+    storage, offset, shape and strides, a version counter of its own), not the view the
+    storage cut: views of one buffer share one counter, so a layer's in-place write into a
+    field would count against every field of the buffer and ``graphs.plan_writes`` could not
+    name the one written. Fields that are one tensor (a shared computation, an alias) stay
+    one. About 0.3 us a field on the CPU."""
     plans = {}
+    own: dict[int, torch.Tensor] = {}
     for backend, cls in program.schemas.items():
         settings = program.backend_settings[backend]
         how = recipe(cls)
         values: dict[str, Any] = {}
         for name, kind, what in how.fields:
             if kind == _TENSOR:
-                values[name] = tensors[(backend, what)]
+                tensor = tensors[(backend, what)]
+                mine = own.get(id(tensor))
+                if mine is None:
+                    mine = own[id(tensor)] = tensor.data
+                values[name] = mine
             elif kind == _HANDLE:
                 values[name] = handles.get((backend, what))
             elif what in dims:

@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 from planner.batch import BATCH_TABLES, DECODE_MODES, HOST_INPUTS, ForwardMode
-from planner.errors import SchemaError
+from planner.errors import PlanWriteError, SchemaError
 from planner.registry import register_backend
 
 DimExpr = int | str
@@ -377,6 +377,31 @@ class Plan(BaseModel):
                     actual=tuple(tensor.shape),
                 )
         return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Plans are read-only: refused with the library's one-line error naming
+        ``backend.field`` (pydantic's frozen check would raise a multi-line
+        ``ValidationError``). Construction never comes here (``model_construct``, validation
+        and ``model_copy`` set ``__dict__`` themselves), so building a plan costs nothing more.
+        Private attributes a subclass declares stay pydantic's to set."""
+        if name in self.__private_attributes__:
+            super().__setattr__(name, value)
+            return
+        raise PlanWriteError(
+            "a plan is read-only: layers may only read it (model_copy(update=...) makes a "
+            "changed copy)",
+            field=f"{self.backend or type(self).__name__}.{name}",
+        )
+
+    def __delattr__(self, name: str) -> None:
+        """Plans are read-only: deleting a field is refused like assigning one."""
+        if name in self.__private_attributes__:
+            super().__delattr__(name)
+            return
+        raise PlanWriteError(
+            "a plan is read-only: its fields cannot be deleted",
+            field=f"{self.backend or type(self).__name__}.{name}",
+        )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The tensor fields by name, in declaration order."""

@@ -28,6 +28,7 @@ import os
 import random
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv32_engine.serving.dumps import INDEX, dump_plans, load_dump
+from graphs import GraphRunner
 from planner import (
     BatchError,
     ConfigError,
@@ -46,10 +47,12 @@ from planner import (
     Plan,
     PlanError,
     Planner,
+    PlanWriteError,
     SchemaError,
     Tensor,
     tensor_field,
 )
+from planner.dumps import INDEX, dump_plans, load_dump
 from planner.registry import get_backend
 from tests.support import REPO
 from tests.support.catalogue import (
@@ -63,6 +66,7 @@ from tests.support.catalogue import (
     finding_params,
     refuse,
 )
+from tests.support.graph_model import TinyPagedModel
 from tests.support.spec_batches import draft_decode_batch, draft_extend_batch
 
 # a CUDA planner tries deep_gemm once; throwaway schemas are forgotten after each test
@@ -809,6 +813,79 @@ def test_corrupt_dump_is_a_dump_error(dump_dir, kind):
         assert info.value.field.startswith("paged.")
 
 
+# ---- plans: layers only read them -------------------------------------------------------------
+
+
+def _paged_plans():
+    return PAGED.planner().plan(PAGED.batch(random.Random(0), bs=3))
+
+
+def _assign() -> None:
+    plan = _paged_plans()["paged"]
+    plan.kv_lens = plan.kv_lens + 1
+
+
+def _delete() -> None:
+    del _paged_plans()["paged"].page_table
+
+
+def _replace_plan() -> None:
+    plans = _paged_plans()
+    plans["paged"] = plans["paged"].model_copy()
+
+
+def _layer_writes(phase: str) -> None:
+    """A graph runner (emulated graphs, debug off) whose forward's layer writes
+    ``paged.seq_lens`` in place in plans of ``phase``; one step of a batch that runs
+    eagerly (past the captured size) or replays (after the capture)."""
+    model = TinyPagedModel(int(PAGED.table.max()) + 1)
+
+    def forward(inputs, plans):
+        if plans.phase == phase:
+            plans["paged"].seq_lens[:1] += 1
+        return model(inputs, plans)
+
+    runner = GraphRunner(
+        PAGED.planner(),
+        forward,
+        req_to_token=PAGED.table,
+        static_inputs={"input_ids": torch.int64},
+        sizes=[2],
+    )
+    batch = PAGED.batch(random.Random(0), bs=3 if phase == "eager" else 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the eager fallback's GraphWarning
+        runner.step(batch, {"input_ids": torch.zeros(batch.bs, dtype=torch.int64)})
+
+
+PLAN_WRITES = {
+    "plan field reassignment": (_assign, "paged.kv_lens", "Plan.__setattr__"),
+    "plan field deleted": (_delete, "paged.page_table", "Plan.__delattr__"),
+    "plan set given another plan": (_replace_plan, "paged", "PlanSet.__setitem__"),
+    "plan field written in place (eager forward)": (
+        lambda: _layer_writes("eager"),
+        "paged.seq_lens",
+        "graphs/plan_writes.py refuse_plan_writes (GraphRunner, every eager forward)",
+    ),
+    "plan field written in place (graph capture)": (
+        lambda: _layer_writes("capture"),
+        "paged.seq_lens",
+        "graphs/plan_writes.py refuse_plan_writes (GraphRunner, every capture's forward)",
+    ),
+}
+"""Kind: (what does it, the field named, where it is refused). Refused in every mode,
+debug or not, with one line naming the field (never pydantic's ``ValidationError``)."""
+
+
+@pytest.mark.parametrize("kind", sorted(PLAN_WRITES))
+def test_a_plan_written_is_refused_naming_the_field(kind):
+    run, field, _ = PLAN_WRITES[kind]
+    with pytest.raises(PlanWriteError) as info:
+        run()
+    assert info.value.field == field and f"[{field}]" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
 # ---- not refused today: each is a finding (see docs/reliability.md) ---------------------------
 
 
@@ -1031,4 +1108,5 @@ def test_planner_debug_env_values(value, on, monkeypatch):
 
 KINDS = [c.kind for c in BATCH_CASES + CALL_CASES] + sorted(DUMP_CASES)
 KINDS += [f.kind for f in NOT_REFUSED]
+KINDS += sorted(PLAN_WRITES)
 """Every kind of this catalogue: each has its row in docs/reliability.md."""

@@ -19,7 +19,7 @@ from planner import (
     scalar_field,
     tensor_field,
 )
-from planner.errors import ProviderError
+from planner.errors import PlanWriteError, ProviderError
 from planner.schema import parse_dim, resolve_shape
 
 # The tests declare throwaway schemas (one naming an op that does not exist): forgotten after.
@@ -66,7 +66,7 @@ def test_plans_are_frozen():
     good["token_slots"] = torch.zeros(2, 3, dtype=torch.int32)
     good["page_table"] = torch.zeros(2, 1, dtype=torch.int32)
     plan = PagedPlan(**good, max_seq_len=3, next_n=1)
-    with pytest.raises(Exception, match="frozen"):
+    with pytest.raises(PlanWriteError, match=r"^\[paged.seq_lens\] a plan is read-only"):
         plan.seq_lens = torch.ones(2, dtype=torch.int32)
 
 
