@@ -20,9 +20,12 @@ def random_init(module: nn.Module, seed: int, depth: int) -> None:
     Projections: N(0, 1/fan_in) so each keeps unit scale; projections that
     write into the residual stream are further divided by sqrt(2 * depth) so
     the stream grows by O(1) overall; norms start at 1/0; the gate bias is
-    small but non-zero so it does shift expert choice.
+    small but non-zero so it does shift expert choice. On the ``meta`` device there is
+    nothing to fill (a module built there is only measured: ``serving.memory_fit``).
     """
     device = next(module.parameters()).device
+    if device.type == "meta":
+        return
     gen = torch.Generator(device=device).manual_seed(seed)
     out_scale = (2 * depth) ** -0.5
     for name, p in module.named_parameters():

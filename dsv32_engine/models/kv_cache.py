@@ -31,6 +31,20 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def cache_bytes(config: DSV32Config, num_pages: int, dtype: torch.dtype) -> int:
+    """Bytes a :class:`PagedKVCache` of ``num_pages`` pages holds, by arithmetic (nothing is
+    allocated): per layer, the MLA cache's ``kv_cache_dim`` values in ``dtype`` and the index
+    cache's ``index_cache_dim`` bytes per token. What a run checks against the device's
+    memory before it allocates the cache; equal to ``nbytes()`` of the cache it builds."""
+    per_token = config.kv_cache_dim * dtype.itemsize + config.index_cache_dim
+    return config.num_hidden_layers * num_pages * config.page_size * per_token
+
+
+def request_map_bytes(pool_size: int, max_context: int) -> int:
+    """Bytes of a :class:`RequestPool`'s ``req_to_token`` (int32 per position per row)."""
+    return pool_size * max_context * 4
+
+
 class _FreeList:
     """Ids ``1..n-1`` (0 reserved), handed out lowest-first, freed ids reused first."""
 

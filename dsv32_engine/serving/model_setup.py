@@ -14,7 +14,9 @@ from pydantic import ValidationError
 
 from dsv32_engine.models.config import PRESETS, DSV32Config
 from dsv32_engine.models.hf_config import from_hf_config_json
+from dsv32_engine.models.kv_cache import cache_bytes, pages_for
 from dsv32_engine.models.model import DSV32Model
+from dsv32_engine.models.mtp import mtp_config
 from dsv32_engine.serving.run_config import ModelSection, RunConfig
 from planner.errors import ConfigError
 
@@ -70,7 +72,7 @@ def build_model(config: RunConfig, model_cfg: DSV32Config, device: torch.device)
             actual=config.planner.max_context,
         )
     weights = config.model.weights
-    dtype = torch.float32 if config.model.dtype == "float32" else torch.bfloat16
+    dtype = model_dtype(config)
     if weights and not Path(weights).is_file():
         raise ConfigError("no such weights file", field="model.weights", actual=weights)
     if weights:
@@ -90,6 +92,28 @@ def build_model(config: RunConfig, model_cfg: DSV32Config, device: torch.device)
     return DSV32Model(model_cfg, seed=config.model.seed, device=device, dtype=dtype)
 
 
+def max_kv_pages(config: RunConfig, model_cfg: DSV32Config) -> int:
+    """The most KV pages a run uses (page 0 included): ``max_batch`` requests of
+    ``max_context``. The CPU allocates this many; a GPU no more than fit its memory."""
+    per_request = pages_for(config.planner.max_context, model_cfg.page_size)
+    return config.planner.max_batch * per_request + 1
+
+
+def kv_page_bytes(config: RunConfig, model_cfg: DSV32Config, dtype: torch.dtype) -> int:
+    """Device bytes one page costs: every layer's MLA and index caches in the model's
+    ``dtype``, plus the MTP draft's one layer when the run drafts with it (its cache has the
+    same pages)."""
+    per_page = cache_bytes(model_cfg, 1, dtype)
+    if config.speculative.draft == "mtp":
+        per_page += cache_bytes(mtp_config(model_cfg), 1, dtype)
+    return per_page
+
+
+def model_dtype(config: RunConfig) -> torch.dtype:
+    """The torch dtype of ``model.dtype``."""
+    return torch.float32 if config.model.dtype == "float32" else torch.bfloat16
+
+
 def kv_pages(config: RunConfig, model: DSV32Model, device: torch.device) -> int:
     """KV (and index-cache) pages for the run, page 0 (the null page) included.
 
@@ -103,17 +127,15 @@ def kv_pages(config: RunConfig, model: DSV32Model, device: torch.device) -> int:
     """
     loop, planner = config.loop, config.planner
     page = model.config.page_size
-    per_request = -(-planner.max_context // page)
-    wanted = planner.max_batch * per_request + 1
+    per_request = pages_for(planner.max_context, page)
+    wanted = max_kv_pages(config, model.config)
     if loop.kv_pages is not None:
         return loop.kv_pages
     if device.type != "cuda":
         return wanted
     free, _ = torch.cuda.mem_get_info(device)
     budget = int(free * loop.kv_memory_fraction) - (loop.graph_reserve_mb << 20)
-    per_page = model.page_bytes()
-    if config.speculative.draft == "mtp":
-        per_page += per_page // model.config.num_hidden_layers
+    per_page = kv_page_bytes(config, model.config, model.dtype)
     fits = max(0, budget // per_page)
     if fits - 1 < per_request:
         raise ConfigError(

@@ -18,6 +18,15 @@ from backends.deepgemm import BLOCK_KV
 from dsv32_engine import SHIPPED_CONFIGS
 from planner.errors import ConfigError
 
+MAX_CONTEXT = 1 << 20
+"""The longest ``planner.max_context``: the request map alone is ``max_batch + 1`` rows of it."""
+MAX_REQUESTS = 100_000
+"""The most ``loop.requests`` (see ``LoopSection.requests``)."""
+MAX_PROMPT_TOKENS = 1 << 24
+"""The most prompt tokens a workload may hold at worst: ``requests x prompt_len[1]``."""
+MAX_STEPS = 1_000_000
+"""The most ``loop.max_steps`` (see ``LoopSection.max_steps``)."""
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -41,7 +50,7 @@ class PlannerSection(_Section):
     """Limits and provider choices of the planner."""
 
     max_batch: int = Field(16, ge=1, le=4096)
-    max_context: int = Field(512, ge=64, le=1 << 20)
+    max_context: int = Field(256, ge=64, le=MAX_CONTEXT)
     next_n: int = Field(
         1, description="kept so older configs load: verify rows are speculative.draft_tokens"
     )
@@ -97,14 +106,39 @@ class GraphsSection(_Section):
 
 
 class LoopSection(_Section):
-    """The continuous-batching request loop."""
+    """The continuous-batching request loop.
 
-    requests: int = Field(24, ge=1, le=1_000_000)
-    arrival_rate: float = Field(4.0, gt=0, description="mean new requests per step (Poisson)")
-    prompt_len: tuple[int, int] = (8, 48)
-    max_new_tokens: tuple[int, int] = (8, 32)
+    Its sizes are bounded by what a run can finish: the workload is made up front in host
+    memory (``requests.make_workload``: measured ~0.6 us and 25-40 bytes a prompt token on a
+    2-core CPU), and the default run's 32 requests took 1.7 s to serve there (~500 tokens/s).
+    """
+
+    requests: int = Field(
+        32,
+        ge=1,
+        le=MAX_REQUESTS,
+        description=f"requests in the workload, at most {MAX_REQUESTS:,}: at the tiny CPU "
+        "model's ~500 tokens/s that many of its requests take ~3 h to serve, and making them "
+        "~5 s (10x that took 26 s and 1.1 GB before the first step, and promised 24 h)",
+    )
+    arrival_rate: float = Field(3.0, gt=0, description="mean new requests per step (Poisson)")
+    prompt_len: tuple[int, int] = Field(
+        (8, 40),
+        description="[lo, hi] prompt tokens, drawn uniformly; hi <= planner.max_context, and "
+        f"requests x hi <= {MAX_PROMPT_TOKENS:,} (the prompts are made up front: 0.4-0.6 GB "
+        "and ~10 s of set-up at that bound)",
+    )
+    max_new_tokens: tuple[int, int] = Field(
+        (8, 40), description="[lo, hi] tokens each request generates; hi <= planner.max_context"
+    )
     seed: int = Field(0, ge=0)
-    max_steps: int = Field(100_000, ge=1)
+    max_steps: int = Field(
+        100_000,
+        ge=1,
+        le=MAX_STEPS,
+        description=f"loop steps before the run stops, at most {MAX_STEPS:,}: a decode step of "
+        "the tiny CPU model takes ~20 ms (2 cores), so that many take ~5.5 h",
+    )
     kv_pages: int | None = Field(
         None,
         ge=2,
@@ -141,6 +175,10 @@ class LoopSection(_Section):
         lo, hi = value
         if not 1 <= lo <= hi:
             raise ValueError(f"must be [lo, hi] with 1 <= lo <= hi, got {[lo, hi]}")
+        if hi > MAX_CONTEXT:
+            raise ValueError(
+                f"hi must be <= {MAX_CONTEXT:,} (planner.max_context's bound), got {hi}"
+            )
         return value
 
 
@@ -273,6 +311,16 @@ class RunConfig(_Section):
             )
         self._check_distributed()
         self._check_batch_invariant()
+        prompts = self.loop.requests * self.loop.prompt_len[1]
+        if prompts > MAX_PROMPT_TOKENS:
+            raise ConfigError(
+                f"the workload's prompts could hold {prompts:,} tokens (requests x "
+                f"prompt_len[1] = {self.loop.requests} x {self.loop.prompt_len[1]}), made up "
+                "front in host memory; lower loop.requests or loop.prompt_len",
+                field="loop.requests",
+                expected=f"<= {MAX_PROMPT_TOKENS // self.loop.prompt_len[1]}",
+                actual=self.loop.requests,
+            )
         longest = self.loop.prompt_len[1] + self.loop.max_new_tokens[1] + spec.next_n
         if longest > self.planner.max_context:
             raise ConfigError(

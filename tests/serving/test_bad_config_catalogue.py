@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv32_engine.serving.cli import DEFAULT_DECODE_CONFIG
 from dsv32_engine.serving.dump_ring import DumpRing
+from dsv32_engine.serving.memory_fit import Available, MemoryFitError, check_memory
 from dsv32_engine.serving.run_config import load_run_config
 from graphs import GraphRunner
 from planner import ConfigError, ProviderError, SchemaError
@@ -371,6 +373,73 @@ def config_cases(tmp: Path) -> list[Case]:
             ">= 1",
             "dsv32_engine/serving/dump_ring.py DumpRing.from_env",
         ),
+        Case(
+            "requests above their bound (YAML)",
+            "config",
+            lambda: load_run_config(TINY_YAML, {"loop.requests": 100_001}),
+            ConfigError,
+            "loop.requests",
+            "less than or equal to 100000",
+            LOAD,
+        ),
+        Case(
+            "max_steps above its bound (YAML)",
+            "config",
+            lambda: load_run_config(TINY_YAML, {"loop.max_steps": 1_000_001}),
+            ConfigError,
+            "loop.max_steps",
+            "less than or equal to 1000000",
+            LOAD,
+        ),
+        Case(
+            "prompt length past the context bound",
+            "config",
+            lambda: load_run_config(TINY_YAML, {"loop.prompt_len": [8, 1 << 21]}),
+            ConfigError,
+            "loop.prompt_len",
+            "<= 1,048,576",
+            LOAD,
+        ),
+        Case(
+            "workload prompt tokens above their bound",
+            "config",
+            lambda: load_run_config(
+                TINY_YAML,
+                {
+                    "loop.requests": 100_000,
+                    "loop.prompt_len": [8, 200],
+                    "planner.max_context": 512,
+                },
+            ),
+            ConfigError,
+            "loop.requests",
+            "<= 83886",
+            "dsv32_engine/serving/run_config.py RunConfig.check_fits",
+        ),
+        Case(
+            "config too big for the device's memory",
+            "config",
+            lambda: check_memory(
+                load_run_config("dsv32-small", {"device": "cpu"}),
+                available=Available(8 << 30, "a test's figure"),
+            ),
+            MemoryFitError,
+            "loop.chunk_tokens",
+            "8.0 GiB available",
+            "dsv32_engine/serving/memory_fit.py check_memory",
+        ),
+        Case(
+            "weights too big for the device's memory",
+            "config",
+            lambda: check_memory(
+                load_run_config(TINY_YAML, {"model.preset": "full"}),
+                available=Available(64 << 30, "a test's figure"),
+            ),
+            MemoryFitError,
+            "model.preset",
+            "the largest term is weights",
+            "dsv32_engine/serving/memory_fit.py check_memory",
+        ),
     ]
 
 
@@ -381,6 +450,19 @@ CONFIG_KINDS = [c.kind for c in config_cases(Path("/nonexistent"))]
 def test_bad_config_refused_naming_the_field(kind, tmp_path, monkeypatch):
     (case,) = [c for c in config_cases(tmp_path) if c.kind == kind]
     assert refuse(case, "call", monkeypatch) == []
+
+
+@pytest.mark.parametrize("text", ["", "# nothing set\n\n   # still nothing\n", "---\n"])
+def test_an_empty_config_file_is_the_default_config(text, tmp_path):
+    """An empty (or comments-only) file, and no file at all, run the default shipped config:
+    the run config's defaults are what ``dsv32-tiny.yaml`` says (it keeps its keys, for the
+    reader). They were not: 24 requests and 8,192 KV tokens instead of 32 and 4,096."""
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    default = load_run_config(DEFAULT_DECODE_CONFIG)
+    assert load_run_config(path) == default
+    assert load_run_config(None) == default
+    assert default.loop.requests == 32 and default.planner.max_context == 256
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
