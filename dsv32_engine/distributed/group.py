@@ -204,16 +204,19 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     fn(*args)
 
 
-def spawn(fn: Callable[..., Any], world: int, args: tuple = ()) -> None:
+def spawn(
+    fn: Callable[..., Any], world: int, args: tuple = (), *, join: bool = True
+) -> mp.ProcessContext | None:
     """Run ``fn(*args)`` in ``world`` fresh processes, each with the torchrun variables set.
 
     Raises (with the failing rank's traceback) when any rank fails; the others are
-    then stopped by ``torch.multiprocessing``.
+    then stopped by ``torch.multiprocessing``. ``join=False`` returns the processes'
+    context at once, for a launcher that joins them itself (and stops them on Ctrl-C).
     """
     if world < 1:
         raise ConfigError("at least one rank", field="world", expected=">= 1", actual=world)
-    mp.start_processes(
-        _entry, args=(world, free_port(), fn, args), nprocs=world, join=True, start_method="spawn"
+    return mp.start_processes(
+        _entry, args=(world, free_port(), fn, args), nprocs=world, join=join, start_method="spawn"
     )
 
 

@@ -4,17 +4,23 @@ Building the parser imports nothing heavy (no torch), so ``--help`` and a
 mistyped flag answer at once; a command's module is imported only when that
 command runs. Every refusal, whichever command or layer makes it, is one line on
 stderr starting with :data:`ERROR_PREFIX`, exit status 2; a reader that closes the
-pipe early (``| head``) ends the command quietly with :data:`CLOSED_PIPE`.
+pipe early (``| head``) ends the command quietly with :data:`CLOSED_PIPE`. Ctrl-C ends any
+command with one line starting :data:`INTERRUPTED_PREFIX`, exit status :data:`INTERRUPTED`;
+``decode`` first finishes the step it is in and prints the summary of the steps that ran
+(:class:`StopRequest`), and a second Ctrl-C stops it at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import io
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -34,9 +40,80 @@ for ``cat`` or ``yes`` in the same place, so ``set -o pipefail`` scripts see the
 command as for any other producer, and a cut-short listing is not mistaken for a whole one."""
 
 
+INTERRUPTED = 130
+"""Exit status after Ctrl-C: 128 + SIGINT, what a shell reports for a command it interrupted,
+so a script tells a stopped run from a finished (0) or refused (2) one."""
+
+INTERRUPTED_PREFIX = "forward-planner: interrupted"
+"""How the one line Ctrl-C leaves on stderr starts, whichever command was running."""
+
+
 def error_line(message: str) -> str:
     """The one line an error prints: the prefix, then the message with its whitespace folded."""
     return f"{ERROR_PREFIX} {' '.join(message.split())}"
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C, carrying what the command had done by then: :func:`main` prints it as the one
+    line after :data:`INTERRUPTED_PREFIX` (a plain ``KeyboardInterrupt`` gets the bare line)."""
+
+
+class StopRequest:
+    """Ctrl-C while a command runs: a request to stop at the next step boundary for a command
+    that summarises what it ran (``decode``: a summary of whole steps needs the loop to end
+    between two), else the end, at once.
+
+    While :meth:`installed`, a SIGINT sets :attr:`requested` and runs the :attr:`on_request`
+    callbacks (a launcher tells its ranks); a loop reads it between steps. The
+    ``presses_to_abort``-th SIGINT (1: a command with no loop to stop; 2: ``decode``, whose
+    second Ctrl-C stops at once; ``None``: never, a spawned rank, whose repeats are one key
+    press seen twice, the terminal's and its launcher's) runs the :attr:`on_abort` callbacks
+    (a launcher kills its ranks), writes the one line and ends the process with
+    :data:`INTERRUPTED` there and then. Not a ``KeyboardInterrupt``: raised inside an import,
+    one can end the interpreter by SIGINT (-2, not 130) even when :func:`main` caught it,
+    and no cleanup of a command being abandoned is worth waiting for.
+    """
+
+    def __init__(self, *, presses_to_abort: int | None = 2) -> None:
+        self.requested = False
+        self.presses = 0
+        self.presses_to_abort = presses_to_abort
+        self.on_request: list[Callable[[], object]] = []
+        self.on_abort: list[Callable[[], object]] = []
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.presses += 1
+        if self.presses_to_abort is not None and self.presses >= self.presses_to_abort:
+            self.abort()
+        if not self.requested:
+            self.requested = True
+            for callback in self.on_request:
+                callback()
+
+    def abort(self) -> NoReturn:
+        """The callbacks, the one line, and exit status :data:`INTERRUPTED` now."""
+        for callback in self.on_abort:
+            callback()
+        detail = ": stopped at once" if self.presses > 1 else ""
+        with contextlib.suppress(OSError):
+            os.write(2, f"{INTERRUPTED_PREFIX} (Ctrl-C){detail}\n".encode())
+        os._exit(INTERRUPTED)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        """This request as the SIGINT handler (only the main thread can install one: elsewhere
+        Ctrl-C keeps Python's default), the previous handler restored after."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = signal.signal(signal.SIGINT, self._handle)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _add_decode(sub: Any) -> None:
@@ -99,7 +176,7 @@ def _add_decode(sub: Any) -> None:
         action="store_true",
         help="every row computes the same bits whatever else is in its batch: speculative "
         "greedy equals plain greedy, chunked prefill equals whole-prompt prefill on the GPU too "
-        "(override planner.batch_invariant; docs/batch_invariance.md)",
+        "(override planner.batch_invariant; docs/batch_invariance.md in the source repository)",
     )
     p.add_argument(
         "--provider",
@@ -155,12 +232,13 @@ def _add_decode(sub: Any) -> None:
         "default on CUDA",
     )
     _add_distributed(p)
-    p.set_defaults(run="dsv32_engine.serving.commands.decode:run")
+    # Ctrl-C stops the loop between steps and prints what ran (see StopRequest)
+    p.set_defaults(run="dsv32_engine.serving.commands.decode:run", stops_between_steps=True)
 
 
 def _add_distributed(p: Any) -> None:
     g = p.add_argument_group(
-        "several ranks (docs/distributed.md)",
+        "several ranks (docs/distributed.md in the source repository)",
         "Without torchrun the ranks are spawned here (gloo on the CPU); under torchrun "
         "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) this process is one rank and "
         "WORLD_SIZE must equal --tp x --dp-attention. The two compose (rank r is TP rank "
@@ -249,7 +327,7 @@ def _add_discovery(sub: Any) -> None:
         description="Every registered metadata op (the shared ones of backends.common and each "
         "backend's own): what it computes, its providers and those usable on --device, "
         "whether it has a numpy host twin for eager plans, and the backends (with modes) whose "
-        "plans name it. A plugin's schema names an op in TensorSpec(op=...).",
+        "plans name it. A plugin's schema names an op in tensor_field(..., op=NAME).",
     )
     p.add_argument("--device", default="cpu", help="device to check providers for (default: cpu)")
     p.add_argument(
@@ -265,7 +343,9 @@ def _add_dump_readers(sub: Any) -> None:
     p = sub.add_parser(
         "inspect",
         help="show a plan dump: per field shape, dtype, pointer, checksum, summary",
-        description="Show a plan dump written by serving.dumps (or a DumpRing / mismatch hook).",
+        description="Show a plan dump written by planner.dumps.dump_plans (as decode --dump-dir "
+        "and its debug-mode mismatch hook write them); on a folder of dumps, list them. "
+        "From Python: planner.dumps.print_dump / inspect_report.",
     )
     p.add_argument("dump", metavar="DIR", help="dump directory (holds dump.json)")
     p.add_argument("--field", metavar="NAME", help="only this field: NAME or BACKEND.NAME")
@@ -280,7 +360,8 @@ def _add_dump_readers(sub: Any) -> None:
             "Compare two plan dumps field by field: shape, dtype, data pointer, differing "
             "elements with their indices and values, rows, scalars. With one argument, a "
             "mismatch directory: compares its replayed/ and eager/ dumps. "
-            "Exit status 0 when equal, 1 when they differ, 2 on error."
+            "Exit status 0 when equal, 1 when they differ, 2 on error. "
+            "From Python: planner.dumps.print_diff / diff_dumps."
         ),
     )
     p.add_argument("a", metavar="A", help="first dump (or a mismatch-N directory)")
@@ -312,13 +393,23 @@ def count(text: str) -> int:
     return value
 
 
+def program_name() -> str:
+    """How the user started the CLI, for usage lines and ``--help``: ``forward-planner``, the
+    command the wheel installs, or ``python -m planner`` (the same ``main``)."""
+    return "forward-planner" if Path(sys.argv[0]).name == "forward-planner" else "python -m planner"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
-        prog="python -m planner",
-        description="forward-planner: attention metadata planned once per forward batch, CUDA-graph aware.",
+        prog=program_name(),
+        description="forward-planner: attention metadata planned once per forward batch, "
+        "CUDA-graph aware. Installed as the forward-planner command; python -m planner runs "
+        "the same commands.",
         epilog=f"Every command reports a refusal as one line on stderr, '{ERROR_PREFIX} ...', "
         f"naming the flag, variable or config field to change, with exit status 2. Piped into a "
-        f"reader that stops early (| head), a command ends quietly with status {CLOSED_PIPE}.",
+        f"reader that stops early (| head), a command ends quietly with status {CLOSED_PIPE}. "
+        f"Ctrl-C ends a command with one line and status {INTERRUPTED}; decode first prints the "
+        "summary of the steps that ran (a second Ctrl-C stops it at once).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_discovery(sub)
@@ -346,12 +437,18 @@ def _stdout_to_devnull() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse, run the command; a refusal is one line and 2, a closed stdout pipe is quiet."""
+    """Parse, run the command; a refusal is one line and 2, a closed stdout pipe is quiet,
+    Ctrl-C is one line and :data:`INTERRUPTED` (``decode`` prints its summary first)."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        code = dispatch(args)
-        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        graceful = getattr(args, "stops_between_steps", False)
+        stop = args.stop = StopRequest(presses_to_abort=2 if graceful else 1)
+        with stop.installed():
+            code = dispatch(args)
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+            if stop.requested:  # pressed after the last step: still 130
+                raise Interrupted("after the run had finished; its summary is complete")
         return code
     except PlanError as exc:  # every refusal names its field, flag or variable
         print(error_line(str(exc)), file=sys.stderr)
@@ -359,6 +456,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _stdout_to_devnull()
         return CLOSED_PIPE
+    except KeyboardInterrupt as exc:  # Ctrl-C, in any command: no traceback
+        # (stdout is not flushed first: its reader may be what the user gave up waiting on)
+        detail = " ".join(str(exc).split())
+        print(f"{INTERRUPTED_PREFIX} (Ctrl-C){': ' + detail if detail else ''}", file=sys.stderr)
+        return INTERRUPTED
     except SystemExit as exc:
         # rich's consoles answer a closed pipe by raising SystemExit(1) while handling the
         # BrokenPipeError (Console.on_broken_pipe, stdout already on /dev/null): the same case

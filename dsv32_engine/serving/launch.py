@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,8 @@ from dsv32_engine.distributed.group import (
     shutdown,
     spawn,
 )
-from dsv32_engine.serving.cli import error_line
+from dsv32_engine.serving.cli import Interrupted, StopRequest, error_line
+from dsv32_engine.serving.memory_fit import allocation_errors
 from dsv32_engine.serving.model_setup import model_config
 from dsv32_engine.serving.rank_engines import RankEngine
 from dsv32_engine.serving.report import summarize
@@ -36,7 +39,10 @@ from dsv32_engine.serving.run_config import RunConfig
 from planner.errors import ConfigError, PlanError
 
 KEPT = (
+    "interrupted",
+    "loop_steps",
     "requests_finished",
+    "requests_unfinished",
     "generated_tokens",
     "wall_seconds",
     "tokens_per_second",
@@ -44,6 +50,9 @@ KEPT = (
     "step_ms_p50",
     "step_ms_p99",
     "graph_replays",
+    "debug",
+    "verified_replays",
+    "plan_write_checks",
     "eager_fallbacks",
     "ragged_steps",
     "steps_by_mode",
@@ -104,15 +113,21 @@ def aggregate(tp: int, dp: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "world": len(ranks),
         "tp": tp,
         "dp_attention": dp,
+        # Ctrl-C: every rank stopped before the same loop step (agreed), counts are of those
+        "interrupted": any(r.get("interrupted", False) for r in ranks),
+        "loop_steps": [r.get("loop_steps") for r in ranks],
         "requests_finished": sum(r["requests_finished"] for r in served),
         "generated_tokens": generated,
         "wall_seconds": wall,
         "tokens_per_second": generated / wall if wall else 0.0,
+        # per rank, every runner's (the draft's too): what each rank's line says
         "graph_replays": [r["graph_replays"] for r in ranks],
         # debug mode: each replay, the draft's too, compared bit for bit with eager (a
-        # mismatch raises); None without debug mode (nothing was compared)
+        # mismatch raises), and forwards whose plans were digested for writes; None without
+        # debug mode (nothing was checked)
         "verified_replays": [r["verified_replays"] for r in ranks],
-        "every_replay_verified": all(r["verified_replays"] == r["all_replays"] for r in ranks)
+        "plan_write_checks": [r.get("plan_write_checks") for r in ranks],
+        "every_replay_verified": all(r["verified_replays"] == r["graph_replays"] for r in ranks)
         if all(r["debug"] for r in ranks)
         else None,
     }
@@ -154,18 +169,30 @@ def _line(rank: dict[str, Any]) -> str:
         )
         if k in rank
     }
+    stopped = (
+        f" (INTERRUPTED after {rank['loop_steps']} loop steps)" if rank.get("interrupted") else ""
+    )
     return (
-        f"rank {rank['rank']}/{rank['world']} ({rank['device']}): "
+        f"rank {rank['rank']}/{rank['world']} ({rank['device']}){stopped}: "
         f"{rank['requests_finished']} requests, {rank['generated_tokens']} tokens, "
-        f"{rank['tokens_per_second']:.1f} tok/s, {rank['all_replays']} replays, "
+        f"{rank['tokens_per_second']:.1f} tok/s, {rank['graph_replays']} replays, "
         + ", ".join(f"{k} {v}" for k, v in extra.items())
     )
 
 
-def serve_rank(config: RunConfig, ctx: DistContext, options: dict[str, Any]) -> dict[str, Any]:
-    """Build this rank's engine, serve, and return its summary (tokens included)."""
+@allocation_errors  # an out-of-memory in a rank: its one line, as on one process
+def serve_rank(
+    config: RunConfig,
+    ctx: DistContext,
+    options: dict[str, Any],
+    stop: Callable[[], bool] | None = None,
+) -> dict[str, Any]:
+    """Build this rank's engine, serve, and return its summary (tokens included). ``stop``:
+    Ctrl-C's request, agreed with the other ranks before a step (``RankEngine._stopping``)."""
     engine = RankEngine(config, ctx)
-    result = engine.run(progress=False, max_steps=options.get("max_steps"), keep_tokens=True)
+    result = engine.run(
+        progress=False, max_steps=options.get("max_steps"), keep_tokens=True, stop=stop
+    )
     summary = {k: v for k, v in summarize(engine, result).items() if k in KEPT}
     summary.update(
         engine.rank_summary(),
@@ -176,8 +203,35 @@ def serve_rank(config: RunConfig, ctx: DistContext, options: dict[str, Any]) -> 
     return summary
 
 
-def rank_main(data: dict[str, Any], options: dict[str, Any]) -> None:
-    """One rank's whole life (the target of :func:`spawn`, or the process under torchrun)."""
+def rank_main(
+    data: dict[str, Any],
+    options: dict[str, Any],
+    stop: StopRequest | None = None,
+    launcher_stop: Any = None,
+) -> None:
+    """One rank's whole life (the target of :func:`spawn`, or the process under torchrun).
+
+    Under torchrun ``stop`` is the CLI's Ctrl-C request of this process. A spawned rank
+    makes its own (its repeats ignored: the launcher ends the ranks on a second Ctrl-C) and
+    also reads ``launcher_stop``, the flag its launcher sets on Ctrl-C (a signal sent to the
+    launcher alone, as ``kill -INT`` does, reaches no rank); SIGINT, blocked while it
+    started, is let in once the request is installed.
+    """
+    if stop is None:
+        stop = StopRequest(presses_to_abort=None)
+        with stop.installed():
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+            _rank_life(data, options, stop, launcher_stop)
+    else:
+        _rank_life(data, options, stop, launcher_stop)
+
+
+def _rank_life(
+    data: dict[str, Any], options: dict[str, Any], stop: StopRequest, launcher_stop: Any
+) -> None:
+    def stopping() -> bool:
+        return stop.requested or bool(launcher_stop is not None and launcher_stop.value)
+
     try:
         config = RunConfig.model_validate(data)
         rank, world, local = env_rank()
@@ -202,7 +256,7 @@ def rank_main(data: dict[str, Any], options: dict[str, Any]) -> None:
             local_rank=local,
         )
         try:
-            mine = serve_rank(config, ctx, options)
+            mine = serve_rank(config, ctx, options, stopping)
             for turn in range(world):  # one line per rank, in rank order
                 if turn == rank:
                     sys.stdout.write(_line(mine) + "\n")
@@ -249,14 +303,57 @@ def check_layout(config: RunConfig) -> None:
         )
 
 
-def launch(config: RunConfig, options: dict[str, Any]) -> int:
-    """Run ``config.distributed.world`` ranks: this process as one under torchrun, else spawned."""
+def launch(config: RunConfig, options: dict[str, Any], stop: StopRequest | None = None) -> int:
+    """Run ``config.distributed.world`` ranks: this process as one under torchrun, else spawned.
+
+    Ctrl-C (``stop``, the CLI's request): the ranks agree to stop before one loop step, each
+    prints its line, rank 0 the aggregate (marked interrupted), then :class:`Interrupted`.
+    Spawned ranks start with SIGINT blocked (their Python would otherwise raise in its
+    imports); the launcher tells them through a shared flag, and on a second Ctrl-C kills
+    them before it ends, leaving no process behind.
+    """
     check_layout(config)
     if launched_by_torchrun():
-        rank_main(config.model_dump(), options)
+        rank_main(config.model_dump(), options, stop)
+        _raise_if_stopped(stop)
         return 0
+    _raise_if_stopped(stop, "before any rank started")
+    flag = mp.get_context("spawn").RawValue("b", 0)
+    if stop is not None:
+        stop.on_request.append(lambda: setattr(flag, "value", 1))
+    # Started now, not by the first rank's start: starting it unblocks SIGINT (bpo-33613),
+    # and the ranks started after that would inherit SIGINT unblocked.
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])  # children inherit it
     try:
-        spawn(rank_main, config.distributed.world, (config.model_dump(), options))
+        args = (config.model_dump(), options, None, flag)
+        context = spawn(rank_main, config.distributed.world, args, join=False)
+        if stop is not None:  # the second Ctrl-C
+            stop.on_abort.append(lambda: _kill(context.processes))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C meanwhile lands now
+    try:
+        while not context.join():
+            pass
     except mp.ProcessExitedException as exc:
         return int(exc.exit_code or 1)
+    _raise_if_stopped(stop)
     return 0
+
+
+def _kill(processes: list[Any]) -> None:
+    """Every rank still running killed, and reaped: nothing of the job outlives the launcher."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join()
+
+
+def _raise_if_stopped(stop: StopRequest | None, when: str | None = None) -> None:
+    if stop is not None and stop.requested:
+        raise Interrupted(
+            when
+            or "every rank stopped before the same loop step; the lines above cover the "
+            "steps that ran"
+        )

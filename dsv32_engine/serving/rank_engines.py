@@ -20,9 +20,11 @@ one planner per rank; what it adds is around each forward (``distributed.tp``,
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dsv32_engine.distributed.dp import Decision, Slot, agree
 from dsv32_engine.distributed.exchange import HeadReduce, RowExchange
@@ -31,6 +33,7 @@ from dsv32_engine.distributed.tp import TPCheck
 from dsv32_engine.models.model import DSV32Model
 from dsv32_engine.serving.engine import DecodeEngine, RunResult
 from dsv32_engine.serving.model_setup import build_model, model_config, resolve_device
+from dsv32_engine.serving.report import debug_checks, graph_replays
 from dsv32_engine.serving.requests import Request
 from dsv32_engine.serving.run_config import RunConfig
 from graphs import GraphRunner
@@ -38,6 +41,11 @@ from graphs.runner import PEER_EAGER
 from planner.batch import ForwardBatch, ForwardMode
 
 DRAFT_MODES = (ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECODE)
+
+STOP_AGREE_EVERY = 8
+"""Loop steps between the ranks' agreements on Ctrl-C: one small host all-reduce per this
+many steps (a fraction of a millisecond on gloo, against steps of tens of milliseconds), and
+Ctrl-C answered within as many steps."""
 
 
 class RankEngine(DecodeEngine):
@@ -112,6 +120,20 @@ class RankEngine(DecodeEngine):
     def _draft_extend(self) -> None:
         if not self._in_step:  # data-parallel: in its own agreed slot (see step)
             super()._draft_extend()
+
+    def _stopping(self, step: int, stop: Callable[[], bool] | None) -> bool:
+        """Ctrl-C, agreed: every :data:`STOP_AGREE_EVERY` loop steps the ranks all-reduce
+        whether any of them was asked to stop, so all stop before the same step (a rank that
+        stopped alone would leave its peers waiting in the next collective). Every rank runs
+        the same loop steps (data-parallel ranks agree on them; TP ranks serve one workload),
+        so they all reach each check; a job run without ``stop`` makes none."""
+        if stop is None or self.ctx.world == 1:
+            return super()._stopping(step, stop)
+        if step % STOP_AGREE_EVERY:
+            return False  # between agreements: no rank stops on its own
+        flag = torch.tensor([1 if stop() else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctx.host_group)
+        return bool(flag.item())
 
     # ---- data-parallel attention: the agreed step ------------------------------------------
 
@@ -259,9 +281,8 @@ class RankEngine(DecodeEngine):
     def rank_summary(self) -> dict[str, Any]:
         replays = self._replays()
         out: dict[str, Any] = {
-            "debug": self.planner.debug,
-            "verified_replays": self.planner.stats.verified,
-            "all_replays": sum(replays.values()),  # the draft's graphs too
+            **debug_checks(self),
+            "graph_replays": graph_replays(self),  # the draft's graphs too
             "warm_up_forwards": self.warm_up_forwards,
         }
         if self.check is not None:

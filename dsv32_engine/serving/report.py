@@ -32,8 +32,38 @@ def _steps(engine: Any, result: Any) -> Counter:
     return steps
 
 
+def _runners(engine: Any) -> list[Any]:
+    """Every graph runner of the engine: the target's, and the draft's per draft mode."""
+    spec = getattr(engine, "speculation", None)
+    return [engine.runner, *(spec.runners.values() if spec is not None else [])]
+
+
+def graph_replays(engine: Any) -> int:
+    """Graph replays of every runner, the draft's included: what "graph replays" counts in
+    the summary, a rank's line and the aggregate alike."""
+    return sum(runner.stats.graph_steps for runner in _runners(engine))
+
+
+def debug_checks(engine: Any) -> dict[str, Any]:
+    """What debug mode checked (``None`` counts without it: nothing was checked): replays
+    compared bit for bit with eager, and forwards whose plans were digested for writes."""
+    planner = engine.planner
+    on = bool(planner.debug)
+    return {
+        "debug": on,
+        "verified_replays": planner.stats.verified if on else None,
+        "plan_write_checks": planner.stats.write_checks if on else None,
+    }
+
+
 def summarize(engine: Any, result: Any) -> dict[str, Any]:
-    """Numbers a serving engineer asks for first, as a flat dict (also the ``--json`` output)."""
+    """Numbers a serving engineer asks for first, as a flat dict (also the ``--json`` output).
+
+    Every count is of what ran: a loop cut short (``max_steps``, Ctrl-C: ``interrupted``)
+    counts the tokens its unfinished requests had, and the loop's steps beside the forwards
+    they ran (``steps_by_mode``: one loop step runs prompt chunks and decode rows as one
+    forward or two, and a draft adds its own).
+    """
     stats = engine.planner.stats
     graph = engine.runner.stats.summary()
     generated = result.generated_tokens
@@ -47,7 +77,10 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         "sparse_mla_kernel": engine.mla_kernel,
         "batch_invariant": engine.config.planner.batch_invariant,
         "staging": engine.planner.staging,
+        "interrupted": result.interrupted,
+        "loop_steps": result.loop_steps,
         "requests_finished": result.finished,
+        "requests_unfinished": result.unfinished,
         "generated_tokens": generated,
         "wall_seconds": result.wall_seconds,
         "tokens_per_second": generated / result.wall_seconds if result.wall_seconds else 0.0,
@@ -78,11 +111,12 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         "graph_pool_bytes": graph.get("pool_allocated_bytes"),
         "graph_capture_seconds": graph["capture_seconds"],
         "graph_capture_costs": graph["capture_costs"],
-        "graph_replays": graph["graph_steps"],
+        "graph_replays": graph_replays(engine),
         "ragged_replays": graph["ragged_replays"],
         "eager_fallbacks": graph["eager_fallbacks"],
         "ragged_steps": graph["ragged_steps"],
         "graph_kind": graph["kind"],
+        **debug_checks(engine),
         "speculative": engine.speculation.summary() if engine.speculation is not None else None,
         "op_calls_per_batch": {
             _program_name(key): stats.op_calls_per_batch(key)
@@ -99,12 +133,16 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
 
 
 def render(summary: dict[str, Any], console: Console | None = None) -> None:
+    """The summary as a table; a run cut short by Ctrl-C says so in the title."""
     console = console or Console()
-    table = Table(
-        title=f"DeepSeek-V3.2 decode ({summary['layers']} layers, {summary['device']}, "
+    title = (
+        f"DeepSeek-V3.2 decode ({summary['layers']} layers, {summary['device']}, "
         f"sparse MLA: {summary['sparse_mla_kernel']}"
         + (", batch-invariant)" if summary.get("batch_invariant") else ")")
     )
+    if summary.get("interrupted"):
+        title += f": INTERRUPTED (Ctrl-C) after {summary['loop_steps']} loop steps"
+    table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", justify="right")
     schedule = summary["schedule_calls_per_step"]
@@ -113,7 +151,15 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
             "KV cache: tokens that fit (bytes)",
             f"{summary['kv_tokens_capacity']} ({summary['kv_cache_bytes'] / 2**30:.2f} GiB)",
         ),
-        ("requests finished", f"{summary['requests_finished']}"),
+        (
+            "requests finished",
+            f"{summary['requests_finished']}"
+            + (
+                f" ({summary['requests_unfinished']} unfinished)"
+                if summary["requests_unfinished"]
+                else ""
+            ),
+        ),
         ("generated tokens", f"{summary['generated_tokens']}"),
         ("tokens/s", f"{summary['tokens_per_second']:.1f}"),
         (
@@ -128,7 +174,12 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
             "time to first token p50 / p99",
             f"{summary['ttft_ms_p50']:.1f} / {summary['ttft_ms_p99']:.1f} ms",
         ),
-        ("steps by mode", ", ".join(f"{k} {v}" for k, v in summary["steps_by_mode"].items())),
+        (
+            "loop steps (forwards by mode)",
+            f"{summary['loop_steps']} ("
+            + (", ".join(f"{k} {v}" for k, v in summary["steps_by_mode"].items()) or "none")
+            + ")",
+        ),
         (
             "decode step time p50 / p99",
             f"{summary['step_ms_p50']:.2f} / {summary['step_ms_p99']:.2f} ms",
@@ -158,7 +209,9 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
         ),
         (
             "eager fallbacks",
-            ", ".join(f"{k}: {v}" for k, v in summary["eager_fallbacks"].items()) or "0",
+            "n/a (graphs off: every step eager, as asked)"
+            if summary["graph_kind"] == "off"
+            else ", ".join(f"{k}: {v}" for k, v in summary["eager_fallbacks"].items()) or "0",
         ),
         (
             "extend/mixed steps eager (ragged graphs off)",
@@ -169,6 +222,14 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
             "n/a (no decode step)" if schedule is None else f"{schedule:.2f}",
         ),
     ]
+    if summary["debug"]:
+        rows.append(
+            (
+                "debug checks: replays verified against eager / plan-write checks",
+                f"{summary['verified_replays']} of {summary['graph_replays']} / "
+                f"{summary['plan_write_checks']}",
+            )
+        )
     for mode, calls in summary["op_calls_per_batch"].items():
         rows.append((f"ops per {mode} batch", ", ".join(f"{k} {v:.0f}" for k, v in calls.items())))
     rows += speculative_rows(summary)
@@ -202,7 +263,14 @@ def speculative_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
                 f"{summary['decode_tokens_per_second']:.1f} / "
                 f"{plain['decode_tokens_per_second']:.1f}",
             ),
-            ("tokens equal to plain greedy decoding", "yes" if plain["tokens_equal"] else "NO"),
+            (
+                "tokens equal to plain greedy decoding",
+                "n/a (the plain run was interrupted)"
+                if plain.get("tokens_equal") is None
+                else "yes"
+                if plain["tokens_equal"]
+                else "NO",
+            ),
         ]
     return rows
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,6 +16,10 @@ import pytest
 
 from tests.support import REPO
 from tests.support.cli import planner_cli
+
+
+def _rank_lines(done: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in done.stdout.splitlines() if line.startswith("rank ")]
 
 
 def _decode(*flags, env=None, timeout=180):
@@ -32,6 +37,10 @@ def test_two_ranks_serve_and_rank_0_aggregates(flag, tmp_path):
     data = json.loads(out.read_text())
     total = data["aggregate"]
     assert total["world"] == 2 and total["agree"] and min(total["graph_replays"]) > 0
+    # each rank's line and the aggregate count the same replays (the draft's graphs too)
+    said = [int(re.search(r"tok/s, (\d+) replays", line)[1]) for line in _rank_lines(done)]
+    assert said == total["graph_replays"] == [r["graph_replays"] for r in data["ranks"]]
+    assert not total["interrupted"] and len(set(total["loop_steps"])) == 1
     if flag == "--tp":
         assert total["requests_finished"] == 6  # one workload, served by both ranks together
         assert total["tokens_equal_across_ranks"]
@@ -112,7 +121,6 @@ def _rank(requests: int, tokens: int, **extra) -> dict:
         "requests_finished": requests,
         "graph_replays": 10,
         "verified_replays": 0,
-        "all_replays": 10,
         "debug": False,
         "tokens": {0: [1, 2]},
         "signature_checks": 10,

@@ -27,6 +27,9 @@ import torch
 from dsv32_engine.models.config import DSV32Config
 from dsv32_engine.models.model import DSV32Model
 from dsv32_engine.serving.cli import ERROR_PREFIX, main
+from dsv32_engine.serving.commands import decode
+from dsv32_engine.serving.memory_fit import estimate
+from dsv32_engine.serving.run_config import load_run_config
 from tests.support import REPO
 from tests.support.dumps import probe_dump
 
@@ -174,6 +177,20 @@ CASES = [
     CliCase("--max-steps negative", _decode("--max-steps", "-1"), "--max-steps"),
     CliCase("--max-steps zero", _decode("--max-steps", "0"), "--max-steps"),
     CliCase("--requests zero", _decode("--requests", "0"), "--requests"),
+    CliCase("--requests above its bound", _decode("--requests", "1000000"), "--requests"),
+    CliCase("--max-steps above its bound", _decode("--max-steps", "10000000"), "--max-steps"),
+    CliCase(
+        "workload prompts above their bound",
+        _decode(
+            "--requests",
+            "100000",
+            "--set",
+            "loop.prompt_len=[8,200]",
+            "--set",
+            "planner.max_context=512",
+        ),
+        "--requests",
+    ),
     CliCase("--dump-every zero", _decode("--dump-every", "0"), "--dump-every"),
     CliCase("--dump-keep not a number", _decode("--dump-keep", "abc"), "--dump-keep"),
     CliCase("--next-n 3", _decode("--next-n", "3"), "--next-n"),
@@ -261,6 +278,7 @@ def test_bad_arguments_are_one_line_errors(case, scratch, capsys, monkeypatch):
 
 PROCESS_CASES = ["--json in a missing directory", "PLANNER_DUMP_EVERY not a number"]
 PROCESS_CASES += ["backends --device unknown", "--max-steps negative", "--config a binary file"]
+PROCESS_CASES += ["--requests above its bound"]
 
 
 def test_the_process_exits_2_with_one_line(scratch):
@@ -312,5 +330,57 @@ def test_the_main_job_runs_without_triton():
     assert "requests finished" in proc.stdout and "Traceback" not in proc.stderr
 
 
+CAPPED = (
+    "import resource, runpy, sys\n"
+    "cap = 8 << 30\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (cap, cap))\n"
+    "sys.argv = ['planner', 'decode', '--quiet', '--config', 'dsv32-small', '--device', 'cpu']\n"
+    "try:\n    runpy.run_module('planner', run_name='__main__')\n"
+    "except SystemExit:\n"
+    # this process image's high-water RSS (ru_maxrss would keep the forking parent's)
+    "    print(next(int(l.split()[1]) * 1024 for l in open('/proc/self/status')\n"
+    "               if l.startswith('VmHWM:')))\n"
+    "    raise\n"
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc")
+def test_a_config_too_big_for_a_capped_cpu_is_refused_before_allocating():
+    """``dsv32-small`` on the CPU under an 8 GB address-space cap: it ran 48 s and was killed
+    by the kernel at 24.3 GB (exit 137, no message); now one line, exit 2, in seconds, and
+    the process never held the KV cache it would have allocated first."""
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", CAPPED], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(ERROR_PREFIX + " [loop.chunk_tokens] the config needs")
+    assert "the largest term is forward activations" in lines[0], lines[0]
+    assert "GiB available (" in lines[0] and time.perf_counter() - start < 60
+    config = load_run_config("dsv32-small", {"device": "cpu"})
+    kv = estimate(config, torch.device("cpu")).term("KV cache").nbytes
+    assert int(proc.stdout.strip()) < kv  # its peak RSS: not even the KV cache was made
+
+
+def test_an_allocation_that_fails_anyway_is_one_line(monkeypatch, capsys):
+    """Past the check (the estimate leaves out what is small or hard to know), torch's
+    allocator error is one line and exit 2, not a traceback."""
+
+    def engine(*args, **kwargs):
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+            "allocate memory: you tried to allocate 19327352832 bytes. Error code 12"
+        )
+
+    monkeypatch.setattr(decode, "DecodeEngine", engine)
+    code = main(["decode", "--quiet"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(ERROR_PREFIX) and "can't allocate memory" in lines[0]
+
+
 KINDS = [c.kind for c in CASES]
+KINDS += ["a config too big for the memory", "an allocation that fails anyway"]
 """Every kind of this catalogue: each has its row in docs/reliability.md."""

@@ -74,7 +74,9 @@ def test_an_explicit_omp_num_threads_is_kept(calls, monkeypatch):
 def test_every_rank_is_given_the_setting(calls, monkeypatch):
     """The launcher hands the resolved count to each rank (``rank_main`` sets it there)."""
     launched = []
-    monkeypatch.setattr(decode, "launch", lambda config, options: launched.append(options) or 0)
+    monkeypatch.setattr(
+        decode, "launch", lambda config, options, stop=None: launched.append(options) or 0
+    )
     assert main(["decode", "--quiet", "--tp", "2"]) == 0
     assert main(["decode", "--quiet", "--tp", "2", "--threads", "2"]) == 0
     monkeypatch.setenv("OMP_NUM_THREADS", "2")

@@ -34,7 +34,7 @@ def test_the_cli_default_run_reports_prefill_decode_and_ttft(tmp_path):
     out = tmp_path / "summary.json"
     run = planner_cli("decode", "--quiet", "--json", str(out), timeout=300)
     assert run.returncode == 0, run.stderr
-    for line in ("prefill tokens/s", "decode tokens/s", "time to first token", "steps by mode"):
+    for line in ("prefill tokens/s", "decode tokens/s", "time to first token", "forwards by mode"):
         assert line in run.stdout, line
     summary = json.loads(out.read_text())["summary"]
     assert summary["requests_finished"] == 32

@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +21,11 @@ import yaml
 from safetensors import SafetensorError
 
 from dsv32_engine.distributed.group import launched_by_torchrun
-from dsv32_engine.serving.cli import DEFAULT_DECODE_CONFIG
+from dsv32_engine.serving.cli import DEFAULT_DECODE_CONFIG, Interrupted
 from dsv32_engine.serving.dump_ring import DEFAULT_KEEP, ENV_DIR, ENV_EVERY, ENV_KEEP
 from dsv32_engine.serving.engine import DecodeEngine, DumpSettings, RunResult
 from dsv32_engine.serving.launch import cpu_threads, launch
+from dsv32_engine.serving.memory_fit import allocation_errors, check_memory
 from dsv32_engine.serving.outputs import check_output_file, env_count, env_path, new_run_dir
 from dsv32_engine.serving.report import render, summarize
 from dsv32_engine.serving.run_config import RunConfig, load_run_config
@@ -34,6 +35,7 @@ from planner.errors import ConfigError
 FLAGS = {
     "device": ("--device", "device"),
     "requests": ("--requests", "loop.requests"),
+    "max_steps": ("--max-steps", "loop.max_steps"),  # so the loop's bound holds the flag too
     "draft": ("--draft", "speculative.draft"),
     "draft_tokens": ("--draft-tokens", "speculative.draft_tokens"),
     "mla_kernel": ("--mla-kernel", "planner.mla_kernel"),
@@ -225,10 +227,12 @@ def run(args: argparse.Namespace) -> int:
         raise overrides.named(exc) from None
 
 
+@allocation_errors  # an allocation that fails anyway is one line, not a traceback
 def _run(args: argparse.Namespace, env: dict[str, str], overrides: Overrides) -> int:
     config = load_run_config(args.config or DEFAULT_DECODE_CONFIG, overrides.values)
     check_flags(config, args, env)
     threads = cpu_threads(args.threads, config.device, env)
+    check_memory(config)  # before anything is allocated, on one rank or several
     if config.distributed.world > 1 or launched_by_torchrun():
         return run_ranks(config, args, env, threads)
     outputs = check_outputs(args, env)
@@ -243,22 +247,35 @@ def _run(args: argparse.Namespace, env: dict[str, str], overrides: Overrides) ->
     if outputs.weights:
         _save_weights(engine, outputs.weights)
     compare = config.speculative.enabled and config.speculative.compare_plain
+    stop = getattr(args, "stop", None)  # Ctrl-C (the CLI's StopRequest)
     result = engine.run(
         progress=not args.quiet,
         max_steps=args.max_steps,
         keep_tokens=outputs.json is not None or compare,
+        stop=stop,
     )
     summary = summarize(engine, result)
     summary["cpu_threads"] = torch.get_num_threads()
-    if compare:
-        summary["plain"] = plain_baseline(config, engine, result, args)
+    if compare and not result.interrupted:
+        summary["plain"] = plain_baseline(config, engine, result, args, stop)
     render(summary)
     if outputs.dumps is not None:
         summary["dump_dir"] = str(outputs.dumps.directory)
         print(_dump_line(engine, outputs.dumps.directory))
     if outputs.json:
         _write_json(outputs.json, {"summary": summary, "tokens": result.tokens})
+    if result.interrupted or (summary.get("plain") or {}).get("interrupted"):
+        raise Interrupted(_interrupted_line(result, summary, outputs.json))
     return 0
+
+
+def _interrupted_line(result: RunResult, summary: dict[str, Any], json_path: Path | None) -> str:
+    """What the Ctrl-C line says after the summary: which run stopped where, what was written."""
+    if result.interrupted:
+        said = f"stopped after {result.loop_steps} loop steps, the summary above covers them"
+    else:
+        said = "the plain comparison run stopped early; the speculative run's summary is whole"
+    return said + (f" (and {json_path}, marked interrupted)" if json_path else "")
 
 
 def run_ranks(
@@ -291,23 +308,31 @@ def run_ranks(
         "json": str(json_path) if json_path else None,
         "threads": threads,
     }
-    return launch(config, options)
+    return launch(config, options, getattr(args, "stop", None))
 
 
 def plain_baseline(
-    config: RunConfig, engine: DecodeEngine, result: RunResult, args: argparse.Namespace
+    config: RunConfig,
+    engine: DecodeEngine,
+    result: RunResult,
+    args: argparse.Namespace,
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """The same workload and model without speculation: its throughput, and whether greedy
-    speculative decoding emitted exactly its tokens."""
+    speculative decoding emitted exactly its tokens (``None`` when Ctrl-C stopped it early:
+    its tokens are not all there to compare)."""
     plain_config = config.model_copy(
         update={"speculative": config.speculative.model_copy(update={"draft": "none"})}
     )
     plain_engine = DecodeEngine(plain_config, model=engine.model)
-    plain = plain_engine.run(progress=not args.quiet, max_steps=args.max_steps, keep_tokens=True)
+    plain = plain_engine.run(
+        progress=not args.quiet, max_steps=args.max_steps, keep_tokens=True, stop=stop
+    )
     summary = summarize(plain_engine, plain)
     return {
+        "interrupted": plain.interrupted,
         "tokens_per_second": summary["tokens_per_second"],
         "decode_tokens_per_second": summary["decode_tokens_per_second"],
         "decode_steps": summary["decode_steps"],
-        "tokens_equal": plain.tokens == result.tokens,
+        "tokens_equal": None if plain.interrupted else plain.tokens == result.tokens,
     }
