@@ -9,11 +9,17 @@ so installing the wheel adds no generic top-level package beside ``planner``,
 
 from pathlib import Path
 
-_PACKAGE = Path(__file__).resolve().parent
-SHIPPED_CONFIGS = (
-    _PACKAGE / "configs" if (_PACKAGE / "configs").is_dir() else _PACKAGE.parent / "configs"
-)
+
+def configs_folder(package: Path) -> Path:
+    """Where the configs of the package at ``package`` are: its own ``configs`` (a wheel's
+    package data) when that holds any, else the checkout's top-level ``configs/``."""
+    installed = package / "configs"
+    return installed if any(installed.glob("*.yaml")) else package.parent / "configs"
+
+
+SHIPPED_CONFIGS = configs_folder(Path(__file__).resolve().parent)
 """The run configs selectable by name (``--config dsv32-tiny-spec``). They live in the
 repository's top-level ``configs/``; a wheel installs them as this package's data
-(``dsv32_engine/configs``, mapped in ``setup.py``), so the installed copy comes first and a
-source checkout (``pip install -e .`` or ``PYTHONPATH``) reads the folder itself."""
+(``dsv32_engine/configs``, mapped in ``setup.py``), so an installed copy comes first and a
+source checkout (``pip install -e .`` or ``PYTHONPATH``) reads the folder itself; a folder
+there without configs (one an older checkout left behind) is no installed copy."""

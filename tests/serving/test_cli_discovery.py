@@ -116,3 +116,16 @@ def test_ops_text_shows_each_op_whole_when_piped(capsys):
         assert f"{row['op']}  ({row['package']})" in lines
         assert f"  {row['description']}" in lines  # one line, not wrapped at 80 columns
     assert "…" not in out
+
+
+def test_configs_are_found_in_a_wheel_and_in_a_checkout(tmp_path):
+    """A wheel's package data comes first; a checkout reads its top-level ``configs/``, also
+    when an older checkout left an empty ``dsv32_engine/configs`` folder behind."""
+    from dsv32_engine import SHIPPED_CONFIGS, configs_folder
+
+    assert (SHIPPED_CONFIGS / "dsv32-tiny.yaml").is_file()
+    package = tmp_path / "dsv32_engine"
+    (package / "configs").mkdir(parents=True)
+    assert configs_folder(package) == tmp_path / "configs"  # empty: a leftover, not data
+    (package / "configs" / "dsv32-tiny.yaml").write_text("{}\n")
+    assert configs_folder(package) == package / "configs"
