@@ -33,7 +33,7 @@ from dsv32_engine.distributed.tp import TPCheck
 from dsv32_engine.models.model import DSV32Model
 from dsv32_engine.serving.engine import DecodeEngine, RunResult
 from dsv32_engine.serving.model_setup import build_model, model_config, resolve_device
-from dsv32_engine.serving.report import debug_checks, graph_replays
+from dsv32_engine.serving.report import runners
 from dsv32_engine.serving.requests import Request
 from dsv32_engine.serving.run_config import RunConfig
 from graphs import GraphRunner
@@ -280,11 +280,7 @@ class RankEngine(DecodeEngine):
 
     def rank_summary(self) -> dict[str, Any]:
         replays = self._replays()
-        out: dict[str, Any] = {
-            **debug_checks(self),
-            "graph_replays": graph_replays(self),  # the draft's graphs too
-            "warm_up_forwards": self.warm_up_forwards,
-        }
+        out: dict[str, Any] = {"warm_up_forwards": self.warm_up_forwards}
         if self.check is not None:
             out.update(
                 signature_checks=self.check.steps,
@@ -306,9 +302,8 @@ class RankEngine(DecodeEngine):
         return out
 
     def _replays(self) -> dict[str, int]:
-        runners = [self.runner, *(self.speculation.runners.values() if self.speculation else [])]
         out: Counter = Counter()
-        for runner in runners:
+        for runner in runners(self):
             for (mode, bs), count in runner.stats.replays.items():
                 out[f"{mode}:{bs}"] += count
         return dict(sorted(out.items()))

@@ -32,7 +32,7 @@ def _steps(engine: Any, result: Any) -> Counter:
     return steps
 
 
-def _runners(engine: Any) -> list[Any]:
+def runners(engine: Any) -> list[Any]:
     """Every graph runner of the engine: the target's, and the draft's per draft mode."""
     spec = getattr(engine, "speculation", None)
     return [engine.runner, *(spec.runners.values() if spec is not None else [])]
@@ -41,7 +41,7 @@ def _runners(engine: Any) -> list[Any]:
 def graph_replays(engine: Any) -> int:
     """Graph replays of every runner, the draft's included: what "graph replays" counts in
     the summary, a rank's line and the aggregate alike."""
-    return sum(runner.stats.graph_steps for runner in _runners(engine))
+    return sum(runner.stats.graph_steps for runner in runners(engine))
 
 
 def debug_checks(engine: Any) -> dict[str, Any]:

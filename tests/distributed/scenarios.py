@@ -22,6 +22,7 @@ from dsv32_engine.serving import speculative
 from dsv32_engine.serving.accept import accept_greedy
 from dsv32_engine.serving.engine import DecodeEngine
 from dsv32_engine.serving.rank_engines import RankEngine
+from dsv32_engine.serving.report import debug_checks
 from dsv32_engine.serving.run_config import load_run_config
 from planner import ForwardBatch, ForwardMode, Limits, Planner
 from tests.support import TINY_YAML
@@ -163,6 +164,7 @@ def rank_engine(
         error = {"field": exc.field, "message": str(exc)}
     return {
         **engine.rank_summary(),
+        **debug_checks(engine),
         "trace": engine.trace,
         "tokens": tokens,
         "error": error,
