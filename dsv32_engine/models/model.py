@@ -239,12 +239,6 @@ class DSV32Model(nn.Module):
         """Number of parameters (equals ``config.param_count()``)."""
         return sum(p.numel() for p in self.parameters())
 
-    def page_bytes(self) -> int:
-        """Device bytes one KV page takes in all layers (latent + rope, then the index cache)."""
-        cfg = self.config
-        per_token = cfg.kv_cache_dim * self.dtype.itemsize + cfg.index_cache_dim
-        return cfg.num_hidden_layers * cfg.page_size * per_token
-
     def new_cache(self, num_pages: int) -> PagedKVCache:
         """A KV cache matching this model's config, device and dtype."""
         return PagedKVCache(self.config, num_pages, device=self.device, dtype=self.dtype)

@@ -141,21 +141,19 @@ def size(nbytes: float) -> str:
 # ---- the estimate -----------------------------------------------------------------------------
 
 
-def weight_bytes(model_cfg: DSV32Config, dtype: torch.dtype, *, mtp: bool = False) -> int:
-    """Bytes of the model's parameters and buffers (and the MTP draft layer's), from the
-    model built on ``meta``: the very shapes and dtypes a real build allocates."""
+def weight_sizes(model_cfg: DSV32Config, dtype: torch.dtype, *, mtp: bool = False) -> list[int]:
+    """Bytes of each of the model's parameters and buffers (and the MTP draft layer's), from
+    the model built on ``meta``: the very shapes and dtypes a real build allocates."""
     model = DSV32Model(model_cfg, device="meta", dtype=dtype)
     modules: list[torch.nn.Module] = [model]
     if mtp:
         modules.append(MTPDraft(model))
-    return sum(
-        t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers())
-    )
+    return [t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers())]
 
 
-def _largest_tensor(model_cfg: DSV32Config, dtype: torch.dtype) -> int:
-    model = DSV32Model(model_cfg, device="meta", dtype=dtype)
-    return max(p.numel() * p.element_size() for p in model.parameters())
+def weight_bytes(model_cfg: DSV32Config, dtype: torch.dtype, *, mtp: bool = False) -> int:
+    """Bytes of the model's weights: :func:`weight_sizes` summed."""
+    return sum(weight_sizes(model_cfg, dtype, mtp=mtp))
 
 
 def _largest_fused_group(model_cfg: DSV32Config, dtype: torch.dtype) -> int:
@@ -204,10 +202,11 @@ def estimate(
     smaller = "use a smaller model.preset or fewer model.overrides.num_hidden_layers"
     if config.model.dtype == "float32":
         smaller += " (model.dtype bfloat16 halves it)"
+    sizes = weight_sizes(model_cfg, dtype, mtp=mtp)  # one meta build serves both terms
     terms = [
         Term(
             "weights",
-            weight_bytes(model_cfg, dtype, mtp=mtp),
+            sum(sizes),
             "model.preset",
             f"{smaller}, or a device with more memory",
             actual=config.model.preset,
@@ -245,7 +244,7 @@ def estimate(
         terms.append(
             Term(
                 "loading weights",
-                _largest_tensor(model_cfg, dtype),
+                max(sizes),
                 "model.weights",
                 "the largest tensor is held twice while it is read: use a smaller model",
             )
