@@ -190,9 +190,7 @@ def serve_rank(
     """Build this rank's engine, serve, and return its summary (tokens included). ``stop``:
     Ctrl-C's request, agreed with the other ranks before a step (``RankEngine._stopping``)."""
     engine = RankEngine(config, ctx)
-    result = engine.run(
-        progress=False, max_steps=options.get("max_steps"), keep_tokens=True, stop=stop
-    )
+    result = engine.run(progress=False, keep_tokens=True, stop=stop)
     summary = {k: v for k, v in summarize(engine, result).items() if k in KEPT}
     summary.update(
         engine.rank_summary(),

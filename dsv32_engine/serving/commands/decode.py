@@ -35,7 +35,7 @@ from planner.errors import ConfigError
 FLAGS = {
     "device": ("--device", "device"),
     "requests": ("--requests", "loop.requests"),
-    "max_steps": ("--max-steps", "loop.max_steps"),  # so the loop's bound holds the flag too
+    "max_steps": ("--max-steps", "loop.max_steps"),  # the loop reads it there, bound-checked
     "draft": ("--draft", "speculative.draft"),
     "draft_tokens": ("--draft-tokens", "speculative.draft_tokens"),
     "mla_kernel": ("--mla-kernel", "planner.mla_kernel"),
@@ -250,7 +250,6 @@ def _run(args: argparse.Namespace, env: dict[str, str], overrides: Overrides) ->
     stop = getattr(args, "stop", None)  # Ctrl-C (the CLI's StopRequest)
     result = engine.run(
         progress=not args.quiet,
-        max_steps=args.max_steps,
         keep_tokens=outputs.json is not None or compare,
         stop=stop,
     )
@@ -304,7 +303,6 @@ def run_ranks(
         )
     json_path = check_output_file(args.json, "--json") if args.json else None
     options = {
-        "max_steps": args.max_steps,
         "json": str(json_path) if json_path else None,
         "threads": threads,
     }
@@ -325,9 +323,7 @@ def plain_baseline(
         update={"speculative": config.speculative.model_copy(update={"draft": "none"})}
     )
     plain_engine = DecodeEngine(plain_config, model=engine.model)
-    plain = plain_engine.run(
-        progress=not args.quiet, max_steps=args.max_steps, keep_tokens=True, stop=stop
-    )
+    plain = plain_engine.run(progress=not args.quiet, keep_tokens=True, stop=stop)
     summary = summarize(plain_engine, plain)
     return {
         "interrupted": plain.interrupted,
