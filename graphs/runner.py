@@ -398,6 +398,11 @@ class GraphRunner:
         self.stats.padded_rows += entry.rows - rows
         return slice_outputs(entry.outputs, iter(entry.kinds), reqs, rows)
 
+    def read(self, values: torch.Tensor) -> list:
+        """``values`` (a step's outputs) on the host, read with the planner's error word in
+        one copy (``Planner.read``): a refused batch raises here, none of its outputs read."""
+        return self.planner.read(values)
+
     def _eager(self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor], reason: str) -> Any:
         self._warn_fallback(
             batch, reason

@@ -34,7 +34,6 @@ import torch
 
 from graphs.staging_pull_kernel import pull_kernel
 from planner.errors import ReplayError
-from planner.staging import CopyTransport
 
 SLOTS = 8
 """Pinned slots per ring: how many launched graphs the host may run ahead of the GPU."""
@@ -189,12 +188,13 @@ class PulledRing:
 
 
 class PulledTransport:
-    """A captured mode's staged inputs, pulled into its device buffer by its graphs (see the
+    """A captured mode's raw inputs, pulled into its device buffer by its graphs (see the
     module docstring); the planner's ``transport`` for graphs that stage themselves.
 
     Where the inputs are read before the graph runs (a capture's ops, a host op reading a
-    staged field), they go by a copy instead, and the slot's tag says so: the graph's pull
-    then leaves the device buffer alone (it still counts the step)."""
+    staged field, a device-resident input copied after), they go by a copy instead, and the
+    slot's tag says so: the graph's pull then leaves the device buffer alone (it still
+    counts the step)."""
 
     name = "graph"
     in_graph = True
@@ -202,17 +202,16 @@ class PulledTransport:
 
     def __init__(self, words: int, device: torch.device, mode: str) -> None:
         self.ring = PulledRing(words, device, mode)
-        self.copies = CopyTransport(device)
+        self.slots = self.ring.rows
+        self.pinned = device.type == "cuda"
 
-    def host(self, size: int, *, now: bool) -> tuple[torch.Tensor, np.ndarray]:
-        if now:
-            return self.copies.host(size)
-        row, view = self.ring.slot()
-        return (row, view) if size == row.shape[0] else (row[:size], view[:size])
+    def take(self) -> int:
+        self.ring.slot()  # raises first if a graph ran without its replay
+        return self.ring.seq % SLOTS
 
-    def send(self, host: torch.Tensor, dev: torch.Tensor, size: int, *, now: bool) -> None:
+    def send(self, index: int, dev: torch.Tensor, *, now: bool) -> None:
         if now:
-            self.copies.send(host, dev, size)
+            dev.copy_(self.slots[index], non_blocking=self.pinned)
         self.ring.publish(sent=now)
 
     def record(self, dev: torch.Tensor, *, first: bool) -> None:

@@ -136,6 +136,10 @@ class ForwardBatch:
     extend_lens_cpu: torch.Tensor | None = None
     extend_lens: torch.Tensor | None = None
     idle_as: ForwardMode = ForwardMode.DECODE
+    inputs: object | None = None
+    """The planner's staging slot (``planner.step_inputs.StepInputs``) this batch's tensors
+    are views of, where the engine wrote the step there itself: a replay then sends it as
+    it is. None: the planner writes the batch into the slot."""
 
     @property
     def plans_as(self) -> ForwardMode:

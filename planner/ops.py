@@ -34,10 +34,6 @@ ProviderFn = Callable[..., Any]
 An op with named outputs takes one buffer per output first, in their declared order:
 ``fn(out_a, out_b, *inputs, **params)``, and writes every one of them."""
 
-HOST = "numpy"
-"""The name of an op's host twin: the same semantics over numpy views of the staging
-buffer, run by eager plans before their one host-to-device copy (see ``planner.host_pass``)."""
-
 WarmupFn = Callable[["Limits", Mapping[str, Any], torch.device], None]
 """``warmup(limits, params, device)``: compile what the provider JITs, before graphs are captured."""
 
@@ -60,8 +56,6 @@ class Provider:
     rank: int
     warmup: WarmupFn | None = None
     """Run by ``Planner.warm_up`` once per planner with each step's params (e.g. JIT buckets)."""
-    host: bool = False
-    """A host twin (``numpy``): never chosen to run on a device, only by eager plans' host pass."""
 
     def is_available(self, device: torch.device) -> bool:
         """Importable and usable on ``device``; an import failure counts as unavailable."""
@@ -105,25 +99,14 @@ class MetadataOp:
             self.providers[name] = Provider(
                 name=name,
                 fn=fn,
-                graph_safe=graph_safe and name != HOST,
+                graph_safe=graph_safe,
                 available=available or _always,
                 rank=DEFAULT_RANKS.get(name, 50) if rank is None else rank,
                 warmup=warmup,
-                host=name == HOST,
             )
             return fn
 
         return register
-
-    def host_twin(self) -> Callable[[ProviderFn], ProviderFn]:
-        """Decorator registering ``fn(out, *inputs, **params)`` over numpy arrays as the op's
-        host twin: it must write exactly what the torch reference writes (tests hold it to that)."""
-        return self.provider(HOST)
-
-    @property
-    def host(self) -> Provider | None:
-        """The op's host twin, if it has one."""
-        return self.providers.get(HOST)
 
     def select(self, device: torch.device, forced: str | None = None) -> Provider:
         """The provider to run on ``device``: forced by config, else the best available.
@@ -137,19 +120,11 @@ class MetadataOp:
             )
         if forced is not None:
             provider = self.providers.get(forced)
-            if provider is not None and provider.host:
-                raise ProviderError(
-                    "the host twin cannot be forced: eager plans use it on their own "
-                    "(Planner(eager_on_host=False) turns that off)",
-                    field=self.name,
-                    expected=self.device_providers(),
-                    actual=forced,
-                )
             if provider is None:
                 raise ProviderError(
                     "unknown provider",
                     field=self.name,
-                    expected=self.device_providers(),
+                    expected=sorted(self.providers),
                     actual=forced,
                 )
             if not provider.is_available(device):
@@ -162,18 +137,12 @@ class MetadataOp:
             return provider
         if device.type != "cuda":
             return self.providers["torch"]
-        usable = [p for p in self.providers.values() if not p.host and p.is_available(device)]
+        usable = [p for p in self.providers.values() if p.is_available(device)]
         return min(usable, key=lambda p: (p.rank, p.name))
 
-    def device_providers(self) -> list[str]:
-        """Names of the providers that run on a device (all but the host twin)."""
-        return sorted(name for name, p in self.providers.items() if not p.host)
-
     def available_on(self, device: torch.device) -> list[str]:
-        """Names of the device providers usable on ``device``."""
-        return sorted(
-            name for name, p in self.providers.items() if not p.host and p.is_available(device)
-        )
+        """Names of the providers usable on ``device``."""
+        return sorted(name for name, p in self.providers.items() if p.is_available(device))
 
 
 _OPS: dict[str, MetadataOp] = {}
@@ -297,7 +266,6 @@ class ProviderChain:
             p
             for p in self.op.providers.values()
             if p.name not in self.retired
-            and not p.host
             and p.graph_safe == failed.graph_safe
             and p.is_available(self.device)
         ]

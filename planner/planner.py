@@ -1,52 +1,45 @@
 """The planner: every backend's metadata, computed once per batch, in three phases.
 
-- ``plan(batch)``: eager. Fresh tensors, full validation, frozen plans.
-- ``capture(bs)``: plans whose tensors are views of static max-size buffers, filled from a
-  valid dummy batch; ``record(bs)`` then runs the graph-safe ops inside the caller's CUDA
-  graph, once, before the layers.
-- ``replay(batch)``: stage raw inputs (one host buffer, one transfer), run host ops, and
-  hand back the very plan objects of the capture.
+- ``plan(batch)``: eager. Fresh tensors; the batch's values checked on the device and any
+  refusal raised at once; frozen plans.
+- ``capture(bs)``: plans whose tensors are views of static max-size buffers, made from a
+  valid dummy batch; ``record(bs)`` then records, inside the caller's CUDA graph and before
+  the layers, the device check of the step's raw inputs and every graph-safe op.
+- ``replay(batch)``: the step's raw inputs written once into the mode's staging slot (by the
+  engine, :meth:`Planner.step_inputs`, or from the batch), sent in one transfer, host ops
+  run, and the very plan objects of the capture handed back. The graph checks the values;
+  :meth:`Planner.read` raises a refusal with the step's outputs.
 
 Ragged modes (extend, mixed) are captured per bucket: ``bs`` requests and ``tokens`` query
-tokens (``capture(bs, mode, tokens=)``). A bucket holds batches of at most ``bs`` requests,
-``tokens`` tokens and ``Limits.kv_token_capacity`` KV tokens in all; its flat KV is
-``min(bs * max_context, kv_token_capacity)`` entries long plus the padding requests'.
-Padding layout: the real requests' tokens come first, request-major, as unpadded; padding
-requests (``bs - real``) hold the per-request pads (``extend_lens`` 0: they add no token;
-``seq_lens`` 1 on pool row 0, the null request, whose column 0 is the null slot 0); every
-padding token (``tokens - real tokens``) lies past the last request's tokens and holds the
-per-token pads (``out_cache_loc`` 0: it writes the null slot). The ops then give
-``qo_indptr`` flat at the real token count over the padding requests, ``kv_indptr`` one up
-per padding request (whose flat KV entry is the null slot), each padding token its op's
-pads (``token_request`` the op's ``pad``, lengths 1, ``kv_ranges`` (0, 1): a read of flat
-entry 0, never a write), and each padding request's ``logit_rows`` the last real token's
-row. Real rows equal the unpadded eager plan's; ``plan(batch, pad_to=bs,
-pad_tokens=tokens)`` is what a replay of the bucket equals bit for bit.
-
-All three go through :func:`materialise` (stage, lay out, run steps); a phase only says
-which storage and which steps it uses. Debug mode runs the same replay and then proves its
-plans equal a fresh eager plan (:meth:`Planner.verify`). Layers receive a :class:`PlanSet`
-and only read it; whatever the number of layers, each op runs once per batch (``stats``).
+tokens (``capture(bs, mode, tokens=)``), holding at most ``Limits.kv_token_capacity`` KV
+tokens in all. Padding layout: the real requests' tokens come first, request-major;
+padding requests hold the per-request pads (``extend_lens`` 0, ``seq_lens`` 1 on the null
+request 0, whose column 0 is the null slot 0); padding tokens lie past the last real one
+and hold the per-token pads (``out_cache_loc`` 0: the null slot). The ops then give
+``qo_indptr`` flat over the padding requests, ``kv_indptr`` one up per padding request,
+each padding token its op's pads (a read of flat entry 0, never a write), and each padding
+request's ``logit_rows`` the last real token's row. Real rows equal the unpadded eager
+plan's; ``plan(batch, pad_to=bs, pad_tokens=tokens)`` is what a replay of the bucket
+equals bit for bit, which debug mode proves after every replay (:meth:`Planner.verify`).
+Layers receive a :class:`PlanSet` and only read it; each op runs once per batch.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from planner.batch import (
-    BATCH,
-    BATCH_TABLES,
-    HOST_INPUTS,
-    RAGGED_MODES,
-    ForwardBatch,
-    ForwardMode,
-    batches_of,
+from planner.batch import RAGGED_MODES, ForwardBatch, ForwardMode, batches_of
+from planner.captured import (
+    CapturedBatch,
+    CapturedStep,
+    check_ragged_pads,
+    dummy_batch,
+    run_steps,
 )
 from planner.checks import (
     check_bucket,
@@ -54,221 +47,30 @@ from planner.checks import (
     check_pad_to,
     check_replay_size,
     check_size,
+    lengths_max_sum,
     validate_batch,
+    validate_written,
 )
 from planner.debug import MismatchHook, check_replay, debug_from_env, guard
+from planner.device_checks import ERROR_WORDS, InputCheck, refusal
 from planner.errors import BatchError, ConfigError, ReplayError, SchemaError
 from planner.limits import Limits
 from planner.ops import ProviderChain, get_op
 from planner.plans import PlannerStats, PlanSet, build_plans
-from planner.program import (
-    Program,
-    Step,
-    batch_dims,
-    build_program,
-    check_forced,
-    check_options,
-    warm_up,
-)
+from planner.program import Program, batch_dims, build_program, warm_up
 from planner.registry import check_serves, schemas_by_mode
 from planner.schema import Plan
-from planner.staging import Ranges, TransportFactory
-from planner.storage import Storage, Storages, Tensors
-
-_DATA_PTR = torch.Tensor.data_ptr
-"""Mapped over tensors: cheaper than a comprehension of ``t.data_ptr()`` calls."""
-Handles = dict[tuple[str, str], Any]
-"""What host ops returned, by the ``(backend, field)`` they produced: plans carry it."""
-
-
-def materialise(
-    storages: Sequence[Storage],
-    batches: Sequence[ForwardBatch],
-    reqs: int,
-    dims: Mapping[str, int],
-    ranges: Ranges,
-    steps: Sequence[Step] | None,
-    *,
-    read_device: bool,
-    read_table: bool,
-    now: bool = True,
-) -> list[tuple[Tensors, Handles]]:
-    """The one path from a batch to plan tensors, in every phase: stage the inputs, lay out
-    the fields, run ``steps`` (None: every step the eager host pass left); per batch, its
-    tensors and the handles host ops returned.
-
-    ``storages`` is one fresh storage (eager: one batch), or a static mode's storages (one
-    per step of ``batches``, sharing one stager: one transfer moves every step's inputs).
-    ``now``: the staged inputs are read before any graph runs (see ``Transport.host``)."""
-    first = storages[0]
-    if first.static:
-        regions = first.stager.stage(
-            batches,
-            reqs,
-            dims["tokens"],
-            ranges,
-            read_device=read_device,
-            read_table=read_table,
-            now=now,
-        )
-        staged = [(s.tensors(r, reqs, dims), frozenset()) for s, r in zip(storages, regions)]
-    else:
-        staged = [
-            first.stage(
-                batches[0], reqs, dims, ranges, read_device=read_device, read_table=read_table
-            )
-        ]
-    out = []
-    for storage, batch, (tensors, done) in zip(storages, batches, staged):
-        if steps is None:
-            run, reads = storage.device_steps(done), storage.batch_inputs(done)
-        else:
-            run, reads = steps, None
-        handles = run_steps(run, tensors, batch, static=storage.static, names=reads) if run else {}
-        out.append((tensors, handles))
-    return out
-
-
-def run_steps(
-    steps: Sequence[Step],
-    tensors: Tensors,
-    batch: ForwardBatch,
-    *,
-    static: bool,
-    names: Iterable[str] | None = None,
-) -> Handles:
-    """Run ``steps`` over ``tensors``; the handles host ops returned. ``names``: the batch
-    tensors the steps read, where the caller knows (else all)."""
-    if steps:  # a replay whose ops are all in the graph runs none here
-        bind_batch(tensors, batch, names)
-    handles = {}
-    for step in steps:
-        handle = step.run(tensors, static=static)
-        if handle is not None:
-            for key in step.outputs:  # a handle field may name any field of the call
-                handles[key] = handle
-    return handles
-
-
-def bind_batch(tensors: Tensors, batch: ForwardBatch, names: Iterable[str] | None = None) -> None:
-    """The batch's own tensors that ops read in place (the token table, the host lengths):
-    ``names`` of them, or all (an implied ``extend_lens_cpu`` is a new tensor per batch)."""
-    for name in BATCH_TABLES if names is None else BATCH_TABLES.intersection(names):
-        tensors[(BATCH, name)] = getattr(batch, name)
-    for name in HOST_INPUTS if names is None else HOST_INPUTS.intersection(names):
-        tensors[(BATCH, name)] = batch.host_input(name)
-
-
-def lengths_max_sum(lengths: torch.Tensor, empty_max: int) -> tuple[int, int]:
-    """The longest and the total of a batch's host KV lengths, which size an eager plan;
-    ``(empty_max, 1)`` for an empty batch."""
-    lens = lengths.numpy()
-    if not lens.size:
-        return empty_max, 1
-    return int(lens.max()), int(lens.sum())
-
-
-@dataclass
-class CapturedStep:
-    """The plans of one captured (mode, size), or of one step of a stepped one: the tensors
-    a graph reads, where they were, and the batch they were made from."""
-
-    plans: PlanSet
-    tensors: Tensors
-    handles: Handles
-    dummy: ForwardBatch
-    named: list[tuple[str, torch.Tensor]]
-    """Every plan tensor with its ``backend.field``."""
-    pointers: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.pointers = [t.data_ptr() for _, t in self.named]
-        # Each tensor object once (an aliased field is its owner's object): a tensor can only
-        # move by being rebound itself (set_, .data =, a storage resize).
-        distinct = {id(t): t for _, t in self.named}
-        self._watched = list(distinct.values())
-        self._watched_at = [t.data_ptr() for t in self._watched]
-
-    def check_unmoved(self, handles: Handles) -> None:
-        """The plans a graph reads must still be where capture put them, and host ops must
-        have returned the handles they returned at capture: one list comparison in the
-        usual case, the field looked for only when something moved."""
-        if handles:
-            for key, handle in handles.items():
-                if handle is not self.handles.get(key):
-                    raise ReplayError(
-                        "host op returned another handle than at capture", field=".".join(key)
-                    )
-        if list(map(_DATA_PTR, self._watched)) == self._watched_at:
-            return
-        for (key, tensor), ptr in zip(self.named, self.pointers):
-            if tensor.data_ptr() != ptr:
-                raise ReplayError(
-                    "plan tensor moved since capture",
-                    field=key,
-                    expected=hex(ptr),
-                    actual=hex(tensor.data_ptr()),
-                )
-
-
-@dataclass
-class CapturedBatch:
-    """What a capture of one (mode, size) keeps for its replays: the plan set the graph
-    reads, each step's tensors, and what every replay of the size needs, resolved once."""
-
-    plans: PlanSet
-    steps: list[CapturedStep]
-    storages: list[Storage]
-    dims: dict[str, int]
-    ranges: Ranges
-    host_steps: tuple[Step, ...]
-    """The steps a replay runs on the host (host ops, and with ``ops_in_graph=False`` all)."""
-    table: torch.Tensor
-    program_steps: tuple[Step, ...]
-    """Every step of the mode's program (what the stats count per replay)."""
-    reads_staged: bool
-    """A host step reads the staged inputs on the device (a device op run outside the graph,
-    or a host op reading a field's values, not only binding its address): a replay's inputs
-    must then reach the device before the graph runs."""
-    recorded: bool = False
-    """``record`` ran since the capture (an emulated graph's capture runs it too)."""
-
-    def check_table(self, table: torch.Tensor) -> None:
-        """The graph reads the token table it was captured with: the same memory and shape."""
-        mine = self.table
-        if table.data_ptr() != mine.data_ptr() or table.shape != mine.shape:
-            raise ReplayError(
-                "req_to_token is not the table the graph was captured with (moved or reallocated)",
-                field="req_to_token",
-                expected=(hex(mine.data_ptr()), tuple(mine.shape)),
-                actual=(hex(table.data_ptr()), tuple(table.shape)),
-            )
-
-    def refresh(self, batches: Sequence[ForwardBatch], bs: int, *, debug: bool) -> None:
-        """A replay's work over these captured tensors: stage ``batches`` (the batch, or a
-        stepped batch's steps), run the host steps, and check nothing moved. ``debug`` also
-        reads device-resident inputs and the token table to check them."""
-        results = materialise(
-            self.storages,
-            batches,
-            bs,
-            self.dims,
-            self.ranges,
-            self.host_steps,
-            read_device=debug,
-            read_table=debug,
-            now=self.reads_staged,
-        )
-        for step, (_, handles) in zip(self.steps, results):
-            step.check_unmoved(handles)
+from planner.settings import check_forced, check_options
+from planner.staging import TransportFactory
+from planner.step_inputs import StepInputs, write_batch
+from planner.storage import Storages
 
 
 class Planner:
     """Plans every backend's metadata for each batch; see the module docstring.
 
     ``on_mismatch(batch, replayed, eager)`` is called in debug mode before a replay that
-    differs from eager is raised (dumps use it to keep both). ``eager_on_host`` lets eager
-    plans run ops' host twins (``planner.host_pass``). ``transport`` makes each captured
+    differs from eager is raised (dumps use it to keep both). ``transport`` makes each captured
     mode's :class:`~planner.staging.Transport` (default: the one copy; a graph runner may
     have its graphs pull the staged inputs themselves, ``graphs.PulledTransport``).
     """
@@ -283,7 +85,6 @@ class Planner:
         debug: bool | None = None,
         ops_in_graph: bool = True,
         on_mismatch: MismatchHook | None = None,
-        eager_on_host: bool = True,
         transport: TransportFactory | None = None,
     ) -> None:
         if not backends:
@@ -326,9 +127,7 @@ class Planner:
         }
         idle = {ForwardMode.IDLE} if ForwardMode.DECODE in self._programs else set()
         self._modes = frozenset(self._programs) | idle
-        self.storages = Storages(
-            self._programs, limits, self.device, eager_on_host=eager_on_host, transport=transport
-        )
+        self.storages = Storages(self._programs, limits, self.device, transport=transport)
         self.staging = "copy" if transport is None else getattr(transport, "name", "custom")
         """How captured plans' inputs reach the device (the transport's name), for reports."""
         self.storages.check_budget()  # before any static buffer is allocated
@@ -337,6 +136,7 @@ class Planner:
         self._last: CapturedBatch | None = None
         """The capture the last replay staged into (its graph's launch comes next)."""
         self._warmed = False
+        self._errors: torch.Tensor | None = None
         check_forced(self._programs.values(), self.forced)
 
     # ---- building -------------------------------------------------------------------------
@@ -431,6 +231,9 @@ class Planner:
     ) -> tuple[ForwardMode, ForwardMode, int]:
         """The batch checked at the door: its mode, the mode that plans it (an idle batch's
         shape, ``ForwardBatch.plans_as``) and its query tokens."""
+        if isinstance(batch, ForwardBatch) and batch.inputs is not None:
+            _, tokens = validate_written(batch, self._per_request)
+            return batch.inputs.mode, batch.inputs.mode, tokens
         if isinstance(batch, ForwardBatch) and batch.mode is ForwardMode.DRAFT_DECODE:
             self.program(batch.mode)  # unplanned (no draft_steps): say so before next_n does
         mode, shape, tokens = validate_batch(
@@ -471,7 +274,7 @@ class Planner:
             pad_to, pad_tokens, batch.bs, limits.max_batch, limits.extend_tokens, mode
         )
         if pad_tokens is not None:
-            check_bucket(batch, real, pad_tokens, limits.kv_token_capacity, "pad_tokens")
+            check_bucket(real, pad_tokens, "pad_tokens")
         reqs = pad_to or max(batch.bs, 1)
         sets = [self._plan_one(one, shape, reqs, pad_to, pad_tokens) for one in batches_of(batch)]
         plans = PlanSet.stepped(sets, "eager", mode, reqs, batch.bs) if shape.stepped else sets[0]
@@ -489,22 +292,24 @@ class Planner:
         pad_to: int | None,
         pad_tokens: int | None = None,
     ) -> PlanSet:
-        """One eager plan set (of one step, for a stepped batch) in fresh tensors."""
-        program, planned = self.program(mode), mode.plans_as
-        # Only sizes so far: staging range-checks the lengths before anything is allocated.
+        """One eager plan set (of one step, for a stepped batch) in fresh tensors: the raw
+        inputs written and sent, checked on the device (the refusal read at once: an eager
+        plan waits for its check), then every op."""
+        program = self.program(mode)
         if pad_to is not None:
             dims = self._static_dims(mode, reqs, pad_tokens)
         else:
             max_len, kv_tokens = lengths_max_sum(batch.seq_lens_cpu, program.next_n)
             tokens = batch.num_tokens if mode.ragged else reqs * program.next_n
             dims = self.dims(mode, reqs, max_len, tokens, kv_tokens)
-        ranges = self.storages.ranges(planned, batch.req_to_token)
-        storage = self.storages.fresh(planned, reqs)
-        # The token table is read on the host for free; on a GPU only in debug mode (a sync).
-        table_read = self.debug or not batch.req_to_token.is_cuda
-        ((tensors, handles),) = materialise(
-            [storage], [batch], reqs, dims, ranges, None, read_device=True, read_table=table_read
-        )
+        storage = self.storages.fresh(mode)
+        real_tokens = batch.out_cache_loc.shape[0]
+        tensors, region, error = storage.stage(batch, real_tokens, dims)
+        check = self.storages.check(mode, batch.req_to_token, static=pad_tokens is not None)
+        outputs = storage.outputs(tensors)
+        check.run(region, reqs, dims["tokens"], batch.req_to_token, error, outputs)
+        self._raise_for(error.tolist(), check)
+        handles = run_steps(program.steps, tensors, batch, static=False)
         plans = build_plans(program, tensors, handles, dims)
         return PlanSet(plans, "eager", mode, reqs, batch.bs, tokens=pad_tokens)
 
@@ -516,28 +321,6 @@ class Planner:
         return self.dims(mode, bs, self.limits.max_context, tokens, kv_tokens)
 
     # ---- capture --------------------------------------------------------------------------
-
-    def dummy_batch(
-        self, bs: int, mode: ForwardMode, req_to_token: torch.Tensor, tokens: int | None = None
-    ) -> ForwardBatch:
-        """What a capture runs its ops on: ``bs`` requests of the shortest legal length, all on
-        the null request (row 0 of the token table, slot 0), so nothing real is read or
-        written. A draft extend accepts all ``next_n`` tokens of each; a ragged batch of a
-        ``tokens`` bucket has ``min(bs, tokens)`` requests of one token (the rest padding)."""
-        n = self.tokens_per_request(mode)
-        if tokens is not None:
-            bs = min(bs, tokens)
-        return ForwardBatch(
-            seq_lens_cpu=torch.full((bs,), n, dtype=torch.int32),
-            req_pool_indices=torch.zeros(bs, dtype=torch.int32),
-            req_to_token=req_to_token,
-            out_cache_loc=torch.zeros(bs * n, dtype=torch.int32),
-            mode=mode,
-            next_n=n,
-            extend_lens_cpu=(
-                torch.full((bs,), n, dtype=torch.int32) if mode.padded_rows or mode.ragged else None
-            ),
-        )
 
     def capture(
         self,
@@ -557,34 +340,53 @@ class Planner:
         mode = ForwardMode(mode)
         limits = self.limits
         bs, tokens = check_capture(mode, bs, tokens, limits.max_batch, limits.extend_tokens)
-        dummy = self.dummy_batch(bs, mode, req_to_token, tokens)
+        dummy = dummy_batch(bs, mode, req_to_token, self.tokens_per_request(mode), tokens)
         self._validate(dummy, device_reads=True)
         program = self.program(mode)
         if tokens is not None:
-            _check_ragged_pads(program)
+            check_ragged_pads(program)
         dims = self._static_dims(mode, bs, tokens)
         batches = batches_of(dummy)
         storages = self.storages.static(mode, len(batches))
-        ranges = self.storages.ranges(mode, req_to_token)
-        results = materialise(
-            storages, batches, bs, dims, ranges, program.steps, read_device=True, read_table=True
-        )
+        stager = storages[0].stager
+        check = self.storages.check(mode, req_to_token, static=True)
+        for region, batch in zip(stager.inputs(), batches):
+            write_batch(region, batch, batch.out_cache_loc.shape[0])
+        stager.send(now=True)
         steps, sets = [], []
-        for batch, (tensors, handles) in zip(batches, results):
+        for batch, storage in zip(batches, storages):
+            tensors = storage.tensors(bs, dims)
+            outputs = storage.outputs(tensors)
+            check.run(storage.raw, bs, dims["tokens"], req_to_token, self.errors, outputs)
+            self._raise_for(self.errors.tolist(), check)  # a dummy batch: never refused
+            handles = run_steps(program.steps, tensors, batch, static=True)
             plans = build_plans(program, tensors, handles, dims)
             plans = PlanSet(plans, "capture", mode, bs, bs, tokens=tokens)
             named = [(f"{b}.{n}", t) for b, p in plans.items() for n, t in p.tensors().items()]
-            steps.append(CapturedStep(plans, tensors, handles, batch, named))
+            steps.append(
+                CapturedStep(plans, tensors, handles, batch, storage, named, dims["tokens"])
+            )
             sets.append(plans)
         top = PlanSet.stepped(sets, "capture", mode, bs, bs) if mode.stepped else sets[0]
         on_host = tuple(step for step in program.steps if not step.in_graph)
+        # the device check belongs in the graph unless something outside it reads its fields
         reads_staged = any(
             step.chain.current.graph_safe
-            or any(who != BATCH and name not in step.spec.binds for who, name in step.input_keys)
+            or any(
+                key in storages[0].sources.values() and key[1] not in step.spec.binds
+                for key in step.input_keys
+            )
             for step in on_host
         )
         self._captured[(mode, bs if tokens is None else (bs, tokens))] = CapturedBatch(
-            top, steps, storages, dims, ranges, on_host, req_to_token, program.steps, reads_staged
+            top,
+            steps,
+            check,
+            self.errors,
+            on_host,
+            req_to_token,
+            program.steps,
+            checks_in_graph=not reads_staged,
         )
         self.stats.batches["capture"] += 1
         return top
@@ -614,11 +416,13 @@ class Planner:
         captured = self._captured_for(
             mode, check_size("bs", bs, 1, self.limits.max_batch, "size out of range"), tokens
         )
-        stager = captured.storages[0].stager
+        stager = captured.stager
         stager.transport.record(stager.device_buf, first=not captured.recorded)
         captured.recorded = True
         in_graph = [step for step in self.program(mode).steps if step.in_graph]
-        for each in captured.steps:  # a stepped mode: every step's ops, in one graph
+        for each in captured.steps:  # a stepped mode: every step's check and ops, in one graph
+            if captured.checks_in_graph:
+                each.check_inputs(captured.check, captured.error)
             run_steps(in_graph, each.tensors, each.dummy, static=True)
 
     def _captured_for(self, mode: ForwardMode, bs: int, tokens: int | None) -> CapturedBatch:
@@ -637,17 +441,46 @@ class Planner:
 
     # ---- replay ---------------------------------------------------------------------------
 
+    @property
+    def errors(self) -> torch.Tensor:
+        """The error word of captured plans' device checks (int32 on the planner's device):
+        the first refusal since it was last read (:meth:`read`), written inside the graphs.
+        Made with the first capture's buffers."""
+        if self._errors is None:
+            self._errors = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=self.device)
+        return self._errors
+
+    def step_inputs(self, mode: ForwardMode = ForwardMode.DECODE) -> StepInputs:
+        """Where the engine writes the next step of ``mode`` (captured first): typed views of
+        the staging slot the next :meth:`replay` of that mode sends. Write rows ``[0, n)`` of
+        each input, call ``set_counts``, and hand :meth:`StepInputs.batch` to :meth:`replay`
+        (or to the graph runner): nothing is copied again. The slot stays the same until a
+        replay of the mode sends it."""
+        mode = ForwardMode(mode)
+        storages = self.storages.captured(mode)
+        if storages is None or mode.stepped:
+            raise ReplayError(
+                "step inputs are handed out for captured modes with one batch per step",
+                field="mode",
+                expected=sorted(m.value for m in self.storages.captured_modes() if not m.stepped),
+                actual=mode.value,
+            )
+        return storages[0].stager.inputs()[0]
+
     def replay(
         self, batch: ForwardBatch, bs: int | None = None, *, tokens: int | None = None
     ) -> PlanSet:
         """Refresh the captured plans of size ``bs`` (a ragged batch's: of bucket ``(bs,
-        tokens)``) in place for ``batch``; return those same objects. A batch the bucket
-        cannot hold (more requests, more tokens, KV past the bound) is refused before any
-        buffer is touched.
+        tokens)``) in place for ``batch``; return those same objects.
+
+        The batch is written into the mode's staging slot (unless it is that slot's own,
+        :meth:`step_inputs`) and sent; its values are checked on the device, inside the
+        graph, and a refusal is raised when the step's outputs are read (:meth:`raise_for`).
+        What the host knows without reading values is refused here, before any buffer is
+        touched: the structure at the door, a batch larger than the bucket.
 
         Ops recorded in the graph run when the caller replays it; host ops (and, with
-        ``ops_in_graph=False``, all ops) run here. Debug mode takes this same path, and also
-        reads device-resident inputs and the token table to check them.
+        ``ops_in_graph=False``, all ops) run here. Debug mode takes this same path.
         """
         start = time.perf_counter()
         mode, shape, real_tokens = self._validate(batch, device_reads=self.debug)
@@ -657,13 +490,53 @@ class Planner:
             tokens = self._replay_tokens(batch, real_tokens, mode, tokens)
         captured = self._captured_for(shape, bs, tokens)  # an idle batch's: its shape's
         captured.check_table(batch.req_to_token)
-        batches = batches_of(batch) if shape.stepped else [batch]
-        captured.refresh(batches, bs, debug=self.debug)
+        if shape.stepped:
+            batches = batches_of(batch)
+        elif batch.inputs is not None and batch.inputs is captured.inputs()[0]:
+            batches = None  # the engine wrote the slot itself
+        else:
+            batches = [batch]
+        captured.refresh(batches)
         self._last = captured
         captured.plans.mark("replay", mode, real)
-        steps = captured.program_steps * len(batches)  # a tuple times 1 is itself: no copy
-        self.stats.count("replay", mode, steps, time.perf_counter() - start, shape)
+        runs = len(captured.steps)
+        self.stats.count(
+            "replay", mode, captured.program_steps * runs, time.perf_counter() - start, shape
+        )
         return captured.plans
+
+    def raise_for(self, word: Sequence[int]) -> None:
+        """Raise the refusal an error word read from the device holds (:attr:`errors`, read
+        with a step's outputs), naming the field, the row and the value; nothing for a
+        clean word. The device word is cleared once read as set."""
+        if word[0]:
+            self.errors.zero_()
+            self._raise_for(word, self.storages.check_by_id(int(word[6])))
+
+    def read(self, values: torch.Tensor) -> list:
+        """``values`` (a step's outputs, e.g. its sampled tokens) on the host, as
+        ``values.tolist()`` gives them, read in one device-to-host copy with :attr:`errors`:
+        a batch the device check refused since the last read raises here, naming the field,
+        the row and the value, and none of those outputs is returned."""
+        word = self.errors
+        flat = torch.cat([values.reshape(-1).to(torch.int64), word.to(torch.int64)]).tolist()
+        n = len(flat) - word.numel()
+        self.raise_for(flat[n:])
+        if values.dim() == 0:
+            return flat[0]
+        if values.dim() == 1:
+            return flat[:n]
+        return torch.tensor(flat[:n]).view(values.shape).tolist()
+
+    def read_errors(self) -> None:
+        """Read :attr:`errors` now (a synchronisation) and raise what it holds."""
+        self.raise_for(self.errors.tolist())
+
+    @staticmethod
+    def _raise_for(word: Sequence[int], check: InputCheck) -> None:
+        error = refusal(word, check.bounds)
+        if error is not None:
+            raise error
 
     def _replay_tokens(
         self, batch: ForwardBatch, real: int, mode: ForwardMode, tokens: object
@@ -685,7 +558,7 @@ class Planner:
                 actual=None,
             )
         tokens = check_size("tokens", tokens, 1, self.limits.extend_tokens, "out of range")
-        check_bucket(batch, real, tokens, self.limits.kv_token_capacity, "tokens")
+        check_bucket(real, tokens, "tokens")
         return tokens
 
     def graph_launched(self) -> None:
@@ -696,7 +569,7 @@ class Planner:
             if self.storages.transport is None:
                 return
             raise ReplayError("graph_launched() before any replay()", field="graph_launched")
-        last.storages[0].stager.transport.launched()
+        last.stager.transport.launched()
 
     # ---- debug ----------------------------------------------------------------------------
 
@@ -706,6 +579,7 @@ class Planner:
         Call after the graph has replayed (so graph-recorded ops have run). Also checks that
         padding rows hold the schemas' pad values.
         """
+        self.read_errors()  # the replay's own device check first
         eager = self._plan(batch, pad_to=plans.reqs, pad_tokens=plans.tokens, count=False)
         program = self.program(batch.plans_as)  # an idle batch's: its shape's
         self.stats.verified += 1
@@ -721,18 +595,3 @@ class Planner:
         """Debug mode: digests around a forward, for writes ``graphs.plan_writes`` cannot see."""
         with guard(plans, self.debug, self.stats):
             yield
-
-
-def _check_ragged_pads(program: Program) -> None:
-    """A captured ragged batch's padding requests add no tokens (the padding layout of the
-    module docstring): every staged ``extend_lens`` field pads with 0."""
-    for backend, cls in program.schemas.items():
-        for name, spec in cls.tensor_specs.items():
-            if spec.source == "extend_lens" and program.pads[(backend, name)] != 0:
-                raise SchemaError(
-                    "a captured ragged batch's padding requests add no tokens: extend_lens "
-                    "fields pad with 0",
-                    field=f"{backend}.{name}",
-                    expected=0,
-                    actual=program.pads[(backend, name)],
-                )

@@ -2,293 +2,75 @@
 
 The phases differ only here and in which steps they run. An eager plan owns its tensors
 (:class:`FreshStorage`): no later plan writes memory that any of them can still read, so each
-batch gets a new device buffer holding its staged inputs, the host pass's outputs and its
-int32 fields computed on the device (one allocation for the whole plan), and one allocation
-per other dtype. Captured plans are views of max-size buffers a CUDA graph reads
-(:class:`StaticStorage`), made once per size and handed out again on every replay.
+batch gets a new device buffer holding its raw inputs, its error word and its int32 fields
+(one allocation), and one allocation per other dtype. Captured plans are views of max-size
+buffers a CUDA graph reads (:class:`StaticStorage`), made once per bucket and handed out
+again on every replay; their raw inputs come through the mode's :class:`Stager`.
 
-:class:`Storages` keeps a planner's layouts, storages and input ranges, sized from its
-limits, and refuses limits whose static buffers would not fit their budget before any is
-allocated.
+Either way the source fields (a schema's ``source=``) are written by the device check
+(``planner.device_checks``) from the raw inputs, and every other field by its op.
+
+:class:`Storages` keeps a planner's stagers, storages and checks, sized from its limits, and
+refuses limits whose static buffers would not fit their budget before any is allocated.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from operator import itemgetter
 
 import torch
 
 from planner.batch import ForwardBatch, ForwardMode
-from planner.errors import ConfigError
-from planner.host_pass import HostPass, HostPassFailed, Placement, Switch, host_pass_for
+from planner.device_checks import ERROR_WORDS, Bounds, InputCheck
+from planner.errors import ConfigError, SchemaError
 from planner.limits import Limits
-from planner.program import Key, Program, Step, batch_dims, batch_reads
-from planner.schema import TensorSpec, dim_names, resolve_shape
-from planner.staging import (
-    CopyTransport,
-    Ranges,
-    Segment,
-    Stager,
-    StagingLayout,
-    TransportFactory,
-    input_ranges,
-)
+from planner.program import Key, Program, Step, batch_dims
+from planner.schema import TensorSpec, resolve_shape
+from planner.staging import CopyTransport, Stager, TransportFactory, input_bounds
+from planner.step_inputs import InputLayout, StepInputs, copy_on_device, write_batch
 
 Tensors = dict[Key, torch.Tensor]
-_LAYOUTS_KEPT = 256
-"""Eager layouts kept per storage: ragged batches vary in shape, so the cache is bounded."""
+SourceKey = tuple[str, int]
+"""``(source, pad)``: one source field the device check writes (fields alike share it)."""
 _ALIGN_BYTES = 256
 """Fields start on 256-byte boundaries, the alignment a separate allocation gives kernels."""
 
 
-def source_segments(program: Program, layout: StagingLayout) -> dict[Key, Segment]:
-    """The staging segment each source field of every schema reads."""
-    out = {}
+def source_fields(program: Program) -> dict[SourceKey, Key]:
+    """The field that holds each ``(source, pad)`` the schemas read (the first; the others
+    are its aliases, ``Program.aliases``)."""
+    out: dict[SourceKey, Key] = {}
     for backend, cls in program.schemas.items():
         for name, spec in cls.tensor_specs.items():
             if spec.source is not None:
-                out[(backend, name)] = layout.segments[(spec.source, program.pads[(backend, name)])]
+                pad = program.pads[(backend, name)]
+                if not isinstance(pad, int):
+                    raise SchemaError(
+                        "a source field pads with an integer (the device check writes it)",
+                        field=f"{backend}.{name}",
+                        expected="an int or an integer Setting",
+                        actual=pad,
+                    )
+                out.setdefault((spec.source, pad), (backend, name))
     return out
 
 
-Piece = tuple[Key, int, tuple[int, ...]]
-"""``(key, offset, shape)``: one field's contiguous view of a buffer."""
+def same_sources(program: Program) -> dict[Key, Key]:
+    """Every source field other than its ``(source, pad)``'s owner, to the owner: one
+    tensor, as aliases are."""
+    owners = source_fields(program)
+    return {
+        (backend, name): owners[(spec.source, program.pads[(backend, name)])]
+        for backend, cls in program.schemas.items()
+        for name, spec in cls.tensor_specs.items()
+        if spec.source is not None
+        and owners[(spec.source, program.pads[(backend, name)])] != (backend, name)
+    }
 
 
-@dataclass(frozen=True)
-class Cuts:
-    """Views of one buffer in one ``split_with_sizes`` call (a slice and a view cost a few
-    microseconds apiece on a GPU host): the pieces, the gaps between them, and which field
-    takes which piece (several fields may share one: a staged source, an alias)."""
-
-    sizes: tuple[int, ...] = ()
-    picks: tuple[tuple[Key, int, tuple[int, ...]], ...] = ()
-    end: int = 0
-    """Where the pieces end: :meth:`then` cuts more after it."""
-
-    def then(self, pieces: Iterable[Piece], total: int | None) -> Cuts:
-        """These cuts, then ``pieces`` (none before :attr:`end`), then a last gap up to
-        ``total`` (None: none, more pieces to follow). A plan's device fields are cut after
-        its staged part, which stays the same while a decode's lengths grow."""
-        sizes, picks, at = list(self.sizes), list(self.picks), self.end
-        index: dict[tuple[int, int], int] = {}
-        for key, offset, shape in sorted(pieces, key=lambda p: p[1]):
-            where = (offset, math.prod(shape))
-            if where not in index:
-                if offset > at:
-                    sizes.append(offset - at)
-                index[where] = len(sizes)
-                sizes.append(where[1])
-                at = offset + where[1]
-            picks.append((key, index[where], shape))
-        if total is not None and total > at:
-            sizes.append(total - at)
-            at = total
-        return Cuts(tuple(sizes), tuple(picks), at)
-
-    def views(self, buffer: torch.Tensor, out: Tensors) -> None:
-        parts = buffer.split_with_sizes(self.sizes)
-        for key, piece, shape in self.picks:
-            part = parts[piece]
-            out[key] = part if len(shape) == 1 else part.view(shape)
-
-
-@dataclass(frozen=True)
-class StagedPart:
-    """What a plan's staged region holds: the inputs, then the host pass's outputs, placed
-    by the dimensions the host pass's shapes name (the request count, the SMs: fixed while a
-    decode's lengths grow), and their cuts, open for the device fields after them."""
-
-    host: tuple[Placement, ...]
-    sent: int
-    """int32 elements one copy sends: the inputs' layout and the host pass's outputs."""
-    cuts: Cuts
-
-
-@dataclass(frozen=True)
-class FreshLayout:
-    """One set of dimensions of an eager plan: where each field lives in its memory."""
-
-    host: tuple[Placement, ...]
-    """The host pass's outputs, after the staged inputs."""
-    extra: int
-    """int32 elements the host pass writes after the inputs (sent with them)."""
-    device_extra: int
-    """int32 elements of device-computed fields after the staged ones, never copied."""
-    cuts: Cuts
-    """The views of the int32 buffer: inputs, host outputs, device fields."""
-    arenas: tuple[tuple[torch.dtype, int, Cuts], ...]
-    """Every other dtype's fields: one allocation of that many elements each."""
-
-    def views(self, staged: torch.Tensor, aliases: Mapping[Key, Key]) -> Tensors:
-        tensors: Tensors = {}
-        self.cuts.views(staged, tensors)
-        for dtype, total, cuts in self.arenas:
-            cuts.views(torch.empty(total, dtype=dtype, device=staged.device), tensors)
-        for alias, owner in aliases.items():
-            tensors[alias] = tensors[owner]
-        return tensors
-
-
-class _Storage:
-    """What both storages hold: the mode's program, where its sources are staged, and the
-    stager that stages them."""
-
-    static: bool
-
-    def __init__(self, program: Program, segments: Mapping[Key, Segment], stager: Stager) -> None:
-        self.program, self.segments, self.stager = program, segments, stager
-
-
-class FreshStorage(_Storage):
-    """Eager plans of one (mode, request count): see the module docstring."""
-
-    static = False
-
-    def __init__(
-        self,
-        program: Program,
-        segments: Mapping[Key, Segment],
-        stager: Stager,
-        *,
-        host_pass: HostPass | None,
-    ) -> None:
-        super().__init__(program, segments, stager)
-        self.host_pass = host_pass
-        self._layouts: dict[tuple, FreshLayout] = {}
-        done_sets = [frozenset()] + ([host_pass.outputs] if host_pass is not None else [])
-        self._device_steps = {
-            done: tuple(s for s in program.steps if s.output not in done) for done in done_sets
-        }
-        # Only the batch tensors the device steps read are bound: with the host pass on, the
-        # ragged ops' implied extend lengths are never built (a torch.full per plan).
-        self._inputs = {done: batch_reads(program.steps, done) for done in done_sets}
-        names = set().union(*(dim_names(x.shape) for s in program.steps for x in s.specs))
-        self._key = itemgetter("reqs", "tokens", *sorted(names))
-        """The dimensions a layout depends on, read in one call (a tuple: two names at least)."""
-        host_names = set()
-        if host_pass is not None:
-            host_names = set().union(
-                *(dim_names(x.shape) for s, _ in host_pass.steps for x in s.specs)
-            )
-        self._staged_key = itemgetter("reqs", "tokens", *sorted(host_names))
-        """The dimensions its staged part depends on (the host pass's shapes' names)."""
-        self._staged: dict[tuple, StagedPart] = {}
-
-    def device_steps(self, done: frozenset) -> tuple[Step, ...]:
-        """The steps the host pass left (``done``: what it computed)."""
-        return self._device_steps[done]
-
-    def batch_inputs(self, done: frozenset) -> frozenset[str]:
-        """The batch tensors the steps left after the host pass read."""
-        return self._inputs[done]
-
-    def _live_pass(self) -> HostPass | None:
-        """The host pass, unless one of its twins failed (it is then retired for good)."""
-        host_pass = self.host_pass
-        return None if host_pass is None or host_pass.failed else host_pass
-
-    def stage(
-        self,
-        batch: ForwardBatch,
-        reqs: int,
-        dims: Mapping[str, int],
-        ranges: Ranges,
-        *,
-        read_device: bool,
-        read_table: bool,
-    ) -> tuple[Tensors, frozenset]:
-        """Stage (the host pass running between the fill and the copy) and lay out; the
-        tensors, and the outputs already computed. A host twin that fails is retired for
-        good and the plan redone on the device."""
-        host_pass = self._live_pass()
-        layout = self._layout(dims, reqs, host_pass)
-        tokens = dims["tokens"]
-        work = None
-        if host_pass is not None:
-
-            def work(view):
-                host_pass.run(view, layout.host, reqs, tokens)
-
-        try:
-            (staged,) = self.stager.stage(
-                [batch],
-                reqs,
-                tokens,
-                ranges,
-                read_device=read_device,
-                read_table=read_table,
-                extra=layout.extra,
-                host_work=work,
-                device_extra=layout.device_extra,
-            )
-        except HostPassFailed:
-            return self.stage(
-                batch, reqs, dims, ranges, read_device=read_device, read_table=read_table
-            )
-        done = frozenset() if host_pass is None else host_pass.outputs
-        return layout.views(staged, self.program.aliases), done
-
-    def _layout(
-        self, dims: Mapping[str, int], reqs: int, host_pass: HostPass | None
-    ) -> FreshLayout:
-        on = host_pass is not None
-        try:
-            key = (on, reqs, self._key(dims))
-            staged_key = (on, reqs, self._staged_key(dims))
-        except KeyError:  # a shape names a dimension not given: resolve_shape names the field
-            return self._lay_out(dims, self._stage_part(dims, reqs, host_pass), host_pass)
-        layout = self._layouts.get(key)
-        if layout is None:
-            part = self._staged.get(staged_key)
-            if part is None:
-                part = _kept(self._staged, staged_key, self._stage_part(dims, reqs, host_pass))
-            layout = _kept(self._layouts, key, self._lay_out(dims, part, host_pass))
-        return layout
-
-    def _stage_part(
-        self, dims: Mapping[str, int], reqs: int, host_pass: HostPass | None
-    ) -> StagedPart:
-        tokens, base = dims["tokens"], self.stager.size
-        pieces: list[Piece] = [
-            (key, seg.offset, (tokens if seg.per_token else reqs,))
-            for key, seg in self.segments.items()
-        ]
-        host: tuple[Placement, ...] = ()
-        sent = base
-        if host_pass is not None:
-            host, sent = host_pass.placements(base, dims)
-            pieces += [(p.key, p.offset, p.shape) for p in host]
-        return StagedPart(host, sent, Cuts().then(pieces, None))
-
-    def _lay_out(
-        self, dims: Mapping[str, int], part: StagedPart, host_pass: HostPass | None
-    ) -> FreshLayout:
-        done = frozenset() if host_pass is None else host_pass.outputs
-        totals: dict[torch.dtype, int] = {torch.int32: part.sent}
-        by_dtype: dict[torch.dtype, list[Piece]] = {torch.int32: []}
-        for key, spec in _outputs(self.device_steps(done)):
-            dtype = spec.dtype
-            align = max(1, _ALIGN_BYTES // dtype.itemsize)
-            start = -(-totals.get(dtype, 0) // align) * align
-            shape = resolve_shape(spec.shape, dims, field=f"{key[0]}.{key[1]}")
-            by_dtype.setdefault(dtype, []).append((key, start, shape))
-            totals[dtype] = start + math.prod(shape)
-        int32_total = totals.pop(torch.int32)
-        arenas = tuple(
-            (dtype, total, Cuts().then(by_dtype[dtype], total)) for dtype, total in totals.items()
-        )
-        base = self.stager.size
-        return FreshLayout(
-            part.host,
-            part.sent - base,
-            int32_total - part.sent,
-            part.cuts.then(by_dtype[torch.int32], int32_total),
-            arenas,
-        )
+def _source_spec(program: Program, key: Key) -> TensorSpec:
+    return program.schemas[key[0]].tensor_specs[key[1]]
 
 
 def _outputs(steps: Iterable[Step]) -> Iterator[tuple[Key, TensorSpec]]:
@@ -297,20 +79,68 @@ def _outputs(steps: Iterable[Step]) -> Iterator[tuple[Key, TensorSpec]]:
         yield from zip(step.outputs, step.specs)
 
 
-def _kept(cache: dict, key: tuple, value):
-    """``value`` kept under ``key``; the cache is emptied when full (ragged batches vary in
-    shape, so it is bounded)."""
-    if len(cache) >= _LAYOUTS_KEPT:
-        cache.clear()
-    cache[key] = value
-    return value
+def _fields(program: Program) -> Iterator[tuple[Key, TensorSpec]]:
+    """Every field a storage makes: the source fields, then the op fields."""
+    for key in source_fields(program).values():
+        yield key, _source_spec(program, key)
+    yield from _outputs(program.steps)
 
 
-class StaticStorage(_Storage):
-    """Capture and replay: max-size buffers for one mode, and views of them per captured size
-    (a ragged mode's per (size, token bucket)).
+class FreshStorage:
+    """Eager plans of one mode: see the module docstring."""
 
-    The views of a size are made once and handed out again on every replay: the plans a
+    static = False
+
+    def __init__(self, program: Program, layout: InputLayout, device: torch.device) -> None:
+        self.program, self.layout, self.device = program, layout, device
+        self.sources = source_fields(program)
+        self.aliases = {**same_sources(program), **program.aliases}
+
+    def stage(
+        self, batch: ForwardBatch, tokens: int, dims: Mapping[str, int]
+    ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
+        """A new plan's memory with ``batch`` written into its raw inputs (``tokens`` real
+        query tokens): its tensors, its raw region and its error word."""
+        layout, device = self.layout, self.device
+        per_dtype: dict[torch.dtype, list[tuple[Key, int, tuple[int, ...]]]] = {}
+        totals: dict[torch.dtype, int] = {torch.int32: layout.size + ERROR_WORDS}
+        for key, spec in _fields(self.program):
+            align = max(1, _ALIGN_BYTES // spec.dtype.itemsize)
+            start = -(-totals.get(spec.dtype, 0) // align) * align
+            shape = resolve_shape(spec.shape, dims, field=f"{key[0]}.{key[1]}")
+            per_dtype.setdefault(spec.dtype, []).append((key, start, shape))
+            totals[spec.dtype] = start + math.prod(shape)
+        arenas = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in totals.items()}
+        int32 = arenas[torch.int32]
+        region = int32[: layout.size]
+        error = int32[layout.size : layout.size + ERROR_WORDS]
+        error.zero_()
+        if device.type == "cpu":
+            pending = write_batch(StepInputs(region, layout), batch, tokens)
+        else:
+            host = torch.empty(layout.size, dtype=torch.int32, pin_memory=True)
+            pending = write_batch(StepInputs(host, layout), batch, tokens)
+            region.copy_(host, non_blocking=True)
+        copy_on_device(region, layout, dict(pending))
+        tensors: Tensors = {}
+        for dtype, pieces in per_dtype.items():
+            arena = arenas[dtype]
+            for key, start, shape in pieces:
+                tensors[key] = arena[start : start + math.prod(shape)].view(shape)
+        for alias, owner in self.aliases.items():
+            tensors[alias] = tensors[owner]
+        return tensors, region, error
+
+    def outputs(self, tensors: Tensors) -> dict[SourceKey, torch.Tensor]:
+        """The source fields the device check writes, by ``(source, pad)``."""
+        return {source: tensors[key] for source, key in self.sources.items()}
+
+
+class StaticStorage:
+    """Capture and replay: max-size buffers for one mode (one storage per step of a stepped
+    mode), and views of them per captured bucket.
+
+    The views of a bucket are made once and handed out again on every replay: the plans a
     graph was captured with hold exactly these tensors. Each field's view is the leading
     part of its flat buffer, so a batch dimension anywhere in the shape (``(2, "tokens")``)
     still gives a contiguous view. A bucket whose derived dimension exceeds what the
@@ -320,37 +150,35 @@ class StaticStorage(_Storage):
     static = True
 
     def __init__(
-        self,
-        program: Program,
-        segments: Mapping[Key, Segment],
-        stager: Stager,
-        *,
-        max_dims: Mapping[str, int],
+        self, program: Program, stager: Stager, region: int, *, max_dims: Mapping[str, int]
     ) -> None:
-        super().__init__(program, segments, stager)
+        self.program, self.stager, self.region = program, stager, region
+        self.sources = source_fields(program)
+        self.aliases = {**same_sources(program), **program.aliases}
         self.buffers = {
             key: torch.zeros(
                 math.prod(resolve_shape(spec.shape, max_dims, field=f"{key[0]}.{key[1]}")),
                 dtype=spec.dtype,
-                device=stager.device,
+                device=stager.device_buf.device,
             )
-            for key, spec in _outputs(program.steps)
+            for key, spec in _fields(program)
         }
         self._grown: list[torch.Tensor] = []
         self._views: dict[tuple[int, int], Tensors] = {}
 
-    def tensors(self, staged: torch.Tensor, reqs: int, dims: Mapping[str, int]) -> Tensors:
+    @property
+    def raw(self) -> torch.Tensor:
+        """This storage's region of the stager's device buffer: the raw inputs."""
+        return self.stager.device_regions[self.region]
+
+    def tensors(self, reqs: int, dims: Mapping[str, int]) -> Tensors:
         """The plan tensors of a batch padded to ``reqs`` requests and ``dims["tokens"]``
-        tokens: views of the staged region and of the buffers, made once per bucket."""
-        tokens = dims["tokens"]
-        views = self._views.get((reqs, tokens))
+        tokens: views of the buffers, made once per bucket."""
+        bucket = (reqs, dims["tokens"])
+        views = self._views.get(bucket)
         if views is None:
-            segments = source_segments(self.program, self.stager.layout_for(reqs, tokens))
-            views = {
-                key: staged[seg.offset : seg.offset + (tokens if seg.per_token else reqs)]
-                for key, seg in segments.items()
-            }
-            for key, spec in _outputs(self.program.steps):
+            views = {}
+            for key, spec in _fields(self.program):
                 shape = resolve_shape(spec.shape, dims, field=f"{key[0]}.{key[1]}")
                 size, flat = math.prod(shape), self.buffers[key]
                 if size > flat.numel():
@@ -359,14 +187,17 @@ class StaticStorage(_Storage):
                     )
                     self._grown.append(flat)
                 views[key] = flat[:size].view(shape)
-            for alias, owner in self.program.aliases.items():
+            for alias, owner in self.aliases.items():
                 views[alias] = views[owner]
-            self._views[(reqs, tokens)] = views
+            self._views[bucket] = views
         return views
+
+    def outputs(self, tensors: Tensors) -> dict[SourceKey, torch.Tensor]:
+        return {source: tensors[key] for source, key in self.sources.items()}
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the plan buffers (the stager, maybe shared by steps, is counted apart)."""
+        """Bytes of the plan buffers (the stager, shared by steps, is counted apart)."""
         held = {id(t): t for t in (*self.buffers.values(), *self._grown)}
         return sum(t.numel() * t.element_size() for t in held.values())
 
@@ -375,7 +206,7 @@ Storage = FreshStorage | StaticStorage
 
 
 class Storages:
-    """One planner's staging layouts, storages and input ranges, made on first use."""
+    """One planner's stagers, storages and device checks, made on first use."""
 
     def __init__(
         self,
@@ -383,21 +214,15 @@ class Storages:
         limits: Limits,
         device: torch.device,
         *,
-        eager_on_host: bool = True,
         transport: TransportFactory | None = None,
     ) -> None:
         self.programs = programs
         self.limits = limits
         self.device = device
-        self.eager_on_host = eager_on_host
-        self.copies = CopyTransport(device)
-        """The copy every eager plan stages through (and captures, unless ``transport``)."""
         self.transport = transport
-        self._switch = Switch()
-        self._layouts: dict[tuple[ForwardMode, int], StagingLayout] = {}
-        self._fresh: dict[tuple[ForwardMode, int], FreshStorage] = {}
+        self._fresh: dict[ForwardMode, FreshStorage] = {}
         self._static: dict[ForwardMode, list[StaticStorage]] = {}
-        self._ranges: dict[tuple, Ranges] = {}
+        self._checks: dict[tuple, InputCheck] = {}
         self._max_dims: dict[ForwardMode, dict[str, int]] = {}
 
     def token_capacity(self, mode: ForwardMode, reqs: int) -> int:
@@ -413,62 +238,51 @@ class Storages:
         full = reqs * self.limits.max_context
         if not mode.ragged:
             return full
-        program = self.programs[mode]
-        pad = max(  # what each padding request's KV length is: on top of the bound
-            (
-                int(program.pads[(backend, name)] or 0)
-                for backend, cls in program.schemas.items()
-                for name, spec in cls.tensor_specs.items()
-                if spec.source == "seq_lens"
-            ),
+        pad = max(
+            (pad for source, pad in source_fields(self.programs[mode]) if source == "seq_lens"),
             default=0,
         )
         return min(full, self.limits.kv_token_capacity) + reqs * pad
 
-    def layout(self, mode: ForwardMode, reqs: int) -> StagingLayout:
-        """Sized by request count, not by tokens: a ragged batch's layout holds the token
-        capacity, so layouts stay few however the extend lengths vary."""
-        key = (mode, reqs)
-        layout = self._layouts.get(key)
-        if layout is None:
-            program = self.programs[mode]
-            sources = [
-                (spec.source, program.pads[(backend, name)])
-                for backend, cls in program.schemas.items()
-                for name, spec in cls.tensor_specs.items()
-                if spec.source is not None
-            ]
-            layout = StagingLayout(sources, reqs, self.token_capacity(mode, reqs))
-            self._layouts[key] = layout
-        return layout
+    def layout(self, mode: ForwardMode) -> InputLayout:
+        """The raw inputs' layout of ``mode``: its capacity, the same in every phase."""
+        reqs = self.limits.max_batch
+        return InputLayout(reqs, self.token_capacity(mode, reqs))
 
-    def ranges(self, mode: ForwardMode, table: torch.Tensor) -> Ranges:
-        key = (mode, table.shape[0], table.shape[1])
-        ranges = self._ranges.get(key)
-        if ranges is None:
-            limits = self.limits
-            ranges = self._ranges[key] = input_ranges(
-                limits.max_context,
-                self.programs[mode].next_n,
-                limits.kv_slots,
-                table,
-                ragged=mode.ragged,
-                partial=mode.padded_rows,
-            )
-        return ranges
+    def bounds(self, mode: ForwardMode, table: torch.Tensor, *, static: bool) -> Bounds:
+        limits = self.limits
+        kv_bound = limits.kv_token_capacity if static and mode.ragged else None
+        return input_bounds(
+            mode, limits.max_context, self.programs[mode].next_n, limits.kv_slots, table, kv_bound
+        )
 
-    def fresh(self, mode: ForwardMode, reqs: int) -> FreshStorage:
-        key = (mode, reqs)
-        storage = self._fresh.get(key)
+    def check(self, mode: ForwardMode, table: torch.Tensor, *, static: bool) -> InputCheck:
+        """The device check of ``mode``'s batches over a token table of ``table``'s shape."""
+        key = (mode, tuple(table.shape), static)
+        check = self._checks.get(key)
+        if check is None:
+            bounds = self.bounds(mode, table, static=static)
+            ident = len(self._checks)
+            check = InputCheck(self.layout(mode), bounds, self.device, ident, per_bucket=static)
+            self._checks[key] = check
+        return check
+
+    def check_by_id(self, ident: int) -> InputCheck:
+        """The check whose error word names ``ident``."""
+        return next(check for check in self._checks.values() if check.ident == ident)
+
+    def captured(self, mode: ForwardMode) -> list[StaticStorage] | None:
+        """The static storages of ``mode``, if it was captured."""
+        return self._static.get(mode)
+
+    def captured_modes(self) -> list[ForwardMode]:
+        return list(self._static)
+
+    def fresh(self, mode: ForwardMode) -> FreshStorage:
+        storage = self._fresh.get(mode)
         if storage is None:
-            program, layout = self.programs[mode], self.layout(mode, reqs)
-            segments = source_segments(program, layout)
-            stager = Stager(layout, self.device, self.copies, static=False)
-            host_pass = (
-                host_pass_for(program, segments, self._switch) if self.eager_on_host else None
-            )
-            storage = self._fresh[key] = FreshStorage(
-                program, segments, stager, host_pass=host_pass
+            storage = self._fresh[mode] = FreshStorage(
+                self.programs[mode], self.layout(mode), self.device
             )
         return storage
 
@@ -479,19 +293,18 @@ class Storages:
         if storages is None:
             if mode.ragged and self.limits.ragged_kv_tokens is None:
                 self.check_budget({mode})  # counted from the first capture: see static_estimate
-            limits, program = self.limits, self.programs[mode]
-            layout = self.layout(mode, limits.max_batch)
-            segments = source_segments(program, layout)
-            words = max(layout.size, 1) * steps
+            layout = self.layout(mode)
+            words = layout.size * steps
             transport = (
-                self.copies
+                CopyTransport(words, self.device)
                 if self.transport is None
                 else self.transport(words, self.device, mode.value)
             )
-            stager = Stager(layout, self.device, transport, static=True, regions=steps)
+            stager = Stager(layout, self.device, transport, mode, regions=steps)
             max_dims = self.max_dims(mode)
             storages = self._static[mode] = [
-                StaticStorage(program, segments, stager, max_dims=max_dims) for _ in range(steps)
+                StaticStorage(self.programs[mode], stager, r, max_dims=max_dims)
+                for r in range(steps)
             ]
         return storages
 
@@ -499,8 +312,7 @@ class Storages:
         """The dimensions static buffers are sized for: the largest batch's, and for a
         backend's derived dimensions the largest value over every batch size (a split
         count shrinks as the batch grows), a ragged mode's at its token capacity (a token
-        bucket needing more grows the field: ``StaticStorage.tensors``). Worked out once per
-        mode: the budget check at build and the first capture both need it."""
+        bucket needing more grows the field: ``StaticStorage.tensors``)."""
         known = self._max_dims.get(mode)
         if known is not None:
             return known
@@ -528,9 +340,9 @@ class Storages:
         mixed) once it is captured, in ``include``, or from the start when
         ``Limits.ragged_kv_tokens`` is set (unset, ragged buffers would count
         ``max_batch * max_context`` KV entries against a planner that may never capture one).
-        Each op field at the limits' largest shape, the staging buffer, and the host buffer it
-        is filled in (``"staging (host)"``, pinned on CUDA; not counted by :meth:`nbytes`). A
-        stepped mode (draft decode) keeps every buffer once per step."""
+        Each field at the limits' largest shape, the raw inputs' device buffer, and the host
+        slots they are written in (``"staging (host)"``, pinned on CUDA; not counted by
+        :meth:`nbytes`). A stepped mode (draft decode) keeps every buffer once per step."""
         out: dict[tuple[ForwardMode, str], int] = {}
         counted = set(include) | set(self._static)
         for mode, program in self.programs.items():
@@ -540,13 +352,13 @@ class Storages:
                 continue
             steps = self.limits.draft_steps if mode.stepped else 1
             dims = self.max_dims(mode)
-            for (backend, name), spec in _outputs(program.steps):
+            for (backend, name), spec in _fields(program):
                 key = f"{backend}.{name}"
                 shape = resolve_shape(spec.shape, dims, field=key)
                 out[(mode, key)] = math.prod(shape) * spec.dtype.itemsize * steps
-            staging = max(self.layout(mode, self.limits.max_batch).size, 1) * 4 * steps
+            staging = self.layout(mode).size * 4 * steps
             out[(mode, "staging")] = staging
-            out[(mode, "staging (host)")] = staging
+            out[(mode, "staging (host)")] = staging * CopyTransport.SLOTS
         return out
 
     def check_budget(
@@ -572,7 +384,7 @@ class Storages:
         )
 
     def nbytes(self) -> int:
-        """Bytes held in static buffers (plans and staging) for every captured mode."""
+        """Bytes held in static buffers (plans and raw inputs) for every captured mode."""
         total = 0
         for storages in self._static.values():
             total += sum(storage.nbytes for storage in storages)

@@ -60,14 +60,13 @@ def check_provider(
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> None:
-    """Raise ``ProviderError`` unless ``provider`` (a device provider, or the host twin
-    ``numpy``) writes exactly what the torch reference writes into every output.
+    """Raise ``ProviderError`` unless ``provider`` writes exactly what the torch reference
+    writes into every output.
 
     ``outputs`` is each output's ``(shape, dtype)``, in the op's output order. Both runs'
     outputs start as different garbage, so an element a provider leaves unwritten differs:
-    the check a plugin's tests run on each provider (``tests/backends/test_host_twins.py``
-    runs it with random inputs). Inputs are CPU tensors; a device provider gets them on
-    ``device``, the twin as numpy copies."""
+    the check a plugin's tests run on each provider. Inputs are CPU tensors; the provider
+    gets them on ``device``."""
     gen = torch.Generator().manual_seed(seed)
 
     def garbage() -> list[torch.Tensor]:
@@ -79,13 +78,9 @@ def check_provider(
     params = dict(params or {})
     want, got = garbage(), garbage()
     op.providers["torch"].fn(*want, *(x.clone() for x in inputs), **params)
-    chosen = op.providers[provider]
-    if chosen.host:
-        chosen.fn(*(g.numpy() for g in got), *(x.numpy().copy() for x in inputs), **params)
-    else:
-        outs = [g.to(device) for g in got]
-        chosen.fn(*outs, *(x.to(device) for x in inputs), **params)
-        got = [o.cpu() for o in outs]
+    outs = [g.to(device) for g in got]
+    op.providers[provider].fn(*outs, *(x.to(device) for x in inputs), **params)
+    got = [o.cpu() for o in outs]
     names = op.outputs or (op.name,)
     for name, a, b in zip(names, want, got):
         differs = (a != b) & ~(a.isnan() & b.isnan()) if a.is_floating_point() else a != b

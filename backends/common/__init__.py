@@ -5,7 +5,7 @@ Importing the package registers the generic ops (``ops`` for uniform batches,
 row layouts of speculative batches), whose ``torch``
 providers (``torch_ref``, ``ragged_ref``) are the exact references and whose
 ``triton`` providers (``triton_kernels``, ``ragged_triton``) are the fast path,
-bit-equal to them; ``host_twins`` are their numpy twins, which eager plans run on the host.
+bit-equal to them.
 """
 
-from backends.common import host_twins, ops, ragged_ops, row_ops  # noqa: F401  (registers ops)
+from backends.common import ops, ragged_ops, row_ops  # noqa: F401  (registers ops)

@@ -45,7 +45,6 @@ from __future__ import annotations
 import warnings
 from typing import Literal
 
-import numpy as np
 import torch
 
 from planner.errors import PlanError, ProviderError
@@ -63,7 +62,6 @@ __all__ = [
     "schedule_units",
     "reference_paged_mqa_schedule",
     "paged_mqa_schedule_into",
-    "schedule_numpy",
     "get_paged_mqa_logits_metadata",
     "validate_indices",
     "varlen_atom_starts",
@@ -323,40 +321,6 @@ def _compute(context_lens: torch.Tensor, num_sms: int, layout: str) -> torch.Ten
         req = torch.cat([req[:-1], req.new_full((1,), batch)])
         split = torch.cat([split[:-1], split.new_zeros(1)])
     return torch.stack([req, split], dim=1)
-
-
-def schedule_numpy(out: np.ndarray, last_lens: np.ndarray, num_sms: int, layout: str) -> None:
-    """:func:`_compute` over numpy arrays, into int32 ``out [num_sms + 1, 2]``: the host twin
-    eager plans use (``last_lens`` is ``context_lens[:, -1]``, already validated)."""
-    batch = last_lens.shape[0]
-    # the exclusive prefix sum of each request's splits, its first entry 0
-    exclusive = np.empty(batch + 1, dtype=np.int64)
-    exclusive[0] = 0
-    np.cumsum((last_lens + np.int64(SPLIT_KV - 1)) // SPLIT_KV, out=exclusive[1:])
-    q, r = divmod(int(exclusive[batch]), num_sms)
-    sm = _sm_ramp(num_sms)
-    if layout == "0.1.0":
-        starts = sm * q + np.minimum(sm, r)
-    else:
-        starts = sm * q + np.maximum(sm - (num_sms - r), 0)
-    req = np.searchsorted(exclusive[1:], starts, side="right")
-    if layout == "new":
-        np.minimum(req, batch - 1, out=req)
-    out[:, 0] = req
-    np.subtract(starts, exclusive[req], out=out[:, 1], casting="unsafe")
-    if layout == "new":
-        out[-1] = (batch, 0)
-
-
-_SM_RAMPS: dict[int, np.ndarray] = {}
-
-
-def _sm_ramp(num_sms: int) -> np.ndarray:
-    """``arange(num_sms + 1)`` as int64, kept per SM count (one per planner)."""
-    ramp = _SM_RAMPS.get(num_sms)
-    if ramp is None:
-        ramp = _SM_RAMPS[num_sms] = np.arange(num_sms + 1, dtype=np.int64)
-    return ramp
 
 
 def reference_paged_mqa_schedule(

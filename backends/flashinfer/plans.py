@@ -21,7 +21,6 @@ from typing import Any, ClassVar
 import torch
 
 from backends.common.inputs import BatchInputsPlan
-from backends.flashinfer import host_twins  # noqa: F401  (registers the ops' host twins)
 from backends.flashinfer.ops import dtype_named
 from planner.errors import SchemaError
 from planner.schema import (

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-import numpy as np
 import torch
 
 from backends.common.triton_kernels import triton_available
@@ -30,7 +29,6 @@ from backends.nsa.sparse_mla_plan import (
     DEFAULT_CONFIG,
     MAX_SPLITS,
     sparse_mla_num_splits,
-    split_plan_numpy,
     split_plan_torch,
     split_plan_triton,
 )
@@ -67,13 +65,6 @@ def _split_torch(out: torch.Tensor, topk_lens: torch.Tensor, *, topk: int, block
 @sparse_mla_split_plan.provider("triton", available=triton_available)
 def _split_triton(out: torch.Tensor, topk_lens: torch.Tensor, *, topk: int, block_n: int) -> None:
     split_plan_triton(_table(out, topk_lens), topk_lens, topk=topk, block_n=block_n)
-
-
-@sparse_mla_split_plan.host_twin()
-def _split_numpy(out: np.ndarray, topk_lens: np.ndarray, *, topk: int, block_n: int) -> None:
-    rows = topk_lens.shape[0]
-    table = out.reshape(rows, out.shape[0] // max(rows, 1))
-    split_plan_numpy(table, topk_lens, topk=topk, block_n=block_n)
 
 
 @lru_cache(maxsize=4096)

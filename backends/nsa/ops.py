@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
-from backends.deepgemm import BLOCK_KV, paged_mqa_schedule_into, schedule_numpy
+from backends.deepgemm import BLOCK_KV, paged_mqa_schedule_into
 from backends.deepgemm import _native as native
 from planner.errors import SchemaError
 from planner.limits import Limits
@@ -35,13 +34,6 @@ def _schedule_torch(
     paged_mqa_schedule_into(
         out, kv_lens.view(-1, next_n), block_kv, num_sms, layout, check_values=False
     )
-
-
-@paged_mqa_schedule.host_twin()
-def _schedule_numpy(
-    out: np.ndarray, kv_lens: np.ndarray, next_n: int, block_kv: int, num_sms: int, layout: str
-) -> None:
-    schedule_numpy(out, kv_lens.reshape(-1, next_n)[:, -1], num_sms, layout)
 
 
 def _deep_gemm_usable(device: torch.device) -> bool:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from backends.common.triton_kernels import LazyKernel, triton_available
@@ -244,36 +243,6 @@ def split_plan_torch(
     s = torch.arange(splits + 1, device=out.device, dtype=torch.int64)
     out[:n] = torch.minimum(s.unsqueeze(0) * chunk.unsqueeze(1), lens.unsqueeze(1)).to(I32)
     out[n:] = 0
-
-
-def split_plan_numpy(out: np.ndarray, topk_lens: np.ndarray, *, topk: int, block_n: int) -> None:
-    """:func:`split_plan_torch` over numpy arrays: the host twin eager plans use. In int32
-    when no intermediate can pass it (every real configuration), else in int64."""
-    n, splits = topk_lens.shape[0], out.shape[1] - 1
-    wide = (splits + 1) * (topk + block_n) >= 2**31
-    dtype = np.int64 if wide else np.int32
-    # The ufuncs rather than np.clip, whose dispatch costs several times the arithmetic.
-    lens = np.maximum(topk_lens, 0, dtype=dtype)
-    np.minimum(lens, topk, out=lens)
-    # chunk = max(1, ceil(ceil(len / block_n) / splits)) * block_n, where
-    # ceil(ceil(x / a) / b) == ceil(x / (a * b)) for positive a, b
-    chunk = lens + (block_n * splits - 1)
-    chunk //= block_n * splits
-    np.maximum(chunk, 1, out=chunk)
-    chunk *= block_n
-    np.minimum(_split_ramp(splits, dtype) * chunk[:, None], lens[:, None], out=out[:n])
-    out[n:] = 0
-
-
-_SPLIT_RAMPS: dict[tuple[int, type], np.ndarray] = {}
-
-
-def _split_ramp(splits: int, dtype: type) -> np.ndarray:
-    """``arange(splits + 1)`` as a row, kept per split count."""
-    ramp = _SPLIT_RAMPS.get((splits, dtype))
-    if ramp is None:
-        ramp = _SPLIT_RAMPS[(splits, dtype)] = np.arange(splits + 1, dtype=dtype)[None, :]
-    return ramp
 
 
 # --- Triton version ---------------------------------------------------------------

@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from backends.common.host_twins import causal_lengths
 from backends.common.pinned import PinnedCopies
 from backends.flashinfer.wrappers import POOL, captured_slot, load_flashinfer
 
@@ -55,13 +54,13 @@ class SparseConfig:
 
 
 def row_lengths(seq_lens: np.ndarray, reqs: int, next_n: int, topk: int) -> np.ndarray:
-    """Each query row's sparse length ``min(causal kv_len, topk)``: the host twin of the
-    plan's ``causal_lengths`` op over the requests padded as the planner pads them
-    (``seq_len = next_n``, so their rows read 1..next_n tokens), clamped to ``topk``."""
+    """Each query row's sparse length ``min(causal kv_len, topk)``: what the plan's
+    ``causal_lengths`` op writes (row ``r * next_n + i`` reads ``seq_len - (next_n - 1 - i)``)
+    over the requests padded as the planner pads them (``seq_len = next_n``, so their rows
+    read 1..next_n tokens), clamped to ``topk``."""
     lens = np.full(reqs, next_n, dtype=np.int32)
     lens[: seq_lens.shape[0]] = seq_lens
-    rows = np.empty(reqs * next_n, dtype=np.int32)
-    causal_lengths(rows, lens, next_n)
+    rows = (lens[:, None] - np.arange(next_n - 1, -1, -1, dtype=np.int32)).reshape(-1)
     return np.minimum(rows, topk, out=rows)
 
 

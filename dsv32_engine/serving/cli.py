@@ -323,18 +323,18 @@ def _add_discovery(sub: Any) -> None:
 
     p = sub.add_parser(
         "ops",
-        help="the metadata ops a backend can name: providers, host twin, which plans use them",
+        help="the metadata ops a backend can name: providers, which plans use them",
         description="Every registered metadata op (the shared ones of backends.common and each "
-        "backend's own): what it computes, its providers and those usable on --device, "
-        "whether it has a numpy host twin for eager plans, and the backends (with modes) whose "
-        "plans name it. A plugin's schema names an op in tensor_field(..., op=NAME).",
+        "backend's own): what it computes, its providers and those usable on --device, and "
+        "the backends (with modes) whose plans name it. A plugin's schema names an op in "
+        "tensor_field(..., op=NAME).",
     )
     p.add_argument("--device", default="cpu", help="device to check providers for (default: cpu)")
     p.add_argument(
         "--json",
         action="store_true",
         help="machine-readable output: one object per op (op, package, description, "
-        "providers, available, host_twin, used_by)",
+        "providers, available, used_by)",
     )
     p.set_defaults(run="dsv32_engine.serving.commands.backends:run_ops")
 

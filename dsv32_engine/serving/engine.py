@@ -25,7 +25,7 @@ from dsv32_engine.serving.plan_setup import kernel_name, plan_schemas
 from dsv32_engine.serving.requests import Request, make_workload
 from dsv32_engine.serving.run_config import GraphsSection, PlannerSection, RunConfig
 from dsv32_engine.serving.samples import Samples
-from dsv32_engine.serving.scheduler import Scheduler
+from dsv32_engine.serving.scheduler import Scheduler, slot_for
 from dsv32_engine.serving.speculative import Speculation
 from graphs import GraphRunner, PulledTransport
 from planner.batch import ForwardBatch, ForwardMode
@@ -250,9 +250,10 @@ class DecodeEngine:
     ) -> None:
         """Feed each request's chunk; keep the next token of those whose prompt is now done."""
         t0 = time.perf_counter()
-        batch, ids = self.scheduler.build_extend(work, mode)
+        slot = slot_for(self.planner, mode)
+        batch, ids = self.scheduler.build_extend(work, mode, inputs=slot)
         out = self._forward_step(batch, ids, result)
-        best = (out["logits"] if isinstance(out, dict) else out).argmax(dim=-1).tolist()
+        best = self.runner.read((out["logits"] if isinstance(out, dict) else out).argmax(dim=-1))
         firsts = [request.fed for request, _ in work]
         now = time.perf_counter()
         prefilled = 0
@@ -284,8 +285,9 @@ class DecodeEngine:
             result.decode_tokens += self.speculation.verify(requests, target, time.perf_counter)
             self._draft_extend()
         else:
-            batch, ids = self.scheduler.build(requests, ForwardMode.DECODE, 1)
-            best = self._forward_step(batch, ids, result).argmax(dim=-1).tolist()
+            slot = slot_for(self.planner, ForwardMode.DECODE)
+            batch, ids = self.scheduler.build(requests, ForwardMode.DECODE, 1, inputs=slot)
+            best = self.runner.read(self._forward_step(batch, ids, result).argmax(dim=-1))
             now = time.perf_counter()
             for request, token in zip(requests, best):
                 request.take(token, now)

@@ -14,6 +14,14 @@ import torch
 from dsv32_engine.models.kv_cache import PagedKVCache, RequestPool
 from dsv32_engine.serving.requests import Request
 from planner.batch import ForwardBatch, ForwardMode
+from planner.planner import Planner
+from planner.step_inputs import StepInputs
+
+
+def slot_for(planner: Planner, mode: ForwardMode) -> StepInputs | None:
+    """The planner's staging slot of the next ``mode`` step, where that mode is captured
+    (the step is then written once, there); None otherwise."""
+    return planner.step_inputs(mode) if planner.captured_batch_sizes(mode) else None
 
 
 class Scheduler:
@@ -71,12 +79,16 @@ class Scheduler:
         self.finished_count += 1
 
     def build_extend(
-        self, work: list[tuple[Request, int]], mode: ForwardMode
+        self,
+        work: list[tuple[Request, int]],
+        mode: ForwardMode,
+        inputs: StepInputs | None = None,
     ) -> tuple[ForwardBatch, torch.Tensor]:
         """The batch and ``input_ids`` feeding ``n`` more tokens of each ``(request, n)``.
 
         Tokens ``fed .. fed + n - 1`` of each request, request-major: a prompt
-        chunk, or (``n = 1``) a decode request's last token in a mixed batch.
+        chunk, or (``n = 1``) a decode request's last token in a mixed batch. ``inputs``:
+        the planner's staging slot of the step, written once as :meth:`build` does.
         """
         lens, new, pools, locs, positions, ids = [], [], [], [], [], []
         for request, n in work:
@@ -88,6 +100,11 @@ class Scheduler:
                 positions.append(position)
                 locs.append(self.slot(request, position))
                 ids.append(tokens[position])
+        device = self.pool.req_to_token.device
+        ids_dev = torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+        if inputs is not None and inputs.fits(len(lens), len(locs)):
+            inputs.write(lens, new, pools, locs, positions)
+            return inputs.batch(self.pool.req_to_token), ids_dev
         batch = ForwardBatch(
             seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
             req_pool_indices=torch.tensor(pools, dtype=torch.int32),
@@ -97,8 +114,7 @@ class Scheduler:
             mode=mode,
             extend_lens_cpu=torch.tensor(new, dtype=torch.int32),
         )
-        device = self.pool.req_to_token.device
-        return batch, torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+        return batch, ids_dev
 
     def idle(
         self, shape: ForwardMode = ForwardMode.DECODE, next_n: int = 1
@@ -165,11 +181,14 @@ class Scheduler:
         mode: ForwardMode,
         next_n: int,
         drafts: list[list[int]] | None = None,
+        inputs: StepInputs | None = None,
     ) -> tuple[ForwardBatch, torch.Tensor]:
         """The batch and ``input_ids`` for feeding ``next_n`` tokens of each request.
 
         Row ``i`` of a request is position ``fed + i``: its own next token
-        first, then its ``next_n - 1`` drafts (target verify).
+        first, then its ``next_n - 1`` drafts (target verify). ``inputs``: the planner's
+        staging slot of the step (``Planner.step_inputs``): the step is written there once
+        and the batch is views of it, which a replay sends as it is.
         """
         lens, pools, locs, positions, ids = [], [], [], [], []
         for j, request in enumerate(requests):
@@ -182,6 +201,10 @@ class Scheduler:
                 locs.append(self.slot(request, position))
                 ids.append(tokens[position] if i == 0 else drafts[j][i - 1])
         device = self.pool.req_to_token.device
+        ids_dev = torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+        if inputs is not None and inputs.fits(len(lens), len(locs)):
+            inputs.write(lens, next_n, pools, locs, positions)
+            return inputs.batch(self.pool.req_to_token, next_n), ids_dev
         batch = ForwardBatch(
             seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
             req_pool_indices=torch.tensor(pools, dtype=torch.int32),
@@ -191,7 +214,7 @@ class Scheduler:
             mode=mode,
             next_n=next_n,
         )
-        return batch, torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+        return batch, ids_dev
 
     def build_draft_extend(self, work: list[tuple[Request, int, int]], next_n: int) -> ForwardBatch:
         """The draft's catch-up on ``(request, first position, accepted)``: positions

@@ -32,7 +32,7 @@ from dsv32_engine.serving.accept import accept_greedy
 from dsv32_engine.serving.ngram import NgramDraft
 from dsv32_engine.serving.requests import Request
 from dsv32_engine.serving.run_config import GraphsSection, SpeculativeSection
-from dsv32_engine.serving.scheduler import Scheduler
+from dsv32_engine.serving.scheduler import Scheduler, slot_for
 from graphs import GraphRunner
 from graphs.inputs import InputSpec
 from planner.batch import ForwardBatch, ForwardMode
@@ -78,6 +78,7 @@ class Speculation:
         run: RunStep = _step,
     ) -> None:
         self.spec = spec
+        self.planner = planner
         self.run = run
         self.n = spec.draft_tokens
         self.steps = spec.decode_steps
@@ -170,10 +171,13 @@ class Speculation:
     ) -> int:
         """Verify every request's drafts, keep what greedy decoding would; the tokens kept."""
         drafts = [self._drafts(r) for r in requests]
-        batch, ids = self.scheduler.build(requests, ForwardMode.TARGET_VERIFY, self.n, drafts)
+        slot = slot_for(self.planner, ForwardMode.TARGET_VERIFY)
+        batch, ids = self.scheduler.build(
+            requests, ForwardMode.TARGET_VERIFY, self.n, drafts, inputs=slot
+        )
         out = target_step(batch, ids)
         logits = out["logits"] if isinstance(out, dict) else out
-        best = logits.argmax(dim=-1).view(len(requests), self.n).tolist()
+        best = self.planner.read(logits.argmax(dim=-1).view(len(requests), self.n))
         t = now()
         kept, catch_up = 0, []
         for j, (request, row) in enumerate(zip(requests, best)):
@@ -239,7 +243,8 @@ class Speculation:
         inputs = {"input_ids": first, "hidden": torch.stack([h for _, _, h in pending])}
         out = self.run(self.runners[ForwardMode.DRAFT_DECODE], batch, inputs)
         self.stats.draft_forwards["draft_decode"] += 1
-        for request, token, rest in zip(requests, first.tolist(), out["tokens"].tolist()):
+        rests = self.runners[ForwardMode.DRAFT_DECODE].read(out["tokens"])
+        for request, token, rest in zip(requests, first.tolist(), rests):
             request.drafts = [token, *rest]
 
     def forget(self, request: Request) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from planner.ops import all_ops
-from planner.program import DERIVED_DIMS, LAYOUT
+from planner.settings import DERIVED_DIMS, LAYOUT
 from tests.support import REPO
 
 DOC = (REPO / "docs" / "backends.md").read_text()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
@@ -28,7 +27,7 @@ from backends.nsa.sparse_mla_plan import (
 )
 from backends.nsa.sparse_mla_triton import sparse_mla_decode_triton
 from planner import ConfigError, ForwardMode, Limits, Planner, SchemaError
-from planner.ops import HOST, get_op
+from planner.ops import get_op
 from tests.support.planners import PlannerSetup, replay_smallest
 
 I32 = torch.int32
@@ -86,20 +85,12 @@ def _run(provider: str, splits: int, lens: torch.Tensor, topk: int) -> list[int]
     op = get_op("sparse_mla_split_plan")
     params = {"topk": topk, "block_n": 64}
     cells = lens.shape[0] * (splits + 1)
-    if provider == HOST:
-        out = np.full(cells, -7, dtype=np.int32)
-        op.providers[HOST].fn(out, lens.numpy(), **params)
-        return out.tolist()
     out = torch.full((cells,), -7, dtype=I32)
     op.providers[provider].fn(out, lens, **params)
     return out.tolist()
 
 
-PROVIDERS = [
-    "torch",
-    pytest.param("triton", marks=pytest.mark.triton),
-    HOST,
-]
+PROVIDERS = ["torch", pytest.param("triton", marks=pytest.mark.triton)]
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -139,8 +130,8 @@ def _alone(length: int, splits: int, topk: int) -> list[int]:
 
 
 def test_through_the_planner_every_rows_table_is_its_own_eager_and_replayed():
-    """Decode and verify plans of any size, eager (host twin) and replayed into a larger
-    captured size (torch provider): every row's table is that of its length alone, 3 splits."""
+    """Decode and verify plans of any size, eager and replayed into a larger captured size:
+    every row's table is that of its length alone, 3 splits."""
     planner = SETUP.planner()
     sizes = (8, 40)
     for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):

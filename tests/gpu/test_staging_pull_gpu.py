@@ -21,9 +21,7 @@ PULL = {"transport": PulledTransport}
 
 
 def _rings(runner):
-    stagers = {
-        id(c.storages[0].stager): c.storages[0].stager for c in runner.planner._captured.values()
-    }
+    stagers = {id(c.stager): c.stager for c in runner.planner._captured.values()}
     return [s.transport.ring for s in stagers.values()]
 
 

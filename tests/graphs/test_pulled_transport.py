@@ -5,12 +5,15 @@ instead; a graph run without its replay, or a launch declared twice, is named.""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
+import torch
 
 from graphs import PulledTransport
-from planner import ConfigError, ForwardMode, ReplayError
+from planner import BatchError, ConfigError, ForwardMode, ReplayError
+from tests.support.catalogue import not_pads
 from tests.support.planners import PlannerSetup
 
 BS = 4
@@ -53,17 +56,34 @@ def _step(planner, batch):
 
 
 def _transport(planner, mode) -> PulledTransport:
-    return planner._captured[(mode, BS)].storages[0].stager.transport
+    return planner._captured[(mode, BS)].stager.transport
+
+
+def _count_copies(monkeypatch) -> list[bool]:
+    """Every ``PulledTransport.send`` from now on, by its ``now``: a ``True`` is a copy made at
+    the replay (the graph's pull then leaves the device buffer alone), a ``False`` a slot left
+    for the graph to pull."""
+    sends: list[bool] = []
+    send = PulledTransport.send
+
+    def counting(self, index, dev, *, now):
+        sends.append(now)
+        return send(self, index, dev, now=now)
+
+    monkeypatch.setattr(PulledTransport, "send", counting)
+    return sends
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_every_step_pulls_what_a_fresh_plan_computes(case):
+def test_every_step_pulls_what_a_fresh_plan_computes(case, monkeypatch):
     """Past several turns of the ring, each replay's plans equal a fresh eager plan's, and no
     replay copies: the graph's pull brings every step's inputs (FlashInfer's host ops read
-    the batch and bind the fields they take by address, so they pull too)."""
+    the batch and bind the fields they take by address, so they pull too), and the device
+    check runs inside the graph, after the pull."""
     setup, planner, mode = _captured(case)
+    assert planner._captured[(mode, BS)].checks_in_graph
     transport = _transport(planner, mode)
-    copies = transport.copies.copies
+    sends = _count_copies(monkeypatch)
     n = planner.tokens_per_request(mode)
     rng = random.Random(7)
     for _ in range(40):
@@ -72,24 +92,50 @@ def test_every_step_pulls_what_a_fresh_plan_computes(case):
         )
         plans = _step(planner, batch)
         planner.verify(batch, plans)  # bit-equal to a fresh eager plan
-    assert transport.copies.copies == copies, "a pulled step sends nothing"
+    assert sends == [False] * 40, "a pulled step copies nothing"
     assert transport.ring.seq == 40
 
 
 def test_a_host_op_that_reads_the_staged_inputs_makes_the_replay_copy(monkeypatch):
     """A device op run outside the graph (its provider not graph-safe reads a staged field)
-    needs the inputs before the graph: the replay copies them and tags its slot sent."""
+    needs the inputs before the graph, so the device check runs at the replay, not in the
+    graph: the replay copies them and tags its slot sent."""
     setup, planner, mode = _captured("nsa+paged decode")
     captured = planner._captured[(mode, BS)]
-    monkeypatch.setattr(captured, "reads_staged", True)
+    monkeypatch.setattr(captured, "checks_in_graph", False)
     transport = _transport(planner, mode)
+    sends = _count_copies(monkeypatch)
     rng = random.Random(9)
     for step in range(3):
-        copies = transport.copies.copies
         batch = setup.batch(rng, bs=rng.randint(1, BS), mode=mode)
         plans = _step(planner, batch)
         planner.verify(batch, plans)
-        assert transport.copies.copies == copies + 1, step
+        assert sends == [True] * (step + 1), step
+        assert transport.ring.meta[2 + step % 8] == 2 * step + 1, "the slot is tagged sent"
+
+
+def test_a_refused_batch_is_refused_at_the_read_and_the_ring_goes_on(monkeypatch):
+    """The inputs are pulled and checked inside the graph: a replay of a batch writing one KV
+    slot twice sends nothing and raises nothing; the graph writes only pads into the source
+    fields, the read names the field, and the next steps pull and equal eager's."""
+    setup, planner, mode = _captured("nsa+paged decode")
+    sends = _count_copies(monkeypatch)
+    rng = random.Random(11)
+    batch = setup.batch(rng, bs=3, mode=mode, positions=True)
+    loc = batch.out_cache_loc.clone()
+    loc[2] = loc[0]
+    bad = dataclasses.replace(batch, out_cache_loc=loc)
+    plans = _step(planner, bad)  # no refusal yet: nothing on the host reads the values
+    assert not_pads(planner, plans) == {}
+    with pytest.raises(BatchError, match="entries 0 and 2") as info:
+        planner.read(torch.arange(3))
+    assert info.value.field == "out_cache_loc" and info.value.actual == int(loc[0])
+    for _ in range(10):
+        batch = setup.batch(rng, bs=rng.randint(1, BS), mode=mode)
+        plans = _step(planner, batch)
+        assert planner.read(torch.arange(batch.bs)) == list(range(batch.bs))
+        planner.verify(batch, plans)
+    assert sends == [False] * 11 and _transport(planner, mode).ring.seq == 11
 
 
 def test_a_graph_run_without_its_replay_is_named_then_the_next_steps_are_right():

@@ -2,11 +2,18 @@
 
 Every entry is refused with a ``PlanError`` subclass (``ConfigError`` for limits) that
 names the field in ``err.field`` and in the message, plus the limit it broke where the
-case states one, and no metadata op has launched when it is refused. A bad batch is
-refused in every phase it applies to: ``plan()``, and ``replay()`` after a capture.
-``docs/reliability.md`` tabulates the entries (kind, example, error class, field, where
-checked); ``tests/serving/test_bad_config_catalogue.py`` (the run-config, engine and CLI
-parts) keeps the table and both catalogues in step.
+case states one. A bad batch is refused in every phase it applies to: ``plan()``, and
+``replay()`` after a capture. What the host knows without reading values (types, ranks,
+lengths, counts, sizes: the door) is refused by the call itself, before any metadata op
+has launched. Values and their relations are refused by the device check
+(``planner/device_checks.py``): ``plan()`` runs it first and raises at once, so no
+metadata op has launched then either; a replay hands them to the captured graph, whose
+check replaces every row with its pad before any op reads it, so no op reads a real row
+of a refused batch and no KV slot but the null slot is written, and ``Planner.read``
+raises with the step's outputs, returning none of them (``tests/support/catalogue.py``
+``refuse``). ``docs/reliability.md`` tabulates the entries (kind, example, error class,
+field, where checked); ``tests/serving/test_bad_config_catalogue.py`` (the run-config,
+engine and CLI parts) keeps the table and both catalogues in step.
 
 Inputs that are *not* refused today are at the end, as ``xfail(strict=True)`` tests: each
 turns into an unexpected pass, and so a failure, the day the planner starts refusing it,
@@ -47,11 +54,13 @@ from planner import (
     Plan,
     PlanError,
     Planner,
+    PlanSet,
     PlanWriteError,
     SchemaError,
     Tensor,
     tensor_field,
 )
+from planner.debug import diff_plans
 from planner.dumps import INDEX, dump_plans, load_dump
 from planner.registry import get_backend
 from tests.support import REPO
@@ -64,6 +73,7 @@ from tests.support.catalogue import (
     case_params,
     expect_finding_refused,
     finding_params,
+    not_pads,
     refuse,
 )
 from tests.support.graph_model import TinyPagedModel
@@ -74,7 +84,9 @@ pytestmark = pytest.mark.usefixtures("fresh_deep_gemm", "isolated_registries")
 
 VERIFY = ForwardMode.TARGET_VERIFY
 DOOR = "planner/checks.py validate_batch"
-STAGING = "planner/staging.py (host values, before any op)"
+DEVICE = "device check (planner/device_checks.py), raised at plan() / at read()"
+"""Where every value and relation of a batch is refused (``Case.at_read``)."""
+INT32 = "planner/step_inputs.py write_batch (int64 past int32, before anything is sent)"
 NSA, PAGED = NSA_PAGED_64, PAGED_16
 TABLE, CTX = NSA.table, NSA.max_context
 """Token table of 15 requests over 64-token pages; every slot is below KV_SLOTS."""
@@ -102,10 +114,6 @@ def _i32(*values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
 
-VALUES = "planner/checks.py (staging, host values, before any op)"
-TABLE_READ = "planner/checks.py (eager plan, capture and debug replay: a device read)"
-
-
 def _table_with(value: int) -> torch.Tensor:
     """The catalogue's token table with one slot of the good batch's first request changed."""
     table = TABLE.clone()
@@ -130,6 +138,15 @@ def _door(kind: str, batch, field: str, where: str, **kw) -> Case:
     """A door check of the paged planner over 16-token pages: a PlanError naming ``field``."""
     kw = {"error": PlanError, "phases": BATCH, **kw}
     return Case(kind, "batch", batch, field=field, where=where, setup=PAGED, **kw)
+
+
+LENS = f"[1, {PAGED.max_context}]"
+"""The paged planner's decode lengths: one new token, at most max_context."""
+
+
+def _value(kind: str, batch, field: str, **kw) -> Case:
+    """A value of the paged planner's batch the device check refuses (``Case.at_read``)."""
+    return _door(kind, batch, field, DEVICE, at_read=True, **kw)
 
 
 def _nsa_case(kind: str, category: str, batch, field: str, limit: str, where: str, **kw):
@@ -241,13 +258,13 @@ SPECULATIVE_CASES = [
 mode is needed to refuse them in replay)."""
 
 BATCH_CASES = [
-    _door("negative length", _paged(seq_lens_cpu=_i32(5, -1, 3)), "seq_lens_cpu", STAGING),
-    _door("zero length", _paged(seq_lens_cpu=_i32(5, 0, 3)), "seq_lens_cpu", STAGING),
-    _door(
+    _value("negative length", _paged(seq_lens_cpu=_i32(5, -1, 3)), "seq_lens_cpu", limit=LENS),
+    _value("zero length", _paged(seq_lens_cpu=_i32(5, 0, 3)), "seq_lens_cpu", limit=LENS),
+    _value(
         "length past max context",
         _paged(seq_lens_cpu=_i32(5, PAGED.max_context + 1, 3)),
         "seq_lens_cpu",
-        STAGING,
+        limit=LENS,
     ),
     _door("lengths int64", _paged(seq_lens_cpu=torch.tensor([5, 6, 3])), "seq_lens_cpu", DOOR),
     _door(
@@ -285,17 +302,17 @@ BATCH_CASES = [
         captured=2,
         replay_bs=2,
     ),
-    _door(
+    _value(
         "pool index out of range",
         _paged(req_pool_indices=torch.tensor([1, 2, 16])),
         "req_pool_indices",
-        STAGING,
+        limit="[0, 15]",
     ),
-    _door(
+    _value(
         "negative pool index",
         _paged(req_pool_indices=torch.tensor([1, -1, 2])),
         "req_pool_indices",
-        STAGING,
+        limit="[0, 15]",
     ),
     _door(
         "pool indices wrong length",
@@ -310,11 +327,12 @@ BATCH_CASES = [
         DOOR,
     ),
     _door("token table int64", _paged(req_to_token=PAGED.table.long()), "req_to_token", DOOR),
-    _door(
+    _value(
         "token table one column short",
         _paged(req_to_token=PAGED.table[:, :20].contiguous(), seq_lens_cpu=_i32(5, 21, 3)),
         "req_to_token",
-        STAGING,
+        limit=">= 21 columns",
+        own_table=True,
     ),
     _door("token table 1-D", _paged(req_to_token=PAGED.table[0]), "req_to_token", DOOR),
     _door(
@@ -337,17 +355,17 @@ BATCH_CASES = [
         replay_bs=3,
     ),
     _door("out_cache_loc wrong length", _paged(out_cache_loc=_i32(1, 2)), "out_cache_loc", DOOR),
-    _door(
+    _value(
         "out_cache_loc past the cache",
         _paged(out_cache_loc=_i32(1, 2, 10**6)),
         "out_cache_loc",
-        STAGING,
+        limit="[0, 99999]",
     ),
-    _door(
+    _value(
         "positions past max context",
         _paged(positions=_i32(1, 2, PAGED.max_context)),
         "positions",
-        STAGING,
+        limit=f"[0, {PAGED.max_context - 1}]",
     ),
     _door("next_n mismatch in decode", _paged(next_n=2), "next_n", DOOR),
     _door(
@@ -434,16 +452,16 @@ BATCH_CASES = [
         "batch",
         _nsa(out_cache_loc=torch.tensor([1, 2, 2**32 + 5])),
         "out_cache_loc",
-        f"[0, {KV_SLOTS - 1}]",
-        STAGING,
+        "[-2147483648, 2147483647]",
+        INT32,
     ),
     _nsa_case(
         "int64 slot past int32 (no kv_slots)",
         "batch",
         _nsa(out_cache_loc=torch.tensor([1, 2, 2**32 + 5])),
         "out_cache_loc",
-        "2147483647",
-        STAGING,
+        "[-2147483648, 2147483647]",
+        INT32,
         planner={"kv_slots": None},
     ),
     _nsa_case(
@@ -451,8 +469,8 @@ BATCH_CASES = [
         "batch",
         _nsa(req_pool_indices=torch.tensor([1, 2, 2**40])),
         "req_pool_indices",
-        "[0, 15]",
-        STAGING,
+        "[-2147483648, 2147483647]",
+        INT32,
     ),
     _nsa_case(
         "verify batch on a decode-only planner",
@@ -470,7 +488,8 @@ BATCH_CASES = [
         _nsa(out_cache_loc=_i32(300, 300, 301)),
         "out_cache_loc",
         "got 300",
-        VALUES,
+        DEVICE,
+        at_read=True,
     ),
     _nsa_case(
         "one request twice in a batch",
@@ -478,7 +497,8 @@ BATCH_CASES = [
         lambda: _twice(_nsa()()),
         "req_pool_indices",
         "a request twice",
-        VALUES,
+        DEVICE,
+        at_read=True,
     ),
     _nsa_case(
         "positions other than the lengths imply",
@@ -486,7 +506,8 @@ BATCH_CASES = [
         _nsa(positions=torch.zeros(3, dtype=torch.int32)),
         "positions",
         "disagree with the lengths",
-        VALUES,
+        DEVICE,
+        at_read=True,
     ),
     _nsa_case(
         "token table entry at kv_slots",
@@ -494,8 +515,9 @@ BATCH_CASES = [
         _nsa(req_to_token=_table_with(KV_SLOTS)),
         "req_to_token",
         f"[0, {KV_SLOTS - 1}]",
-        TABLE_READ,
-        phases=("plan",),  # a device read; debug replay: test_table_entries_in_debug_replay
+        DEVICE,
+        at_read=True,
+        own_table=True,
     ),
     _nsa_case(
         "token table entry negative",
@@ -503,8 +525,9 @@ BATCH_CASES = [
         _nsa(req_to_token=_table_with(-5)),
         "req_to_token",
         "got -5",
-        TABLE_READ,
-        phases=("plan",),
+        DEVICE,
+        at_read=True,
+        own_table=True,
     ),
     _nsa_case(
         "not a ForwardBatch",
@@ -757,6 +780,15 @@ CALL_CASES = [
 def test_bad_input_is_refused_naming_the_field(case, phase, monkeypatch):
     launched = refuse(case, phase, monkeypatch)
     assert launched == [], f"an op ran before the input was refused: {launched}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("case", "phase"), case_params([c for c in BATCH_CASES if c.at_read]))
+def test_the_device_check_refuses_on_the_gpu(case, phase, monkeypatch):
+    """Every value the device check refuses, on a CUDA planner: ``plan()`` raises at once, a
+    replay through a CUDA graph reaches no plan with it and raises at the read."""
+    launched = refuse(case, phase, monkeypatch, device="cuda")
+    assert launched == [], f"an op ran on the host before the input was refused: {launched}"
 
 
 # ---- dumps -------------------------------------------------------------------------------------
@@ -1077,24 +1109,71 @@ def test_sizes_may_be_numpy_integers():
         planner.replay(_nsa()(), True)
 
 
-def test_table_entries_in_debug_replay():
-    """Replay reads the token table in debug mode only (a device read); there, an entry past
-    kv_slots is refused like in eager plan() (the table is the captured one, changed in place)."""
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_table_entry_changed_after_the_capture_is_refused_at_every_replay(debug):
+    """The device check reads the token table's entries the batch uses at every replay, debug
+    or not: one changed in place to ``kv_slots`` since the capture reaches no plan and is
+    refused at the read (debug: ``verify`` reads it first), naming the table's row and column."""
     table = TABLE.clone()
     batch = dataclasses.replace(_nsa()(), req_to_token=table)
-    for debug in (False, True):
-        planner = NSA.planner(debug=debug)
-        planner.capture(4, req_to_token=table)
-        table[batch.req_pool_indices[0], 0] = KV_SLOTS
-        try:
-            if debug:
-                with pytest.raises(BatchError, match=r"\[0, 5119\]") as info:
-                    planner.replay(batch, 4)
-                assert info.value.field == "req_to_token"
-            else:
-                planner.replay(batch, 4)  # not read on the hot path
-        finally:
-            table.copy_(TABLE)
+    planner = NSA.planner(debug=debug)
+    planner.capture(4, req_to_token=table)
+    pool = int(batch.req_pool_indices[0])
+    table[pool, 0] = KV_SLOTS
+    plans = planner.replay(batch, 4)
+    planner.record(4)
+    assert not_pads(planner, plans) == {}
+    read = (lambda: planner.verify(batch, plans)) if debug else planner.read_errors
+    with pytest.raises(BatchError, match=rf"\[0, {KV_SLOTS - 1}\]") as info:
+        read()
+    assert info.value.field == "req_to_token" and f"req_to_token[{pool}, 0]" in str(info.value)
+
+
+def _replay_and_run(planner: Planner, batch: ForwardBatch, bs: int = 4) -> PlanSet:
+    """A replay and its graph's part (what an emulated graph runs after ``replay``)."""
+    plans = planner.replay(batch, bs)
+    planner.record(bs, batch.plans_as)
+    return plans
+
+
+def test_after_a_refusal_is_read_the_next_batch_replays_and_reads_clean():
+    """The error word is sticky until read: a second refused batch, or a good one, does not
+    hide the first refusal (its field is named). Once read, the word is clear, and the next
+    good batch's replay equals its padded eager plan and reads its outputs."""
+    planner = NSA.planner()
+    planner.capture(4, req_to_token=TABLE)
+    good = _nsa()()
+    _replay_and_run(planner, _twice(good))
+    _replay_and_run(planner, _nsa(positions=torch.zeros(3, dtype=torch.int32))())
+    _replay_and_run(planner, good)
+    with pytest.raises(BatchError) as info:
+        planner.read(torch.arange(3))
+    assert info.value.field == "req_pool_indices", str(info.value)
+    assert planner.errors.tolist() == [0] * len(planner.errors)
+    planner.read_errors()  # nothing left
+    plans = _replay_and_run(planner, good)
+    assert planner.read(torch.arange(3)) == [0, 1, 2]
+    assert diff_plans(plans, planner.plan(good, pad_to=4)) == []
+
+
+def test_a_refused_batch_the_engine_wrote_into_the_slot_reaches_no_plan():
+    """The engine's own way in (``step_inputs``: nothing written again by the planner) is
+    checked the same: a KV slot written twice is refused at the read, naming the field and
+    the row, and the plans hold pads only."""
+    planner = NSA.planner()
+    planner.capture(4, req_to_token=TABLE)
+    good = _nsa()()
+    inputs = planner.step_inputs(ForwardMode.DECODE)
+    inputs.seq_lens[:3] = good.seq_lens_cpu.numpy()
+    inputs.extend_lens[:3] = 1
+    inputs.req_pool_indices[:3] = good.req_pool_indices.numpy()
+    inputs.out_cache_loc[:3] = [300, 301, 300]
+    inputs.set_counts(3, 3, positions_given=False)
+    plans = _replay_and_run(planner, inputs.batch(TABLE))
+    assert not_pads(planner, plans) == {}
+    with pytest.raises(BatchError, match="entries 0 and 2") as info:
+        planner.read(torch.arange(3))
+    assert info.value.field == "out_cache_loc" and info.value.actual == 300
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,6 @@
-"""Eager plans' layouts in a real decode loop: every step's lengths grow by one, so the
-longest request (and with it the token slots' width) changes every step. A layout is kept
-per set of the dimensions its shapes name, its staged part (the inputs and the host pass's
-outputs) per set of the host pass's, and the plans stay the plans a planner that never saw
-an earlier batch makes."""
+"""Eager plans in a real decode loop: every step's lengths grow by one, so the longest
+request (and with it the token slots' width) changes every step, and the plans stay the
+plans a planner that never saw an earlier batch makes."""
 
 from __future__ import annotations
 
@@ -23,19 +21,8 @@ def test_growing_plans_equal_a_fresh_planners():
         assert diff_plans(got, _planner().plan(batch)) == []
 
 
-def test_a_layout_follows_only_the_dimensions_its_shapes_name():
-    planner = _planner()
-    storage = planner.storages.fresh(ForwardMode.DECODE, 3)
-    planner.plan(_decode([100, 50, 20]))
-    planner.plan(_decode([100, 60, 30]))  # other total KV tokens, same longest request
-    assert len(storage._layouts) == 1
-    planner.plan(_decode([101, 60, 30]))  # a longer request: wider token slots
-    assert len(storage._layouts) == 2
-    assert len(storage._staged) == 1  # what the host pass writes, and where, did not change
-
-
 def test_a_growing_batch_of_other_sizes_and_modes_stays_exact():
-    """Request counts and modes each keep their own layouts (a verify step's rows differ)."""
+    """Request counts and modes each get their own shapes (a verify step's rows differ)."""
     planner = _planner()
     for bs in (1, 3, 6):
         for batch in _growing(4, bs=bs, seed=bs):
@@ -44,10 +31,9 @@ def test_a_growing_batch_of_other_sizes_and_modes_stays_exact():
 
 def test_a_dimension_a_shape_names_but_the_batch_lacks_is_named():
     planner = _planner()
-    planner.plan(_decode([100, 50, 20]))
-    storage = planner.storages.fresh(ForwardMode.DECODE, 3)
+    batch = _decode([100, 50, 20])
     dims = planner.dims(ForwardMode.DECODE, 3, 100, 3, 170)
     del dims["max_len"]
     with pytest.raises(SchemaError, match="unknown dimension 'max_len'") as caught:
-        storage._layout(dims, 3, storage.host_pass)
+        planner.storages.fresh(ForwardMode.DECODE).stage(batch, 3, dims)
     assert caught.value.field == "paged.token_slots"

@@ -2,12 +2,11 @@
 
 FlashMLA's ``get_mla_metadata`` returns its tile schedule and its split offsets from one
 computation; a schema declares one field per output (``tensor_field(..., op=, output=)``,
-same inputs and params) and the planner runs the op once per batch, eagerly (on the host
-twin or the device), at capture, inside the graph and at replay, each field padded by its
-own pad. A field naming an output the op lacks, an output no field takes, or two fields
-taking one output are refused at planner build; a provider (or twin) that leaves an
-output unwritten is caught by :func:`planner.testing.check_provider`, as a single-output
-one is.
+same inputs and params) and the planner runs the op once per batch, eagerly, at capture,
+inside the graph and at replay, each field padded by its own pad. A field naming an output
+the op lacks, an output no field takes, or two fields taking one output are refused at
+planner build; a provider that leaves an output unwritten is caught by
+:func:`planner.testing.check_provider`, as a single-output one is.
 """
 
 from __future__ import annotations
@@ -52,13 +51,6 @@ def _reference(splits: torch.Tensor, offsets: torch.Tensor, seq_lens, *, block: 
     torch.cumsum(splits, 0, out=offsets[1:])
 
 
-def _twin(splits: np.ndarray, offsets: np.ndarray, seq_lens, *, block: int) -> None:
-    CALLS["numpy"] += 1
-    splits[:] = (seq_lens + block - 1) // block
-    offsets[0] = 0
-    np.cumsum(splits, out=offsets[1:])
-
-
 def _lazy(splits: torch.Tensor, offsets: torch.Tensor, seq_lens, *, block: int) -> None:
     """A broken provider: computes the splits, forgets the offsets."""
     splits.copy_(torch.div(seq_lens + block - 1, block, rounding_mode="floor"))
@@ -77,7 +69,6 @@ def split_plan() -> type[Plan]:
         outputs=("splits", "offsets"),
     )
     split_lens.provider("torch")(_reference)
-    split_lens.host_twin()(_twin)
     split_lens.provider("lazy")(_lazy)
 
     class SplitPlan(Plan, backend="test-multi-output"):
@@ -110,16 +101,15 @@ def planner(**kwargs) -> Planner:
     return Planner([split_plan()], limits, **kwargs)
 
 
-@pytest.mark.parametrize("on_host", [True, False])
-def test_one_call_fills_both_fields_eagerly(on_host):
-    p = planner(eager_on_host=on_host, options={"test-multi-output": {"block": 32}})
+def test_one_call_fills_both_fields_eagerly():
+    p = planner(options={"test-multi-output": {"block": 32}})
     batch = random_batch(random.Random(1), table(), max_context=MAX_CONTEXT, bs=4)
     CALLS.clear()
     plan = p.plan(batch)["test-multi-output"]
     splits, offsets = reference(batch, 32)
     assert plan.num_splits.tolist() == splits and plan.split_offsets.tolist() == offsets
     assert plan.total.tolist() == [0, *np.cumsum(splits).tolist()]
-    assert dict(CALLS) == {"numpy" if on_host else "torch": 1}
+    assert dict(CALLS) == {"torch": 1}
     assert p.stats.op_calls["test_split_lens"] == 1
     assert p.stats.field_calls["test-multi-output.num_splits"] == 1
     assert p.stats.field_calls["test-multi-output.split_offsets"] == 1
@@ -183,12 +173,11 @@ def test_the_op_runs_inside_the_graph_and_its_provider_is_forced_by_any_of_its_f
         )
 
 
-@pytest.mark.parametrize("provider", ["torch", "numpy"])
-def test_every_provider_writes_every_output(provider):
+def test_the_reference_writes_every_output():
     split_plan()
     lens = torch.tensor([1, 16, 17, 300, 0], dtype=I32)
     outputs = [((5,), I32), ((6,), I32)]
-    check_provider(get_op("test_split_lens"), provider, outputs, [lens], {"block": 16})
+    check_provider(get_op("test_split_lens"), "torch", outputs, [lens], {"block": 16})
 
 
 def test_a_provider_leaving_an_output_unwritten_is_caught():

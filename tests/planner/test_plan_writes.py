@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from planner import PlanWriteError
-from planner.plans import _construct
 from tests.support.catalogue import NSA_PAGED_64 as NSA
 
 ALIASED = ("nsa", "kv_lens"), ("nsa", "seq_lens")
@@ -76,11 +75,10 @@ def test_model_copy_makes_a_changed_copy(plans):
 
 
 def test_building_a_plan_never_takes_the_refusing_path(plans):
-    """Direct construction, ``model_construct`` and validation set fields without
+    """``model_construct`` (the planner's) and validation set fields without
     ``__setattr__``: the refusal costs construction nothing."""
     plan = plans["paged"]
     cls, values = type(plan), dict(plan.__dict__)
-    assert _construct(cls, dict(values)).__dict__ == values
     assert cls.model_construct(**values).__dict__ == values
     assert cls(**values).__dict__ == values
 
@@ -101,8 +99,9 @@ def test_each_field_counts_its_own_writes(planner, phase):
     fields = _fields(plans)
     assert fields[ALIASED[0]] is fields[ALIASED[1]]
     assert fields[("nsa", "token_slots")] is fields[("paged", "token_slots")]
-    buffers = {t.untyped_storage().data_ptr() for t in fields.values()}
-    assert len(buffers) < len({id(t) for t in fields.values()})  # fields do share buffers
+    if phase == "eager":  # an eager plan's int32 fields are cut from one buffer
+        buffers = {t.untyped_storage().data_ptr() for t in fields.values()}
+        assert len(buffers) < len({id(t) for t in fields.values()})
     for key, tensor in fields.items():
         before = {k: t._version for k, t in fields.items()}
         tensor.view(-1)[:1].add_(0)  # through a view of the field, as a layer would slice it

@@ -87,9 +87,7 @@ FAILING = [("paged_mqa_schedule", "deep_gemm"), ("page_table", "triton")]
 @pytest.mark.parametrize("failing_provider", FAILING, indirect=True, ids=lambda p: "/".join(p))
 def test_provider_failing_its_first_call_falls_back_to_the_next(failing_provider):
     op_name, provider, calls = failing_provider
-    # Device providers only: eager plans would otherwise run the op's host twin.
-    planner = FAULTS.planner(eager_on_host=False)
-    reference = FAULTS.planner(eager_on_host=False)
+    planner, reference = FAULTS.planner(), FAULTS.planner()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for batch in _batches(5):

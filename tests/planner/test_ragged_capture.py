@@ -3,9 +3,11 @@
 A replay of a bucket equals ``plan(batch, pad_to=bs, pad_tokens=tokens)`` bit for bit, through
 an emulated graph that re-runs ``record`` (the graph-safe ops) at every replay; its real rows
 equal the unpadded eager plan's; its padding holds the declared pads; debug mode verifies it
-and catches a stale field; a batch a bucket cannot hold is refused naming the field, before
-any buffer is touched. Both with a schema of this module's own (the shared ragged ops) and
-with the real ``nsa`` extend plan.
+and catches a stale field; a batch a bucket cannot hold is refused by ``replay`` naming the
+field, before any buffer is touched; bad values and a KV past the bucket's bound are refused
+by the device check in the graph: the plans get pads only and ``Planner.read`` raises naming
+the field. Both with a schema of this module's own (the shared ragged ops) and with the real
+``nsa`` extend plan.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from planner.batch import RAGGED_MODES
 from planner.debug import diff_plans, padding_violations
 from planner.schema import PAD_DERIVED, Plan, Setting, Tensor, tensor_field
 from tests.support.batches import make_pool
+from tests.support.catalogue import not_pads
 
 EXTEND, MIXED, DECODE = ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE
 MAX_BATCH, MAX_CTX, PAGE, MAX_TOKENS = 6, 128, 64, 96
@@ -223,8 +226,9 @@ def test_every_bucket_holding_a_batch_replays_it(backend, batch, data):
 
 
 def test_debug_mode_catches_a_stale_ragged_field():
-    """A replay whose graph did not run (the in-graph ops not refreshed) is refused by
-    ``verify``, naming a field the graph computes."""
+    """A replay whose graph did not run is refused by ``verify``, naming a field the graph
+    writes: the source fields too (the device check writes them inside the graph), so the
+    first named is ``seq_lens``, and the ops' fields are stale with them."""
     setup = Captured("test-ragged", debug=True)
     planner, rng = setup.planner, random.Random(7)
     first = _batch(rng, [40, 9], [5, 3])
@@ -234,8 +238,9 @@ def test_debug_mode_catches_a_stale_ragged_field():
     plans = planner.replay(second, 4, tokens=24)  # no graph replay: device fields stale
     with pytest.raises(ReplayError, match="differs from eager") as err:
         planner.verify(second, plans)
-    assert err.value.field.startswith("test-ragged.")
-    assert err.value.field not in {f"test-ragged.{n}" for n in ("seq_lens", "extend_lens")}
+    assert err.value.field == "test-ragged.seq_lens"
+    assert "test-ragged.kv_slots" in str(err.value)  # an op's field, stale as well
+    assert plans["test-ragged"].seq_lens.tolist() == [40, 9, 1, 1]  # the first batch's
 
 
 def _batch(rng: random.Random, lens: list[int], new: list[int], mode=EXTEND) -> ForwardBatch:
@@ -291,7 +296,7 @@ def test_replay_refusals_name_the_field_and_touch_nothing():
     planner, batch = setup.planner, _rng_batch()  # 3 requests, 18 tokens, 149 KV tokens
     plans = setup.replay(batch, 4, 24)
     snapshot = {k: t.clone() for k, t in plans["test-ragged"].tensors().items()}
-    staged = planner._captured[(EXTEND, (4, 24))].storages[0].stager.device_buf.clone()
+    staged = planner._captured[(EXTEND, (4, 24))].stager.device_buf.clone()
     cases = [
         (dict(bs=4), BatchError, "tokens"),  # a ragged replay names its bucket
         (dict(bs=2, tokens=24), BatchError, "bs"),  # more requests than bs
@@ -309,7 +314,7 @@ def test_replay_refusals_name_the_field_and_touch_nothing():
     assert err.value.field == "tokens"
     for name, tensor in plans["test-ragged"].tensors().items():
         assert torch.equal(tensor, snapshot[name]), name
-    assert torch.equal(planner._captured[(EXTEND, (4, 24))].storages[0].stager.device_buf, staged)
+    assert torch.equal(planner._captured[(EXTEND, (4, 24))].stager.device_buf, staged)
 
 
 def _with(batch: ForwardBatch, **fields) -> ForwardBatch:
@@ -322,12 +327,12 @@ def _with(batch: ForwardBatch, **fields) -> ForwardBatch:
 
 @pytest.mark.parametrize("backend", ["test-ragged", "nsa"])
 def test_bad_values_in_a_padded_ragged_replay_are_named_and_touch_nothing(backend):
-    """The replay's range checks cache their bounds per bucket and let the padding's own
-    pad values through: a bad value in the real rows is still refused, naming its field."""
+    """The device check lets the padding's own pad values through and refuses a bad value
+    in the real rows, naming its field, at the read after the graph ran: the plans' source
+    fields then hold pads only (no KV slot but the null slot written), and the next good
+    batch replays and verifies clean."""
     setup = captured(backend)
     planner, good = setup.planner, _rng_batch()  # 3 requests, 18 tokens, into (6, 48)
-    plans = setup.replay(good, 6, 48)
-    snapshot = {k: t.clone() for k, t in plans[backend].tensors().items()}
     lens, pools, locs = good.seq_lens_cpu, good.req_pool_indices, good.out_cache_loc
     bad = {
         "seq_lens_cpu": _with(good, seq_lens_cpu=lens + torch.tensor([MAX_CTX, 0, 0], dtype=I32)),
@@ -336,12 +341,12 @@ def test_bad_values_in_a_padded_ragged_replay_are_named_and_touch_nothing(backen
         "extend_lens_cpu": _with(good, extend_lens_cpu=torch.tensor([2, 12, 4], dtype=I32)),
     }
     for field, batch in bad.items():
+        plans = setup.replay(batch, 6, 48)  # replay and graph: nothing raised yet
+        assert not_pads(planner, plans) == {}, field
         with pytest.raises(BatchError) as err:
-            planner.replay(batch, 6, tokens=48)
+            planner.read(torch.arange(batch.num_tokens))
         assert err.value.field == field, (field, err.value)
-    for name, tensor in plans[backend].tensors().items():
-        assert torch.equal(tensor, snapshot[name]), name
-    setup.replay(good, 6, 48)  # and the bucket still replays a good batch
+    planner.verify(good, setup.replay(good, 6, 48))  # the bucket still replays a good batch
 
 
 def test_a_uniform_replay_takes_no_tokens():
@@ -368,15 +373,21 @@ def test_kv_past_the_bound_is_refused_naming_the_limit():
     assert make_planner("test-ragged").limits.kv_token_capacity == MAX_BATCH * MAX_CTX
     planner.capture(4, EXTEND, req_to_token=TABLE, tokens=24)
     batch = _rng_batch()  # 149 KV tokens
-    for call in (
-        lambda: planner.replay(batch, 4, tokens=24),
-        lambda: planner.plan(batch, pad_to=4, pad_tokens=24),
-    ):
+
+    def replay() -> None:
+        plans = planner.replay(batch, 4, tokens=24)  # refused in the graph, raised at the read
+        planner.record(4, EXTEND, tokens=24)
+        assert not_pads(planner, plans) == {}
+        planner.read_errors()
+
+    for call in (replay, lambda: planner.plan(batch, pad_to=4, pad_tokens=24)):
         with pytest.raises(BatchError, match="ragged_kv_tokens") as err:
             call()
         assert err.value.field == "seq_lens_cpu" and err.value.expected == "<= 120 in all"
     fits = _batch(random.Random(2), [100, 20], [4, 4])  # 120: at the bound, padding on top
     planner.replay(fits, 4, tokens=24)
+    planner.record(4, EXTEND, tokens=24)
+    planner.read_errors()
     assert planner.plan(fits, pad_to=4, pad_tokens=24)["test-ragged"].kv_slots.shape == (124,)
 
 

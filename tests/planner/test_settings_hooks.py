@@ -27,7 +27,7 @@ from planner import (
     scalar_field,
     tensor_field,
 )
-from planner.program import known_options
+from planner.settings import known_options
 
 I32 = torch.int32
 

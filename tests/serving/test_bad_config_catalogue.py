@@ -571,3 +571,25 @@ def test_every_kind_is_in_the_reliability_table():
     kinds += cli_catalogue.KINDS
     missing = [k for k in kinds if f"| {k} |" not in text]
     assert not missing, f"docs/reliability.md lacks rows for {missing}"
+
+
+def _where_checked(text: str, kind: str) -> str:
+    """The last cell (where checked) of the first table row of ``kind``."""
+    row = next(line for line in text.splitlines() if line.startswith(f"| {kind} |"))
+    return row.rstrip().removesuffix("|").rstrip().rsplit(" | ", 1)[-1]
+
+
+def test_the_table_says_which_batch_kinds_the_device_check_refuses():
+    """A batch kind's row names the device check where the catalogue's case is refused by it
+    (at ``plan()``, and at the read after a replay's graph ran), and no other row does."""
+    text = (REPO / "docs" / "reliability.md").read_text()
+    device = planner_catalogue.DEVICE
+    wrong = [
+        (case.kind, _where_checked(text, case.kind))
+        for case in planner_catalogue.BATCH_CASES
+        if (_where_checked(text, case.kind) == device) != case.at_read
+        or (case.at_read and case.where != device)
+    ]
+    assert not wrong, f"docs/reliability.md and the catalogue disagree on the device check: {wrong}"
+    rows = [line for line in text.splitlines() if line.endswith(f"| {device} |")]
+    assert len(rows) == sum(case.at_read for case in planner_catalogue.BATCH_CASES)

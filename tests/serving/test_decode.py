@@ -60,10 +60,7 @@ def test_greedy_tokens_identical_with_the_staging_copy_outside_the_graph(with_gr
     """The default (auto) stages in the graph: the graphs pulled every replayed step."""
     engine, result = with_graphs
     assert engine.planner.staging == "graph"
-    rings = {
-        id(c.storages[0].stager): c.storages[0].stager.transport.ring
-        for c in engine.planner._captured.values()
-    }
+    rings = {id(c.stager): c.stager.transport.ring for c in engine.planner._captured.values()}
     pulls = sum(ring.seq for ring in rings.values())
     assert pulls == summarize(engine, result)["graph_replays"] > 0
     assert summarize(engine, result)["staging"] == "graph"

@@ -119,19 +119,29 @@ def test_stale_field_is_dumped_on_mismatch_and_diff_points_at_rows(
 
 
 def test_replay_without_record_leaves_in_graph_fields_stale(tmp_path):
+    """The graph writes every field: the source fields too (the device check, recorded in the
+    graph, writes them from the raw inputs). A replay whose graph never ran leaves them all as
+    the capture left them; only the raw inputs reached the device."""
     planner = DUMPS.planner(debug=True)
     dumper = install_mismatch_dumps(planner, tmp_path)
-    planner.capture(4, req_to_token=DUMPS.table)
+    captured = planner.capture(4, req_to_token=DUMPS.table)
+    sources = ("seq_lens", "req_pool_indices", "out_cache_loc")
+    at_capture = {name: captured["paged"].tensors()[name].clone() for name in sources}
     batch = DUMPS.batch(random.Random(3), bs=3)
     plans = planner.replay(batch, 4)  # the graph never replayed: in-graph ops did not run
     with pytest.raises(ReplayError):
         planner.verify(batch, plans)
 
     (where,) = dumper.paths
-    diffs = diff_dumps(load_dump(where / "replayed"), load_dump(where / "eager"))
+    replayed = load_dump(where / "replayed")
+    diffs = diff_dumps(replayed, load_dump(where / "eager"))
     differing = {d.field for d in diffs if d.differs}
-    assert {"token_slots", "page_table"} <= differing
-    assert not differing & {"seq_lens", "req_pool_indices", "out_cache_loc"}  # staged: fresh
+    assert {"token_slots", "page_table", *sources} <= differing
+    for name in sources:  # stale: the capture's dummy batch, not the replayed one
+        assert torch.equal(replayed.tensors["paged"][name], at_capture[name]), name
+    stager = planner._captured[(ForwardMode.DECODE, 4)].stager
+    at = stager.layout.offsets["seq_lens"]  # the raw inputs were sent: the replayed batch's
+    assert stager.device_buf[at : at + 3].tolist() == batch.seq_lens_cpu.tolist()
 
 
 def test_python_m_planner_diff_and_inspect(tmp_path, capsys):

@@ -11,14 +11,17 @@ at the top.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from planner import PlanError
+from graphs.graph import Graph, new_graph
+from planner import PlanError, Planner, PlanSet
 from planner.program import Step
 from tests.support.planners import PlannerSetup
 
@@ -60,33 +63,97 @@ class Case:
     """A float tests the size check itself."""
     skip: Mapping[str, str] = field(default_factory=dict)
     """Phases listed but not run, with the reason (a check that phase does not make)."""
+    at_read: bool = False
+    """A value the device check refuses (``planner/device_checks.py``): ``plan()`` raises at
+    once; ``replay()`` takes it, the graph runs, and ``Planner.read`` raises."""
+    own_table: bool = False
+    """Replay captures over the batch's own token table (the table changed in place since
+    the capture; the capture's dummy batch reads only its null row 0)."""
 
 
-def record_launches(monkeypatch) -> list[str]:
-    """From now on, every metadata op a planner launches is recorded here instead of run."""
+def record_launches(monkeypatch, *, run: bool = False) -> list[str]:
+    """From now on, every metadata op a planner launches is recorded here instead of run
+    (``run``: recorded and run)."""
     launched: list[str] = []
-    monkeypatch.setattr(Step, "run", lambda step, *a, **k: launched.append(step.key))
+    real = Step.run
+
+    def launch(step, *args, **kwargs):
+        launched.append(step.key)
+        return real(step, *args, **kwargs) if run else None
+
+    monkeypatch.setattr(Step, "run", launch)
     return launched
 
 
-def refuse(case: Case, phase: str, monkeypatch) -> list[str]:
-    """Check that ``case`` is refused in ``phase``; the ops that launched before it was
-    (recorded from the moment the input is handed over: after any capture)."""
+def refuse(case: Case, phase: str, monkeypatch, device: str | None = None) -> list[str]:
+    """Check that ``case`` is refused in ``phase``; the ops that launched on the host before
+    it was (recorded from the moment the input is handed over: after any capture).
+
+    A replay of an ``at_read`` case is not refused by ``replay()``: its graph (captured
+    after the planner's capture: an emulated one, on ``device="cuda"`` a CUDA graph, whose
+    token table moves there) then runs on the refused batch, every source field of the
+    plans must hold its pad only (no KV slot but the null slot is written, no request but
+    the null request read), and ``Planner.read`` raises before it returns the step's
+    outputs."""
     if phase == "call":
         launched = record_launches(monkeypatch)
         expect_refused(case, case.make)
         return launched
     kwargs = dict(case.planner)
+    if device is not None:
+        kwargs["device"] = device
     planner = case.setup.planner(kwargs.pop("backends", None), **kwargs)
-    if phase == "replay":
-        planner.capture(case.captured, req_to_token=case.setup.table)
-    launched = record_launches(monkeypatch)
     batch = case.make()
+    if device is not None:
+        batch = dataclasses.replace(batch, req_to_token=batch.req_to_token.to(device))
+    graph = None
+    if phase == "replay":
+        own = case.own_table or device is not None  # the setup's table, moved once
+        table = batch.req_to_token if own else case.setup.table
+        planner.capture(case.captured, req_to_token=table)
+        if case.at_read:
+            graph = _graph_of(planner, lambda: planner.record(case.replay_bs, batch.plans_as))
+    launched = record_launches(monkeypatch, run=graph is not None)
     if phase == "plan":
         expect_refused(case, lambda: planner.plan(batch))
-    else:
+    elif graph is None:
         expect_refused(case, lambda: planner.replay(batch, case.replay_bs))
+    else:
+        plans = planner.replay(batch, case.replay_bs)  # checked on the device, in the graph
+        on_host = list(launched)
+        graph.replay()
+        assert not_pads(planner, plans) == {}, "a refused batch reached a source field"
+        expect_refused(case, lambda: planner.read(torch.arange(batch.bs, device=planner.device)))
+        return on_host
     return launched
+
+
+def _graph_of(planner: Planner, record: Callable[[], None]) -> Graph:
+    """``record`` captured in a graph as a graph runner captures it: an emulated one, or on
+    CUDA after the providers' warm-up and one eager run, on a stream of its own."""
+    if planner.device.type != "cuda":
+        graph = new_graph("emulated")
+    else:
+        planner.warm_up()
+        record()
+        torch.cuda.synchronize(planner.device)
+        graph = new_graph("cuda", torch.cuda.Stream(planner.device))
+    graph.capture(lambda: record() or [])
+    return graph
+
+
+def not_pads(planner: Planner, plans: PlanSet) -> dict[str, list[int]]:
+    """``backend.field`` -> values of every source field (a schema's ``source=``: what the
+    device check writes) holding anything but its pad: ``{}`` for plans made from pads
+    only, which write the null KV slot 0 alone and read the null request 0 alone."""
+    pads = planner.program(plans.mode.plans_as).pads
+    out = {}
+    for backend, plan in plans.items():
+        for name, spec in type(plan).tensor_specs.items():
+            tensor = getattr(plan, name)
+            if spec.source is not None and not bool((tensor == pads[(backend, name)]).all()):
+                out[f"{backend}.{name}"] = tensor.flatten().tolist()
+    return out
 
 
 def expect_refused(case: Case, run: Callable[[], object]) -> PlanError:

@@ -86,7 +86,7 @@ def backend_rows(device: torch.device) -> list[dict[str, Any]]:
                         "field": field,
                         "op": spec.op,
                         "output": spec.output,
-                        "providers": op.device_providers(),
+                        "providers": sorted(op.providers),
                         "available": op.available_on(device),
                         "chosen": op.select(device).name,
                     }
@@ -180,9 +180,8 @@ def op_rows(device: torch.device) -> list[dict[str, Any]]:
                 "op": name,
                 "package": _package(op),
                 "description": " ".join(op.doc.split()),
-                "providers": op.device_providers(),
+                "providers": sorted(op.providers),
                 "available": op.available_on(device),
-                "host_twin": op.host is not None,
                 "used_by": {b: _modes(m) for b, m in sorted(used.get(name, {}).items())},
             }
         )
@@ -190,7 +189,7 @@ def op_rows(device: torch.device) -> list[dict[str, Any]]:
 
 
 def run_ops(args: argparse.Namespace) -> int:
-    """The metadata ops a plan can name: providers, host twin, and the plans that use them."""
+    """The metadata ops a plan can name: providers, and the plans that use them."""
     device = _device(args.device)
     rows = op_rows(device)
     if args.json:
@@ -198,12 +197,12 @@ def run_ops(args: argparse.Namespace) -> int:
         return 0
     console = _console(sys.stdout)
     console.print(Text(f"Metadata ops (providers on {device})", style="bold"))
-    for r in rows:  # one block per op: seven columns would not fit a terminal's width
+    for r in rows:  # one block per op: six columns would not fit a terminal's width
         used_by = "; ".join(f"{b} ({', '.join(m)})" for b, m in r["used_by"].items())
         lines = [
             r["description"],
             f"providers: {', '.join(r['providers'])}; usable here: "
-            f"{', '.join(r['available']) or 'none'}; host twin: {'yes' if r['host_twin'] else 'no'}",
+            f"{', '.join(r['available']) or 'none'}",
             f"used by: {used_by or 'no registered backend'}",
         ]
         console.print(Text(f"{r['op']}  ({r['package']})", style="bold"))

@@ -15,13 +15,11 @@ with FlashMLA's exact semantics); it is written to show what every provider must
 - write every element of every output it is given (outputs start as garbage);
 - under a CUDA graph, no host sync (no ``.item()``, ``.tolist()``, ``.cpu()``, no
   data-dependent shape): the torch reference below is tensor arithmetic only, so it runs
-  inside the captured graph;
-- the host twin (``numpy``) computes the same values on the host, for eager plans.
+  inside the captured graph.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from planner import metadata_op
@@ -70,32 +68,3 @@ def mla_metadata_torch(
     )
     num_splits[0] = 0
     torch.cumsum(splits + 1, 0, out=num_splits[1:])
-
-
-@mla_metadata.host_twin()
-def mla_metadata_numpy(
-    tile: np.ndarray, num_splits: np.ndarray, seq_lens: np.ndarray, *, block_n: int
-) -> None:
-    """The same values over numpy views of the staging buffer (eager plans' host pass)."""
-    parts, reqs = tile.shape[0], seq_lens.shape[0]
-    lens = seq_lens.astype(np.int64)
-    cu = np.zeros(reqs + 1, dtype=np.int64)
-    np.cumsum((lens + block_n - 1) // block_n, out=cu[1:])
-    total = cu[-1]
-    per = max((total + parts - 1) // parts, 1)
-    p = np.arange(parts)
-    start = np.minimum(p * per, total)
-    end = np.minimum(start + per, total)
-    empty = start >= end
-    begin = np.searchsorted(cu, start, side="right") - 1
-    last = np.searchsorted(cu, np.maximum(end - 1, 0), side="right") - 1
-    first = np.minimum(begin, reqs - 1)
-    end_pos = np.minimum((end - cu[last]) * block_n, lens[last])
-    tile[:] = 0
-    tile[:, 0] = np.where(empty, reqs, begin)
-    tile[:, 1] = np.where(empty, 0, (start - cu[first]) * block_n)
-    tile[:, 2] = np.where(empty, reqs - 1, last)
-    tile[:, 3] = np.where(empty, 0, end_pos)
-    tile[:, 4] = np.where(empty, 0, p - cu[first] // per)
-    num_splits[0] = 0
-    np.cumsum((cu[1:] - 1) // per - cu[:-1] // per + 1, out=num_splits[1:])

@@ -46,7 +46,7 @@ def test_the_entry_point_finds_the_backend():
     assert backend_plans("example-mla") == [MLADecodePlan]
 
 
-@pytest.mark.parametrize("provider", ["torch", "numpy"])
+@pytest.mark.parametrize("provider", sorted(mla_metadata.providers))
 def test_each_provider_writes_what_the_reference_writes(provider):
     rng = random.Random(provider)
     for seed in range(100):
