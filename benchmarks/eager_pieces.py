@@ -11,14 +11,15 @@ alike), for one batch planned again and for a decode whose lengths grow a token 
 call).
 
 The pieces (nsa, decode), as ``Planner._plan_one`` makes them: the door's checks; the
-dimensions (the lengths' max and sum); staging (``FreshStorage.stage``): the layout of these
-dimensions (kept, and laid out anew), the inputs' fill and range check, the numpy host
-pass, the transfer (the ring's next pinned buffer and its copy; none on the CPU, where the
-plan's memory is the host buffer), the allocation and the views; the device steps the host
-pass left (each op's launch alone, too); building the frozen plans. What each whole spends
-outside its pieces is derived. The floors: a ``torch.empty`` of the plan's int32 buffer, an
-empty pinned host-to-device copy of the staged size, one Triton launch (where Triton runs),
-and ``HandWrittenNSA.plan`` of ``planner_overhead`` (one tensor op or copy per field).
+dimensions (the lengths' max and sum); staging (``FreshStorage.stage``: one int32 arena for
+the raw inputs, the error word and the fields, the batch written into the raw inputs (alone:
+``write_batch`` into a host buffer of its own) and sent); the device check of the raw
+inputs (``InputCheck.run``) and the read of its error word (the one synchronisation); the
+device steps (each op's launch alone, too); building the frozen plans. What each whole
+spends outside its pieces is derived. The floors: a ``torch.empty`` of the plan's int32
+arena, an empty pinned host-to-device copy of the raw inputs' size, one Triton launch (where
+Triton runs), and ``HandWrittenNSA.plan`` of ``planner_overhead`` (one tensor op or copy per
+field).
 
     python3 -m benchmarks.eager_pieces --out $OUT/eager_pieces.json --plot $OUT/eager_pieces.png
 """
@@ -30,7 +31,6 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from backends.common.triton_kernels import _uniform_offsets, triton_available
@@ -39,16 +39,26 @@ from benchmarks.common import machine, num_sms_of, plot_bars, print_table, time_
 from benchmarks.planner_overhead import HandWrittenNSA
 from benchmarks.seed_stack import batch_of, make_batch, make_table
 from planner import ForwardMode, Limits, Planner
-from planner.planner import lengths_max_sum, run_steps
+from planner.captured import run_steps
+from planner.checks import lengths_max_sum
 from planner.plans import build_plans
+from planner.step_inputs import StepInputs, write_batch
 
 _DECODE = ForwardMode.DECODE
 Variants = dict[str, Callable[[int], Any]]
 
 WHOLE, GROWING = "plan() whole", "plan() as a decode grows (+1 token a call)"
 HAND, HAND_GROWING = "hand-written eager", "hand-written eager as a decode grows"
-PLAN_PARTS = ("door", "dims", "stage()", "device steps", "build plans")
-STAGE_PARTS = ("layout (kept)", "fill + check", "host pass", "transfer", "alloc + views")
+PLAN_PARTS = (
+    "door",
+    "dims",
+    "stage()",
+    "device check",
+    "error read",
+    "device steps",
+    "build plans",
+)
+STAGE_PARTS = ("write inputs",)
 """The pieces each whole is summed from, by name (indented under it in the table)."""
 
 
@@ -73,67 +83,42 @@ def pieces(planner: Planner, batch) -> tuple[Variants, Variants]:
     max_len, kv_tokens = lengths_max_sum(batch.seq_lens_cpu, program.next_n)
     tokens = reqs * program.next_n
     dims = planner.dims(_DECODE, reqs, max_len, tokens, kv_tokens)
-    ranges = planner.storages.ranges(_DECODE, batch.req_to_token)
-    storage = planner.storages.fresh(_DECODE, reqs)
-    stager, host_pass = storage.stager, storage._live_pass()
-    layout = storage._layout(dims, reqs, host_pass)
-    read_table = planner.debug or not batch.req_to_token.is_cuda  # as plan() reads it
-    tensors, done = storage.stage(
-        batch, reqs, dims, ranges, read_device=True, read_table=read_table
-    )
-    steps, names = storage.device_steps(done), storage.batch_inputs(done)
-    handles = run_steps(steps, tensors, batch, static=False, names=names)
-    sent = stager.size + layout.extra  # staged inputs and host-pass outputs: what is copied
-    whole = sent + layout.device_extra  # and the device-computed int32 fields after them
-    # the fill's and the host pass's own buffer: the ring's may still be in a copy
-    scratch = np.zeros(sent, dtype=np.int32)
-
-    def fill(i: int) -> None:
-        stager.layout.fill_checked(
-            scratch, batch, reqs, tokens, ranges, read_device=True, read_table=read_table
-        )
+    storage = planner.storages.fresh(_DECODE)
+    real_tokens = batch.out_cache_loc.shape[0]
+    table = batch.req_to_token
+    tensors, region, error = storage.stage(batch, real_tokens, dims)
+    check = planner.storages.check(_DECODE, table, static=False)
+    outputs = storage.outputs(tensors)
+    check.run(region, reqs, dims["tokens"], table, error, outputs)  # the source fields
+    handles = run_steps(program.steps, tensors, batch, static=False)
+    whole = region.untyped_storage().nbytes() // region.element_size()  # the int32 arena
+    raw = storage.layout.size
+    # the write's own buffer: a stage()'s may still be in its copy
+    scratch = StepInputs(torch.zeros(raw, dtype=torch.int32), storage.layout)
 
     def sizes(i: int) -> dict[str, int]:
         longest, kv = lengths_max_sum(batch.seq_lens_cpu, program.next_n)
         return planner.dims(_DECODE, reqs, longest, tokens, kv)
 
-    fill(0)  # the host pass reads what the fill wrote
     out: Variants = {
         "door": lambda i: planner._validate(batch, device_reads=True),
         "dims": sizes,
-        "stage()": lambda i: storage.stage(
-            batch, reqs, dims, ranges, read_device=True, read_table=read_table
-        ),
-        "layout (kept)": lambda i: storage._layout(dims, reqs, host_pass),
-        "layout laid out anew (a new longest request)": lambda i: storage._lay_out(
-            dims, storage._stage_part(dims, reqs, host_pass), host_pass
-        ),
-        "fill + check": fill,
+        "stage()": lambda i: storage.stage(batch, real_tokens, dims),
+        "write inputs": lambda i: write_batch(scratch, batch, real_tokens),
+        "device check": lambda i: check.run(region, reqs, dims["tokens"], table, error, outputs),
+        "error read": lambda i: error.tolist(),
+        "device steps": lambda i: run_steps(program.steps, tensors, batch, static=False),
     }
-    if host_pass is not None:
-        out["host pass"] = lambda i: host_pass.run(scratch, layout.host, reqs, tokens)
-    if device.type != "cpu":  # on the CPU the plan's memory is the host buffer: no transfer
-        copies, dev = stager.transport, torch.empty(whole, dtype=torch.int32, device=device)
-
-        def transfer(i: int) -> None:
-            host, _ = copies.host(sent)
-            copies.send(host, dev, sent)
-
-        out["transfer"] = transfer
-    out["alloc + views"] = lambda i: layout.views(
-        torch.empty(whole, dtype=torch.int32, device=device), program.aliases
-    )
-    out["device steps"] = lambda i: run_steps(steps, tensors, batch, static=False, names=names)
-    for s in steps:
+    for s in program.steps:
         out[f"launch {s.key} ({s.provider.name})"] = lambda i, s=s: s.run(tensors, static=False)
     out["build plans"] = lambda i: build_plans(program, tensors, handles, dims)
-    pinned = torch.zeros(sent, dtype=torch.int32, pin_memory=device.type == "cuda")
-    target = torch.zeros(sent, dtype=torch.int32, device=device)
+    pinned = torch.zeros(raw, dtype=torch.int32, pin_memory=device.type == "cuda")
+    target = torch.zeros(raw, dtype=torch.int32, device=device)
     floors: Variants = {
-        "floor: torch.empty of the plan's int32 buffer": lambda i: torch.empty(
+        "floor: torch.empty of the plan's int32 arena": lambda i: torch.empty(
             whole, dtype=torch.int32, device=device
         ),
-        "floor: empty pinned copy_ of the staged size": lambda i: target.copy_(
+        "floor: empty pinned copy_ of the raw inputs' size": lambda i: target.copy_(
             pinned, non_blocking=True
         ),
     }
@@ -158,7 +143,7 @@ def measure(args: argparse.Namespace, bs: int, device: torch.device) -> list[dic
         device=str(device),
     )
     planner = Planner(["nsa"], limits, options={"nsa": {"topk": 2048}}, debug=False)
-    planner.plan(batch)  # lays out this batch's shape and compiles what the steps launch
+    planner.plan(batch)  # compiles what the steps launch
     grown = growing(table, bs, args.context, args.warmup + args.iters, rng)
     hand = HandWrittenNSA(bs, args.context, device, limits.num_sms, 2048)
     parts, floors = pieces(planner, batch)
@@ -182,9 +167,7 @@ def depth(name: str) -> int:
     """How far a piece sits under ``plan()`` in the table."""
     if name in PLAN_PARTS:
         return 1
-    if name in STAGE_PARTS or name.startswith("launch "):
-        return 2
-    return 3 if name.startswith("layout laid") else 0
+    return 2 if name in STAGE_PARTS or name.startswith("launch ") else 0
 
 
 def table_rows(rows: list[dict[str, Any]], batches: list[int]) -> list[list[str]]:

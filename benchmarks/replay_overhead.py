@@ -58,10 +58,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--staging",
         nargs="+",
-        choices=["graph", "copy"],
-        default=["graph", "copy"],
-        help="where the staged inputs go to the device: pulled by the graph itself "
-        "(staging_in_graph), or by a copy before its launch; several are interleaved step by step",
+        choices=["slot", "graph", "copy"],
+        default=["slot", "graph", "copy"],
+        help="how a step's inputs reach the device: written by the engine into the planner's "
+        "staging slot (Planner.step_inputs) and pulled by the graph, as the decode loop does; "
+        "a ForwardBatch the planner writes into the slot, pulled by the graph; or the same "
+        "sent by a copy before the launch. Several are interleaved step by step",
     )
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG bar chart here (needs matplotlib)")
@@ -96,6 +98,19 @@ def make_batch(
     )
     ids = torch.randint(0, 1000, (bs * n,), dtype=torch.int64)
     return batch, {"input_ids": ids.to(table.device)}  # sampled tokens live on the device
+
+
+def engine_writes(planner: Planner, batch: ForwardBatch) -> ForwardBatch:
+    """``batch`` written the way the decode loop's scheduler writes a step: straight into
+    the planner's staging slot (numpy views), the batch handed on being views of it."""
+    step = planner.step_inputs(ForwardMode(batch.mode))
+    n, t = batch.bs, batch.out_cache_loc.shape[0]
+    step.seq_lens[:n] = batch.seq_lens_cpu.numpy()
+    step.extend_lens[:n] = batch.next_n
+    step.req_pool_indices[:n] = batch.req_pool_indices.numpy()
+    step.out_cache_loc[:t] = batch.out_cache_loc.numpy()
+    step.set_counts(n, t, positions_given=False)
+    return step.batch(batch.req_to_token, batch.next_n)
 
 
 def light_forward(inputs: dict[str, torch.Tensor], plans: PlanSet) -> torch.Tensor:
@@ -135,10 +150,13 @@ def measure(
         order = names if i % 2 == 0 else names[::-1]
         for name in order:
             runner = runners[name]
+            step_batch = batch
+            if name == "slot":  # the engine's own writes, outside the timed step
+                step_batch = engine_writes(runner.planner, batch)
             before = dict(runner.stats.host_seconds)
             sync()
             t0 = time.perf_counter()
-            runner.step(batch, inputs)
+            runner.step(step_batch, inputs)
             t1 = time.perf_counter()
             sync()
             t2 = time.perf_counter()
@@ -178,11 +196,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         page_size=args.page_size,
         next_n=args.next_n,
         device=str(device),
+        kv_slots=(top + 1) * args.max_context,
     )
     table = make_table(top + 1, args.max_context, args.page_size, device)
     runners = {}
     for staging in dict.fromkeys(args.staging):
-        transport = PulledTransport if staging == "graph" else None
+        transport = PulledTransport if staging in ("slot", "graph") else None
         planner = Planner(args.backends, limits, debug=False, transport=transport)
         runners[staging] = GraphRunner(
             planner,

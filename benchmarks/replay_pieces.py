@@ -9,13 +9,15 @@ called alone, interleaved call by call with the whole replay and the floors
 piece is from its floor and what the replay spends outside its pieces (derived).
 
 The pieces (one captured decode size per batch size), as ``replay()`` makes them: the door's
-checks; staging's fill and range check of the inputs (``StagingLayout.fill_checked``); the
-transfer, by the copy (``CopyTransport``: the ring's next pinned buffer, its copy and
-event) or by the graph's pull (``graphs.PulledTransport``: the ring's slot and the tag
-published for the pull; no graph is launched here, so every replay refills one slot,
-the host's cost without a wait); the host ops, where the backends have any (FlashInfer's
-``plan``); the pointer check (``CapturedBatch.check_unmoved``). The floors: an empty pinned
-``copy_`` of the staged size and a ``data_ptr()`` over every plan tensor.
+checks; the batch written into the staging slot (``planner.step_inputs.write_batch``, here
+into a buffer of its own); the transfer (``Stager.send``), by the copy (``CopyTransport``:
+one asynchronous copy out of the slot and its event) or by the graph's pull
+(``graphs.PulledTransport``: the slot's tag published for the pull; no graph is launched
+here, so every replay refills one slot, the host's cost without a wait); the device check,
+where it runs outside the graph (a host op reads the staged values); the host ops, where the
+backends have any (FlashInfer's ``plan``); the pointer check
+(``CapturedStep.check_unmoved``). The floors: an empty pinned ``copy_`` of the staged size
+and a ``data_ptr()`` over every plan tensor.
 
     python3 -m benchmarks.replay_pieces --out $OUT/replay_pieces.json --plot $OUT/replay_pieces.png
 """
@@ -29,47 +31,46 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 import backends  # noqa: F401  (registers the backends)
 from benchmarks.common import machine, num_sms_of, plot_bars, print_table, time_paired, write_json
 from graphs import PulledTransport
 from planner import ForwardMode, Limits, Planner
-from planner.planner import run_steps
+from planner.captured import run_steps
+from planner.step_inputs import StepInputs, write_batch
 from tests.support.batches import make_pool, random_batch
 
 _DECODE = ForwardMode.DECODE
 Variants = dict[str, Callable[[int], Any]]
 TRANSPORTS = {"copy": None, "pulled": PulledTransport}
-PARTS = ("door", "fill + check", "transfer", "host ops", "pointer check")
+PARTS = ("door", "write slot", "transfer", "device check", "host ops", "pointer check")
 """What each replay is summed from, by name (after its transport's prefix)."""
 
 
 def pieces(planner: Planner, batch, bs: int, prefix: str) -> Variants:
     """The whole replay and each call it makes, as it makes them for ``batch``."""
     captured = planner._captured[(_DECODE, bs)]
-    stager = captured.storages[0].stager
-    transport, size, now = stager.transport, stager.size, captured.reads_staged
-    ranges, tokens, debug = captured.ranges, captured.dims["tokens"], planner.debug
+    stager, debug = captured.stager, planner.debug
     first = captured.steps[0]
-    kept = [(step.tensors, step.handles) for step in captured.steps]
-    # the fill's own buffer: the ring's may still be in a copy, or a pull's slot
-    scratch = np.zeros(size, dtype=np.int32)
+    now = not captured.checks_in_graph
+    tokens = batch.out_cache_loc.shape[0]
+    # the write's own buffer: the slot may still be in a copy, or a pull's
+    scratch = StepInputs(torch.zeros(stager.layout.size, dtype=torch.int32), stager.layout)
 
     def transfer(i: int) -> None:
-        host, _ = transport.host(size, now=now)
-        transport.send(host, stager.device_buf, size, now=now)
+        stager.inputs()
+        stager.send(now=now)
 
     out: Variants = {
         "replay() whole": lambda i: planner.replay(batch, bs),
         "door": lambda i: planner._validate(batch, device_reads=debug),
-        "fill + check": lambda i: stager.layout.fill_checked(
-            scratch, batch, bs, tokens, ranges, read_device=debug, read_table=debug
-        ),
+        "write slot": lambda i: write_batch(scratch, batch, tokens),
         "transfer": transfer,
-        "pointer check": lambda i: captured.check_unmoved(kept),
+        "pointer check": lambda i: first.check_unmoved(first.handles),
     }
+    if now:
+        out["device check"] = lambda i: first.check_inputs(captured.check, captured.error)
     if captured.host_steps:
         out["host ops"] = lambda i: run_steps(
             captured.host_steps, first.tensors, batch, static=True
@@ -79,7 +80,7 @@ def pieces(planner: Planner, batch, bs: int, prefix: str) -> Variants:
 
 def floors(planner: Planner, bs: int, device: torch.device) -> Variants:
     captured = planner._captured[(_DECODE, bs)]
-    size = captured.storages[0].stager.size
+    size = captured.stager.words
     host = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
     dev = torch.zeros(size, dtype=torch.int32, device=device)
     tensors = [t for step in captured.steps for _, t in step.named]

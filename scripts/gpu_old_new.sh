@@ -3,7 +3,8 @@
 # call (the host's speed drifts between calls, so only a comparison inside one call means
 # anything); results packed into $OUT/old_new.tar.gz with the log beside it.
 #
-#   git archive REV | tar -x -C .old          (here, before the call; .old is git-ignored)
+#   git archive REV | tar -x -C .old && echo REV > .old/REV   (here, before the call; .old
+#                                              is git-ignored: carry it; REV names it in the log)
 #   bash scripts/gpu_old_new.sh [STEP...]      (on the H200, repo root, carry .whl and .old)
 #
 # Steps (default: tests po refresh small). Each alternates the trees (old, new, new, old where
@@ -11,21 +12,35 @@
 #   tests     the GPU tests of what this tree changed (the work tree only)
 #   graph_tests  of those, the graph and staging-pull tests alone
 #   suite     the whole GPU suite (the work tree only)
-#   po        benchmarks/planner_overhead.py (this tree's script, run in both trees): eager
-#             plan() and replay() beside the hand-written paths, bs 1 8 64 256
+#   check     benchmarks/device_check.py: the device check's GPU time (the work tree only)
+#   po        benchmarks/planner_overhead.py (this tree's script, run in both trees; the old
+#             tree's own where it fails this one): eager plan() and replay() beside the
+#             hand-written paths, bs 1 8 64 256
 #   refresh   benchmarks/replay_overhead.py (each tree's own): the graph runner's refresh
 #   small     the decode loop, dsv32-small, 16 requests
 #   shapes    the decode loop, dsv32-shapes (61 layers), 64 requests
 #   arrivals  the decode loop under arrivals (configs/dsv32-small-arrivals.yaml), graphs on
+#   mixed     the same with mixing under ragged graphs (MIXED below: extend and mixed replays)
 #   eager     the same with --no-graphs: every decode step an eager plan
-# Each command is bounded by STEP_TIMEOUT seconds (default 150); stopped from outside (a
-# `timeout` around the whole script), it still packs what ran.
+# A step named STEP:TREE,TREE,... runs in that order instead of its own (small:new,old), so
+# a call can alternate rounds: refresh:old,new po small:old,new ... small:new,old.
+# Each command is bounded by STEP_TIMEOUT seconds (default 150); with BUDGET=S, by what is
+# left of S seconds from the script's start too, and a run is skipped (its .txt says so)
+# once less than MIN_LEFT (default 45) is left. Stopped from outside (a `timeout` around the
+# whole script), it still packs what ran. The pack holds every run's .txt and .json; beside
+# it $OUT/summary.txt, the old and new figures side by side (scripts/old_new_summary.py).
 set -u
 cd "$(dirname "$0")/.." || exit 1
-source scripts/device_prelude.sh || exit 1
+# installed already when the device command sourced the prelude itself (saves a reinstall)
+if [[ ":${PYTHONPATH:-}:" != *":/tmp/site:"* || ! -d /tmp/site/forward_planner-0.0.dist-info ]]; then
+    source scripts/device_prelude.sh || exit 1
+fi
 export PYTHONUNBUFFERED=1
 : "${OUT:?set OUT to the results folder}"
 T="${STEP_TIMEOUT:-150}"
+B="${BUDGET:-0}"
+# mixed prefill and decode steps under ragged graphs, the KV bound sized to a loaded step
+MIXED=(--set graphs.ragged=true --set loop.mixed=true --set planner.ragged_kv_tokens=262144)
 R="$OUT/old_new"
 NEW="$PWD"
 OLD="$PWD/.old"
@@ -36,24 +51,37 @@ need_old() {
 }
 
 pack() {  # also when a timeout stops the script: what ran so far comes back
+    { cat "$R/machine.txt" 2>/dev/null; python3 "$NEW/scripts/old_new_summary.py" "$R" 2>&1; } \
+        >"$OUT/summary.txt"
+    cp "$OUT/summary.txt" "$R/summary.txt"
     tar -C "$OUT" -czf "$OUT/old_new.tar.gz" old_new && rm -rf "$R"
     ls -la "$OUT"
+    cat "$OUT/summary.txt"
 }
 trap 'exit 143' TERM
 trap pack EXIT
 
 run_in() {  # run_in TREE NAME CMD...: CMD from TREE's root, TREE first on the path
-    local tree=$1 name=$2
+    local tree=$1 name=$2 t=$T
     shift 2
-    echo "=== $name ($tree): $*" | tee -a "$LOG"
+    if ((B > 0)); then  # within the budget: skip what cannot run, cut what would overrun
+        local left=$((B - SECONDS))
+        if ((left < ${MIN_LEFT:-45})); then
+            echo "skipped: $left s of BUDGET=$B left" | tee "$R/$name.txt" | sed "s/^/=== $name: /" | tee -a "$LOG"
+            return
+        fi
+        ((left - 5 < t)) && t=$((left - 5))
+    fi
+    echo "=== $name ($tree, limit $t s): $*" | tee -a "$LOG"
     local start=$SECONDS
-    (cd "$tree" && PYTHONPATH="$tree:/tmp/site" timeout "$T" "$@") >"$R/$name.txt" 2>&1
-    echo "=== $name: rc=$? in $((SECONDS - start)) s" | tee -a "$LOG"
+    (cd "$tree" && PYTHONPATH="$tree:/tmp/site" timeout -k 10 "$t" "$@") >"$R/$name.txt" 2>&1
+    echo "=== $name: rc=$? in $((SECONDS - start)) s (at $SECONDS s)" | tee -a "$LOG"
     tail -n 4 "$R/$name.txt" | tee -a "$LOG"
 }
 
-both() {  # both NAME ORDER CMD...: CMD in the trees in ORDER (e.g. "old new new old")
-    local name=$1 order=$2
+both() {  # both NAME ORDER CMD...: CMD in the trees in ORDER (e.g. "old new new old"), or
+    # in the order the step was named with (STEP_ORDER)
+    local name=$1 order=${STEP_ORDER:-$2}
     shift 2
     need_old
     local tree n
@@ -71,17 +99,32 @@ tests() {
         tests/gpu/test_triton_launch_gpu.py tests/gpu/test_deepgemm_gpu.py \
         tests/gpu/test_flashinfer_gpu.py tests/gpu/test_nsa_flashinfer_gpu.py
 }
-graph_tests() {  # the tests of the staging paths alone
-    run_in "$NEW" graph_tests python3 -m pytest -q -p no:cacheprovider -m gpu \
-        tests/gpu/test_graphs_gpu.py tests/gpu/test_staging_pull_gpu.py
+graph_tests() {  # the tests of the staging paths and the device check alone
+    run_in "$NEW" graph_tests python3 -m pytest -q -p no:cacheprovider -m "gpu or triton" \
+        tests/gpu/test_graphs_gpu.py tests/gpu/test_staging_pull_gpu.py \
+        tests/planner/test_device_check_triton.py tests/planner/test_bad_input_catalogue.py
+}
+check() {  # the device check's GPU time in a graph, beside the planner's record and the floor
+    run_in "$NEW" device_check python3 benchmarks/device_check.py --out "$R/device_check.json"
 }
 suite() {
     run_in "$NEW" suite python3 -m pytest -q -p no:cacheprovider -m gpu --maxfail=25 tests
 }
 po() {
-    cp "$NEW/benchmarks/planner_overhead.py" "$OLD/benchmarks/planner_overhead.py"
+    need_old
+    local script="$OLD/benchmarks/planner_overhead.py" own="$OLD/benchmarks/planner_overhead.py.own"
+    [[ -e $own ]] || cp "$script" "$own"
+    cp "$NEW/benchmarks/planner_overhead.py" "$script"
     both po "new old" python3 -m benchmarks.planner_overhead --iters 300 --flashinfer \
         --out @JSON@
+    # an old tree that refused this tree's script (an API it lacks) runs its own instead
+    if ! cmp -s "$own" "$script" && ls "$R"/po_old_*.txt >/dev/null 2>&1 \
+        && ! ls "$R"/po_old_*.json >/dev/null 2>&1; then
+        echo "=== po: the old tree failed this tree's script; its own instead" | tee -a "$LOG"
+        cp "$own" "$script"
+        STEP_ORDER=old both po "old" python3 -m benchmarks.planner_overhead --iters 300 \
+            --flashinfer --out @JSON@
+    fi
 }
 refresh() {
     both refresh "old new new old" python3 benchmarks/replay_overhead.py --iters 300 \
@@ -100,6 +143,10 @@ arrivals() {
     both arrivals "old new" python3 -m planner decode \
         --config "$NEW/configs/dsv32-small-arrivals.yaml" --quiet --json @JSON@
 }
+mixed() {
+    both mixed "new old" python3 -m planner decode \
+        --config "$NEW/configs/dsv32-small-arrivals.yaml" --quiet --json @JSON@ "${MIXED[@]}"
+}
 eager() {
     both eager "new old" python3 -m planner decode \
         --config "$NEW/configs/dsv32-small-arrivals.yaml" --no-graphs --quiet --json @JSON@
@@ -107,4 +154,12 @@ eager() {
 
 steps=("$@")
 [[ ${#steps[@]} -eq 0 ]] && steps=(tests po refresh small)
-for s in "${steps[@]}"; do "$s"; done
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    echo "host: $(nproc) cores; old tree: $(cat "$OLD/REV" 2>/dev/null || echo '?'); steps: ${steps[*]}"
+} | tee "$R/machine.txt" | tee -a "$LOG"
+for s in "${steps[@]}"; do
+    order=""
+    [[ $s == *:* ]] && order=${s#*:} && order=${order//,/ }
+    STEP_ORDER=$order "${s%%:*}"
+done
