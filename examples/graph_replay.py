@@ -1,9 +1,12 @@
 """Capture, record and replay a decode step with the planner, on the CPU (emulated graphs).
 
 Part 1 is the three phases by hand, what a graph runner does inside: ``planner.capture``
-makes plans over static buffers sized for a batch size, ``planner.record`` runs the
-graph-safe ops inside the graph capture (before the layers), and for every later batch
-``planner.replay`` refreshes those same plan objects in place before ``graph.replay()``.
+makes plans over static buffers sized for a batch size, ``planner.record`` records the
+device check of the step's inputs and the graph-safe ops inside the graph capture (before
+the layers), and for every later batch ``planner.replay`` sends the step's inputs (written
+once into the planner's staging slot, by the engine itself through ``planner.step_inputs``
+or from a ``ForwardBatch``) before ``graph.replay()``. ``planner.read`` reads the step's
+outputs with the check's error word: a bad batch is refused there, naming the field.
 
 Part 2 is ``graphs.GraphRunner``, the way an engine's decode loop uses it: capture sizes
 (a ladder up to ``max_batch``), batches of varying sizes padded up to the next captured
@@ -17,13 +20,14 @@ a real graph does not), so this runs anywhere in a second or two:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
 
 from backends.paged import paged_attention
 from graphs import EmulatedGraph, EmulatedPool, GraphRunner, GraphWarning, capture_ladder
-from planner import ForwardBatch, ForwardMode, Limits, Planner, PlanSet
+from planner import BatchError, ForwardBatch, ForwardMode, Limits, Planner, PlanSet
 
 MAX_BATCH, MAX_CONTEXT, PAGE, HEADS, DIM = 8, 128, 16, 2, 8
 SLOTS = (MAX_BATCH + 1) * MAX_CONTEXT
@@ -69,9 +73,8 @@ def decode_batch(table: torch.Tensor, bs: int, step: int) -> tuple[ForwardBatch,
 
 
 def by_hand(table: torch.Tensor) -> None:
-    planner = Planner(
-        ["paged"], Limits(max_batch=MAX_BATCH, max_context=MAX_CONTEXT, page_size=PAGE)
-    )
+    limits = Limits(max_batch=MAX_BATCH, max_context=MAX_CONTEXT, page_size=PAGE, kv_slots=SLOTS)
+    planner = Planner(["paged"], limits)
     model, bs = TinyModel(), 4
     static = planner.capture(bs, req_to_token=table)  # plans over static buffers, dummy batch
     ids = torch.zeros(bs, dtype=torch.int64)  # the graph's static model input
@@ -83,11 +86,34 @@ def by_hand(table: torch.Tensor) -> None:
 
     out = graph.capture(body, pool=pool)
     batch, inputs = decode_batch(table, 3, step=0)  # 3 requests replay the size-4 graph
-    plans = planner.replay(batch, bs)  # refreshed in place: the very objects captured
+    plans = planner.replay(batch, bs)  # written into the staging slot and sent; no value read
     ids[:3].copy_(inputs["input_ids"])
-    graph.replay()
+    graph.replay()  # the device checks the inputs, pads, then the ops and the layers
     planner.graph_launched()  # a no-op unless the graph pulls its own inputs
-    print("by hand: replay returned the captured plans:", plans is static)
+    tokens = planner.read(out.argmax(dim=-1))  # the outputs and the check's word, one copy
+    print("by hand: replay returned the captured plans:", plans is static, "tokens:", tokens[:3])
+
+    # An engine writes each step once, into the planner's slot: no batch tensors at all.
+    step = planner.step_inputs()  # typed views of the pinned slot the next replay sends
+    step.seq_lens[:2] = [12, 30]  # KV lengths, this step's token included
+    step.extend_lens[:2] = 1  # one new token each (decode)
+    step.req_pool_indices[:2] = [1, 2]
+    step.out_cache_loc[:2] = [table[1, 11], table[2, 29]]
+    step.set_counts(2, 2, positions_given=False)  # positions: derived on the device
+    planner.replay(step.batch(table), bs)
+    graph.replay()
+    planner.read(out.argmax(dim=-1))  # clean: nothing raised
+
+    # A bad batch is refused by the device check: no op reads its rows (they hold the pads)
+    # and the refusal comes with the step's outputs, naming the field, the row and the value.
+    bad, _ = decode_batch(table, 2, step=0)
+    bad = dataclasses.replace(bad, out_cache_loc=torch.tensor([5, SLOTS + 7], dtype=torch.int32))
+    planner.replay(bad, bs)
+    graph.replay()
+    try:
+        planner.read(out.argmax(dim=-1))
+    except BatchError as err:
+        print("by hand: refused at read:", err)
     print("by hand: padded seq_lens:", plans["paged"].seq_lens.tolist(), "rows out:", len(out))
 
 
