@@ -62,24 +62,6 @@ def dummy_batch(
     )
 
 
-def slot_batch(inputs: StepInputs, like: ForwardBatch) -> ForwardBatch:
-    """The batch an engine wrote into a slot, for host ops that read host lengths: views of
-    the slot, no copy."""
-    reqs, tokens = inputs.reqs, inputs.tokens
-    view = lambda a, n: torch.from_numpy(a[:n])  # noqa: E731
-    return ForwardBatch(
-        seq_lens_cpu=view(inputs.seq_lens, reqs),
-        req_pool_indices=view(inputs.req_pool_indices, reqs),
-        req_to_token=like.req_to_token,
-        out_cache_loc=view(inputs.out_cache_loc, tokens),
-        mode=like.mode,
-        next_n=like.next_n,
-        extend_lens_cpu=view(inputs.extend_lens, reqs)
-        if like.extend_lens_cpu is not None
-        else None,
-    )
-
-
 def bind_batch(tensors: Tensors, batch: ForwardBatch) -> None:
     """The batch's own tensors that ops read in place: the token table, the host lengths."""
     for name in BATCH_TABLES:
@@ -179,15 +161,14 @@ class CapturedBatch:
         """The host slot's regions the next replay sends (one per step)."""
         return self.stager.inputs()
 
-    def refresh(self, batches: Sequence[ForwardBatch] | None) -> None:
+    def refresh(self, batches: Sequence[ForwardBatch], *, written: bool = False) -> None:
         """A replay's work over these captured tensors: write ``batches`` (the batch, or a
-        stepped batch's steps; None: the engine wrote the slot itself) into the slot, send
-        it, run what is not in the graph, and check nothing moved."""
+        stepped batch's steps) into the slot (unless ``written``: the engine wrote it there),
+        send it, run what is not in the graph, and check nothing moved."""
         stager = self.stager
-        regions = stager.inputs()
         pending = {}
-        if batches is not None:
-            for r, (region, batch) in enumerate(zip(regions, batches)):
+        if not written:
+            for r, (region, batch) in enumerate(zip(stager.inputs(), batches)):
                 left = write_batch(region, batch, batch.out_cache_loc.shape[0])
                 if left:
                     pending[r] = dict(left)
@@ -200,7 +181,7 @@ class CapturedBatch:
         for i, step in enumerate(self.steps):
             handles = {}
             if self.host_steps:
-                batch = batches[i] if batches is not None else slot_batch(regions[i], step.dummy)
+                batch = batches[i]
                 if self.host_reads_lengths:
                     check_host_lengths(batch, self.check.bounds.ranges)
                 handles = run_steps(self.host_steps, step.tensors, batch, static=True)

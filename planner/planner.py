@@ -490,13 +490,10 @@ class Planner:
             tokens = self._replay_tokens(batch, real_tokens, mode, tokens)
         captured = self._captured_for(shape, bs, tokens)  # an idle batch's: its shape's
         captured.check_table(batch.req_to_token)
-        if shape.stepped:
-            batches = batches_of(batch)
-        elif batch.inputs is not None and batch.inputs is captured.inputs()[0]:
-            batches = None  # the engine wrote the slot itself
-        else:
-            batches = [batch]
-        captured.refresh(batches)
+        batches = batches_of(batch) if shape.stepped else [batch]
+        # the engine wrote the step into this slot itself: it is sent as it is
+        written = batch.inputs is not None and batch.inputs is captured.inputs()[0]
+        captured.refresh(batches, written=written)
         self._last = captured
         captured.plans.mark("replay", mode, real)
         runs = len(captured.steps)
