@@ -63,6 +63,16 @@ class Run:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         return out, err, time.monotonic() - since
 
+    def started(self, processes: int, within: float = 60.0) -> float:
+        """Wait until the job's session holds ``processes`` processes (the launcher and what
+        it started): the seconds since the start, for :meth:`ctrl_c`."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if len(_session(self.proc.pid)) >= processes:
+                return time.monotonic() - self.start
+            time.sleep(0.02)
+        raise AssertionError(f"the job never held {processes} processes in {within} s")
+
     def leaves_nothing(self, within: float = 15.0) -> bool:
         """Whether every process of the job is gone (reaped), waiting up to ``within`` s: a
         rank left running would still be in the session's process group."""
@@ -74,6 +84,22 @@ class Run:
                 return True
             time.sleep(0.1)
         return False
+
+
+def _session(sid: int) -> list[int]:
+    """The processes of session ``sid`` (``/proc/PID/stat``'s sixth field)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[3]) == sid:
+            found.append(int(entry))
+    return found
 
 
 def _one_line(err: str) -> str:
@@ -136,8 +162,9 @@ def test_a_second_ctrl_c_kills_every_rank_at_once():
     """Two presses at a terminal (the whole process group), while the ranks start: the
     launcher kills them on the second and ends with one line; no rank is left behind."""
     run = Run(*LONG, "--dp-attention", "2")
-    run.ctrl_c(2)
-    run.ctrl_c(2.5)
+    at = run.started(3)  # the launcher and a rank at least: the ranks are starting
+    run.ctrl_c(at)
+    run.ctrl_c(at + 0.5)
     out, err, took = run.finish()
     assert run.proc.returncode == INTERRUPTED, err
     assert _one_line(err) == f"{INTERRUPTED_PREFIX} (Ctrl-C): stopped at once"
