@@ -447,10 +447,13 @@ def _check(
         else:
             offset, source, pad = o7, s7, p7
         per_req = tl.where(source == 0, seq, tl.where(source == 1, ext, pool))
-        tl.store(out_ptr + offset + r, tl.where(real_r & ok, per_req, pad), mask=rm & (source < 3))
+        per_req_source = (r * 0 + source) < 3  # a block: the interpreter takes no scalar mask
+        tl.store(
+            out_ptr + offset + r, tl.where(real_r & ok, per_req, pad), mask=rm & per_req_source
+        )
         for start in range(0, tokens, BLOCK_T):
             t = start + tl.arange(0, BLOCK_T)
-            tm = (t < tokens) & (source >= 3)
+            tm = (t < tokens) & ((t * 0 + source) >= 3)
             keep = tm & (t < n_tok) & ok
             slot = tl.load(region_ptr + o_slot + t, mask=tm, other=0)
             before = (starts[None, :] <= t[:, None]) & opens[None, :]
