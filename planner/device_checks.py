@@ -188,9 +188,7 @@ class InputCheck:
         error: torch.Tensor,
         outputs: Mapping[tuple[str, int], torch.Tensor],
     ) -> None:
-        """Check ``region`` (the raw inputs on the device) as a batch of a bucket of ``reqs``
-        requests and ``tokens`` tokens, write the error word into ``error`` unless it holds
-        one, and the source fields ``outputs``."""
+        """:meth:`run` as torch ops: the exact reference, graph-safe on any device."""
         b, off = self.bounds, self.layout.offsets
         counts, given = region[0:2], region[2] != 0
         seq = region[off["seq_lens"] : off["seq_lens"] + reqs]

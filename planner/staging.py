@@ -16,7 +16,6 @@ read it has run.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -24,20 +23,6 @@ import torch
 from planner.batch import ForwardMode
 from planner.device_checks import Bounds
 from planner.step_inputs import InputLayout, StepInputs
-
-
-@dataclass(frozen=True)
-class Ranges:
-    """Inclusive ``(lo, hi)`` of each staged input."""
-
-    seq_lens: tuple[int, int]
-    extend_lens: tuple[int, int]
-    req_pool_indices: tuple[int, int]
-    out_cache_loc: tuple[int, int]
-    positions: tuple[int, int]
-
-    def __getitem__(self, source: str) -> tuple[int, int]:
-        return getattr(self, source)
 
 
 def input_bounds(
@@ -55,15 +40,14 @@ def input_bounds(
     its rows past them padding. ``kv_bound``: a captured ragged bucket's bound on the KV."""
     given = mode.ragged or mode.padded_rows
     extend = (1, max_context if mode.ragged else next_n) if given else (next_n, next_n)
-    ranges = Ranges(
-        seq_lens=(extend[0], min(max_context, table.shape[1])),
-        extend_lens=extend,
-        req_pool_indices=(0, table.shape[0] - 1),
-        out_cache_loc=(0, (kv_slots if kv_slots is not None else 2**31) - 1),
-        positions=(0, max_context - 1),
-    )
     return Bounds(
-        ranges={name: ranges[name] for name in ranges.__dataclass_fields__},
+        ranges={  # inclusive (lo, hi) of each input
+            "seq_lens": (extend[0], min(max_context, table.shape[1])),
+            "extend_lens": extend,
+            "req_pool_indices": (0, table.shape[0] - 1),
+            "out_cache_loc": (0, (kv_slots if kv_slots is not None else 2**31) - 1),
+            "positions": (0, max_context - 1),
+        },
         max_context=max_context,
         table_width=table.shape[1],
         kv_slots=kv_slots,
