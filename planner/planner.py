@@ -450,6 +450,10 @@ class Planner:
             self._errors = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=self.device)
         return self._errors
 
+    def stages(self, mode: ForwardMode) -> bool:
+        """Whether ``mode`` has a staging slot (it was captured): :meth:`step_inputs` takes it."""
+        return self.storages.captured(ForwardMode(mode)) is not None
+
     def step_inputs(self, mode: ForwardMode = ForwardMode.DECODE) -> StepInputs:
         """Where the engine writes the next step of ``mode`` (captured first): typed views of
         the staging slot the next :meth:`replay` of that mode sends. Write rows ``[0, n)`` of

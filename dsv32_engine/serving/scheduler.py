@@ -21,7 +21,7 @@ from planner.step_inputs import StepInputs
 def slot_for(planner: Planner, mode: ForwardMode) -> StepInputs | None:
     """The planner's staging slot of the next ``mode`` step, where that mode is captured
     (the step is then written once, there); None otherwise."""
-    return planner.step_inputs(mode) if planner.captured_batch_sizes(mode) else None
+    return planner.step_inputs(mode) if planner.stages(mode) and not mode.stepped else None
 
 
 class Scheduler:
