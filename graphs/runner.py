@@ -34,6 +34,7 @@ from planner.batch import RAGGED_MODES, ForwardBatch, ForwardMode
 from planner.errors import BatchError, ConfigError, GraphSafetyError, PlanWriteError, ReplayError
 from planner.planner import Planner
 from planner.plans import PlanSet
+from planner.step_reads import PendingRead
 
 Forward = Callable[[dict[str, torch.Tensor], PlanSet], Any]
 """``forward(inputs, plans) -> Tensor | dict[str, Tensor]``: one model step over the plans."""
@@ -402,6 +403,11 @@ class GraphRunner:
         """``values`` (a step's outputs) on the host, read with the planner's error word in
         one copy (``Planner.read``): a refused batch raises here, none of its outputs read."""
         return self.planner.read(values)
+
+    def read_later(self, values: torch.Tensor) -> PendingRead:
+        """:meth:`read` started now and taken later (``Planner.read_later``): a loop that
+        runs a step ahead reads step N's outputs after it launched step N+1."""
+        return self.planner.read_later(values)
 
     def _eager(self, batch: ForwardBatch, inputs: Mapping[str, torch.Tensor], reason: str) -> Any:
         self._warn_fallback(

@@ -63,6 +63,7 @@ from planner.schema import Plan
 from planner.settings import check_forced, check_options
 from planner.staging import TransportFactory
 from planner.step_inputs import StepInputs, write_batch
+from planner.step_reads import PendingRead
 from planner.storage import Storages
 
 
@@ -137,6 +138,7 @@ class Planner:
         """The capture the last replay staged into (its graph's launch comes next)."""
         self._warmed = False
         self._errors: torch.Tensor | None = None
+        self._reads = 0  # reads started (read_later): each one's number, for errors
         check_forced(self._programs.values(), self.forced)
 
     # ---- building -------------------------------------------------------------------------
@@ -514,20 +516,20 @@ class Planner:
             self.errors.zero_()
             self._raise_for(word, self.storages.check_by_id(int(word[6])))
 
+    def read_later(self, values: torch.Tensor) -> PendingRead:
+        """Start the read of ``values`` (a step's outputs, e.g. its sampled tokens) with
+        :attr:`errors`, in one asynchronous device-to-host copy behind the step, and return
+        at once: :meth:`PendingRead.get` waits for that copy alone and raises a refusal of
+        the device check, naming the field, the row and the value (``planner.step_reads``).
+        An engine that runs a step ahead gets step N's after it launched step N+1."""
+        read = PendingRead(values, self.errors, self.raise_for, self._reads)
+        self._reads += 1
+        return read
+
     def read(self, values: torch.Tensor) -> list:
-        """``values`` (a step's outputs, e.g. its sampled tokens) on the host, as
-        ``values.tolist()`` gives them, read in one device-to-host copy with :attr:`errors`:
-        a batch the device check refused since the last read raises here, naming the field,
-        the row and the value, and none of those outputs is returned."""
-        word = self.errors
-        flat = torch.cat([values.reshape(-1).to(torch.int64), word.to(torch.int64)]).tolist()
-        n = len(flat) - word.numel()
-        self.raise_for(flat[n:])
-        if values.dim() == 0:
-            return flat[0]
-        if values.dim() == 1:
-            return flat[:n]
-        return torch.tensor(flat[:n]).view(values.shape).tolist()
+        """``values`` on the host, as ``values.tolist()`` gives them: :meth:`read_later`,
+        then its ``get``, which raises a refusal before it returns any of them."""
+        return self.read_later(values).get()
 
     def read_errors(self) -> None:
         """Read :attr:`errors` now (a synchronisation) and raise what it holds."""

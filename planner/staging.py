@@ -16,7 +16,7 @@ read it has run.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -98,12 +98,18 @@ class CopyTransport:
     name = "copy"
     SLOTS = 2
 
-    def __init__(self, words: int, device: torch.device) -> None:
+    def __init__(
+        self, words: int, device: torch.device, *, events: Callable[[], Any] | None = None
+    ) -> None:
+        """``events``: what makes each slot's event (``torch.cuda.Event`` on CUDA, none on
+        the CPU, whose copies are done when they return; a test's delayed device)."""
         pinned = device.type == "cuda"
         self.slots = [
             torch.zeros(words, dtype=torch.int32, pin_memory=pinned) for _ in range(self.SLOTS)
         ]
-        self._events = [torch.cuda.Event() if pinned else None for _ in range(self.SLOTS)]
+        if events is None and pinned:
+            events = torch.cuda.Event
+        self._events = [events() if events is not None else None for _ in range(self.SLOTS)]
         self._next = 0
         self.copies = 0
 
@@ -116,7 +122,7 @@ class CopyTransport:
     def send(self, index: int, dev: torch.Tensor, *, now: bool = True) -> None:
         host = self.slots[index]
         event = self._events[index]
-        dev.copy_(host, non_blocking=event is not None)
+        dev.copy_(host, non_blocking=host.is_pinned())
         if event is not None:
             event.record()
         self._next = (index + 1) % self.SLOTS
@@ -156,6 +162,8 @@ class Stager:
         ]
         """Each slot's regions as :class:`StepInputs`, made once."""
         self._taken: int | None = None
+        self.steps = 0
+        """Slots sent so far: the step number the next send names."""
 
     def region(self, buffer: torch.Tensor, r: int) -> torch.Tensor:
         size = self.layout.size
@@ -165,6 +173,8 @@ class Stager:
         """The regions of the slot the next step writes (the same until it is sent)."""
         if self._taken is None:
             self._taken = self.transport.take()
+            for view in self.views[self._taken]:
+                view.sent = None
         return self.views[self._taken]
 
     def send(self, *, now: bool) -> None:
@@ -172,3 +182,6 @@ class Stager:
         index = self._taken if self._taken is not None else self.transport.take()
         self._taken = None
         self.transport.send(index, self.device_buf, now=now)
+        for view in self.views[index]:
+            view.sent = (index, self.steps)  # written again only once handed out anew
+        self.steps += 1

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from planner.batch import SOURCES, ForwardBatch, ForwardMode
-from planner.errors import BatchError
+from planner.errors import BatchError, ReplayError
 
 HEADER = ("reqs", "tokens", "positions_given", "reserved")
 """The words before the inputs: real requests, real query tokens, whether the engine wrote
@@ -83,6 +83,9 @@ class StepInputs:
                 actual=f"{buffer.dtype} {tuple(buffer.shape)}",
             )
         self.buffer, self.layout, self.mode = buffer, layout, mode
+        self.sent: tuple[int, int] | None = None
+        """(slot, step) once the stager sent this slot with that step, until it hands the
+        slot out again: a write then would race the transfer (:meth:`set_counts` refuses)."""
         words = buffer.numpy()
         self.header = words[: len(HEADER)]
         self.addresses: dict[str, int] = {}
@@ -105,7 +108,18 @@ class StepInputs:
     def set_counts(self, reqs: int, tokens: int, *, positions_given: bool = True) -> None:
         """The step's real requests and query tokens; ``positions_given`` False lets the
         device derive the positions from the lengths (the last ``extend_lens[b]`` of each
-        request's ``seq_lens[b]``)."""
+        request's ``seq_lens[b]``). Refused on a slot already sent: a loop that runs ahead
+        must take each step's slot anew (``Planner.step_inputs``), never keep an old one."""
+        if self.sent is not None:
+            slot, step = self.sent
+            raise ReplayError(
+                f"{self.mode.value} staging slot {slot} was written after step {step} sent "
+                "it: its transfer may not have run yet. Take each step's slot from "
+                "Planner.step_inputs after the last replay, never an earlier step's",
+                field="step_inputs",
+                expected="the slot handed out for this step",
+                actual=f"slot {slot}, sent with step {step}",
+            )
         for name, value, cap in (
             ("reqs", reqs, self.layout.max_reqs),
             ("tokens", tokens, self.layout.max_tokens),
