@@ -162,6 +162,22 @@ def _add_decode(sub: Any) -> None:
     )
     p.add_argument("--no-graphs", action="store_true", help="run every step eagerly")
     p.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the loop one step ahead: launch step N+1 before reading step N's tokens "
+        "(override loop.overlap; default auto: on CUDA, off on the CPU and with speculative "
+        "decoding); --no-overlap waits for each step's tokens, for debugging",
+    )
+    p.add_argument(
+        "--gpu-busy",
+        type=count,
+        metavar="STEPS",
+        help="profile the GPU's activity over STEPS loop steps (from step 20) and report its "
+        "busy fraction: device time per step over the unprofiled pace of the other steps "
+        "(CUDA only)",
+    )
+    p.add_argument(
         "--staging",
         choices=("auto", "graph", "copy"),
         help="how a replay's staged inputs reach the device (override planner.staging_in_graph): "

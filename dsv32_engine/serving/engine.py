@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -29,10 +29,14 @@ from dsv32_engine.serving.scheduler import Scheduler, slot_for
 from dsv32_engine.serving.speculative import Speculation
 from graphs import GraphRunner, PulledTransport
 from planner.batch import ForwardBatch, ForwardMode
-from planner.errors import ConfigError
+from planner.errors import ConfigError, ReplayError
 from planner.limits import Limits
 from planner.planner import Planner
 from planner.plans import PlanSet
+from planner.step_reads import PendingRead
+
+if TYPE_CHECKING:
+    from dsv32_engine.serving.busy import GpuBusy
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,31 @@ class DumpSettings:
     directory: Path
     every: int = 1
     keep: int = 8
+
+
+@dataclass
+class Launched:
+    """A forward launched whose sampled tokens are still on their way to the host: taken by
+    :meth:`DecodeEngine._take`, at once in the synchronous loop, a loop step later in the
+    overlapped one."""
+
+    read: PendingRead
+    rows: list[tuple[Request, bool, bool]]
+    """Each output row's request, whether the forward fed it prompt tokens, and whether its
+    token is kept (the prompt is done)."""
+    mode: ForwardMode
+    started: float
+    """perf_counter when its launch began."""
+    forward: int
+    """Its forward step number (``DecodeEngine.forward_steps`` at launch), for errors."""
+    prefilled: int = 0
+    """Prompt tokens it fed."""
+    fed_from_device: list[tuple[int, Request, int]] = field(default_factory=list)
+    """Debug mode: each input id read from the device, as (row, request, position)."""
+    ids: torch.Tensor | None = None
+    """Debug mode: the input ids it fed (on the device)."""
+    after: Callable[[], None] | None = None
+    """What runs once its tokens are taken (the MTP draft's prefill over its plans)."""
 
 
 @dataclass
@@ -65,13 +94,19 @@ class RunResult:
     prefill_steps: int = 0
     wall_seconds: float = 0.0
     step_seconds: Samples = field(default_factory=Samples)
-    """Wall time of each decode (or verify) graph step (the latest ones, and the mean of all)."""
+    """Wall time of each decode (or verify) graph step (the latest ones, and the mean of all):
+    from its launch, or the previous forward's tokens if they came later (a loop one step
+    ahead), to its own tokens."""
+    loop_step_seconds: Samples = field(default_factory=Samples)
+    """Wall time of each loop step (the pace the GPU-busy fraction is measured against)."""
     steps_by_mode: Counter = field(default_factory=Counter)
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     ttft_seconds: Samples = field(default_factory=Samples)
+    gpu_busy: dict | None = None
+    """The GPU's busy fraction over a profiled window (``run(busy=...)``), else None."""
     summary: dict = field(default_factory=dict)
 
 
@@ -173,6 +208,14 @@ class DecodeEngine:
         if self.speculation is not None and self.speculation.mtp is not None:
             self.speculation.mtp.set_batch_invariant(p.batch_invariant)
         self.wants_hidden = self.speculation is not None and self.speculation.wants_hidden
+        self.overlap, self.overlap_reason = resolve_overlap(
+            config.loop.overlap, self.device, spec.enabled
+        )
+        self._ahead: list[Launched] = []
+        """The forwards the current loop step launched, taken at the next (overlap)."""
+        self._last_taken = 0.0
+        self._done: list[Request] = []
+        """Requests whose last token was taken since the end of the last step."""
         self.forward_steps = 0
         self._warmed_up = False
         self.warm_up_forwards = 0
@@ -240,7 +283,9 @@ class DecodeEngine:
         running = self.scheduler.running
         work = self._prefill_work(running)
         prefilling = {id(r) for r, _ in work}
-        decoding = [r for r in running if not r.prefilling and id(r) not in prefilling]
+        decoding = [
+            r for r in running if not r.prefilling and not r.spent and id(r) not in prefilling
+        ]
         if work and decoding and self.config.loop.mixed:
             return work + [(r, 1) for r in decoding], ForwardMode.MIXED, []
         return work, ForwardMode.EXTEND, decoding
@@ -248,55 +293,177 @@ class DecodeEngine:
     def _extend_step(
         self, work: list[tuple[Request, int]], mode: ForwardMode, result: RunResult
     ) -> None:
-        """Feed each request's chunk; keep the next token of those whose prompt is now done."""
+        """Launch each request's chunk; the token after it is kept where the prompt is done."""
         t0 = time.perf_counter()
         slot = slot_for(self.planner, mode)
-        batch, ids = self.scheduler.build_extend(work, mode, inputs=slot)
-        out = self._forward_step(batch, ids, result)
-        best = self.runner.read((out["logits"] if isinstance(out, dict) else out).argmax(dim=-1))
+        ids_of = self.scheduler.token_ids
+        batch, ids = self.scheduler.build_extend(work, mode, inputs=slot, last_on_device=True)
+        checks = self._fed_from_device(work) if self.planner.debug else []
         firsts = [request.fed for request, _ in work]
-        now = time.perf_counter()
-        prefilled = 0
-        for (request, n), token in zip(work, best):
+        out = self._forward_step(batch, ids, result)
+        best = (out["logits"] if isinstance(out, dict) else out).argmax(dim=-1)
+        ids_of.sampled(ids_of.rows([request.pool_idx for request, _ in work]), best)
+        rows, prefilled = [], 0
+        for request, n in work:
             was_prefill = request.prefilling
             request.prefill_steps += was_prefill
             request.fed += n
             prefilled += n if was_prefill else 0
-            if not request.prefilling:  # the logits predict a kept token
-                if request.first_token_at is None:
-                    result.ttft_seconds.append(now - request.arrived_at)
-                request.take(token, now)
-                if not was_prefill:
-                    result.decode_tokens += 1
+            kept = not request.prefilling  # the logits predict a kept token
+            request.in_flight += kept
+            rows.append((request, was_prefill, kept))
+        after = None
         if self.speculation is not None and isinstance(out, dict):  # the MTP draft's prefill
-            self.speculation.prefilled(work, firsts, self.runner.last_plans, out["hidden"])
-            now = time.perf_counter()
-        result.prefill_tokens += prefilled
-        result.prefill_seconds += now - t0
-        if mode is ForwardMode.MIXED:
-            result.decode_seconds += now - t0
-        result.prefill_steps += 1
+            after = partial(
+                self.speculation.prefilled, work, firsts, self.runner.last_plans, out["hidden"]
+            )
+        self._launched(
+            Launched(
+                self.runner.read_later(best),
+                rows,
+                mode,
+                t0,
+                self.forward_steps - 1,
+                prefilled,
+                checks,
+                ids if checks else None,
+                after,
+            ),
+            result,
+        )
 
     def _decode_step(self, requests: list[Request], result: RunResult) -> None:
-        """One decode step through the graph runner, or a speculative round."""
-        t0 = time.perf_counter()
+        """Launch one decode step through the graph runner, or run a speculative round."""
         if self.speculation is not None:
+            t0 = time.perf_counter()
             target = partial(self._forward_step, result=result)
             result.decode_tokens += self.speculation.verify(requests, target, time.perf_counter)
+            self._done += [request for request in requests if request.done]
             self._draft_extend()
-        else:
-            slot = slot_for(self.planner, ForwardMode.DECODE)
-            batch, ids = self.scheduler.build(requests, ForwardMode.DECODE, 1, inputs=slot)
-            best = self.runner.read(self._forward_step(batch, ids, result).argmax(dim=-1))
             now = time.perf_counter()
-            for request, token in zip(requests, best):
-                request.take(token, now)
-                request.fed += 1
-            result.decode_tokens += len(requests)
+            result.step_seconds.append(now - t0)
+            result.decode_seconds += now - t0
+            result.decode_steps += 1
+            return
+        t0 = time.perf_counter()
+        slot = slot_for(self.planner, ForwardMode.DECODE)
+        ids_of = self.scheduler.token_ids
+        batch, ids = self.scheduler.build(
+            requests, ForwardMode.DECODE, 1, inputs=slot, last_on_device=True
+        )
+        work = [(request, 1) for request in requests]
+        checks = self._fed_from_device(work) if self.planner.debug else []
+        best = self._forward_step(batch, ids, result).argmax(dim=-1)
+        ids_of.sampled(ids_of.rows([request.pool_idx for request in requests]), best)
+        for request in requests:
+            request.fed += 1
+            request.in_flight += 1
+        rows = [(request, False, True) for request in requests]
+        self._launched(
+            Launched(
+                self.runner.read_later(best),
+                rows,
+                ForwardMode.DECODE,
+                t0,
+                self.forward_steps - 1,
+                fed_from_device=checks,
+                ids=ids if checks else None,
+            ),
+            result,
+        )
+
+    # ---- taking tokens: at once, or a loop step later ---------------------------------------
+
+    def _launched(self, launched: Launched, result: RunResult) -> None:
+        """A forward was launched: its tokens are taken now, or (overlap) once the next loop
+        step has launched its own forwards."""
+        if self.overlap:
+            self._ahead.append(launched)
+        else:
+            self._take(launched, result)
+
+    def _begin_step(self) -> list[Launched]:
+        """The forwards the previous loop step launched, to take at this one's end."""
+        previous, self._ahead = self._ahead, []
+        return previous
+
+    def _end_step(self, previous: list[Launched], result: RunResult) -> list[Request]:
+        """Take the previous step's tokens (this step's forwards are launched by now) and
+        release the requests whose last token is launched; the requests whose last token
+        was read (finished)."""
+        for launched in previous:
+            self._take(launched, result)
+        sched = self.scheduler
+        for request in [r for r in sched.running if r.spent]:
+            sched.release(request)
+        done, self._done = self._done, []
+        return done
+
+    def _take(self, launched: Launched, result: RunResult) -> None:
+        """A launched forward's sampled tokens, read (waiting for their copy alone), kept."""
+        tokens = launched.read.get()
         now = time.perf_counter()
-        result.step_seconds.append(now - t0)
-        result.decode_seconds += now - t0
-        result.decode_steps += 1
+        if launched.fed_from_device:
+            self._check_fed(launched)
+        for (request, was_prefill, kept), token in zip(launched.rows, tokens):
+            if not kept:
+                continue
+            request.in_flight -= 1
+            if request.first_token_at is None:
+                result.ttft_seconds.append(now - request.arrived_at)
+            request.take(token, now)
+            result.decode_tokens += not was_prefill
+            if request.done:
+                self._done.append(request)
+        # From its launch, or from the previous forward's tokens where those came later (a
+        # step ahead): the time this forward added, so overlapped forwards are not summed.
+        seconds = now - max(launched.started, self._last_taken)
+        self._last_taken = now
+        if launched.mode is ForwardMode.DECODE:
+            result.step_seconds.append(seconds)
+            result.decode_seconds += seconds
+            result.decode_steps += 1
+        else:
+            result.prefill_tokens += launched.prefilled
+            result.prefill_seconds += seconds
+            result.decode_seconds += seconds if launched.mode is ForwardMode.MIXED else 0.0
+            result.prefill_steps += 1
+        if launched.after is not None:
+            launched.after()
+
+    def _fed_from_device(self, work: list[tuple[Request, int]]) -> list[tuple[int, Request, int]]:
+        """Debug mode: the rows of ``work`` whose input id the device supplies (the token
+        each request sampled last), as (row, request, position)."""
+        out, row = [], 0
+        for request, n in work:
+            for position in range(request.fed, request.fed + n):
+                if position >= len(request.prompt):
+                    out.append((row, request, position))
+                row += 1
+        return out
+
+    def _check_fed(self, launched: Launched) -> None:
+        """Debug mode's race check of a loop one step ahead: every input id the device
+        supplied is the token the host has since read for that position. One read before
+        its sampling wrote it (another stream, a missing dependency) names the forward and
+        the row."""
+        fed = launched.ids.tolist()
+        for row, request, position in launched.fed_from_device:
+            want = request.tokens[position]
+            if fed[row] != want:
+                raise ReplayError(
+                    f"forward {launched.forward} ({launched.mode.value}) fed row {row} (request "
+                    f"{request.rid}, position {position}) a token its request did not sample "
+                    "there: the id was read on the device before the sampling that writes it",
+                    field="input_ids",
+                    expected=want,
+                    actual=fed[row],
+                )
+
+    def drain(self, result: RunResult) -> list[Request]:
+        """Take the tokens still on their way (a loop that ends a step ahead); the requests
+        that finished."""
+        return self._end_step(self._begin_step(), result)
 
     def step(self, result: RunResult) -> list[Request]:
         """One loop step: prefill chunks and decode, as one mixed batch or two batches.
@@ -304,8 +471,10 @@ class DecodeEngine:
         Separate (the default): the prompt chunks run as one eager extend batch,
         the decode requests as a decode graph replay. Mixed: decode requests
         join the extend batch as one-token extends, one eager forward instead
-        of two. Returns the requests that finished.
+        of two. Overlapped (``loop.overlap``): the forwards are launched, then the previous
+        step's tokens taken. Returns the requests that finished.
         """
+        previous = self._begin_step()
         sched = self.scheduler
         work, mode, decoding = self._step_work()
         if work:
@@ -319,7 +488,7 @@ class DecodeEngine:
         if not work and not decoding and self.config.loop.idle_steps:
             batch, ids = sched.idle()  # a data-parallel rank with nothing to run still steps
             self._forward_step(batch, ids, result)
-        return [r for r in sched.running if r.done]
+        return self._end_step(previous, result)
 
     def warm_up(self) -> None:
         """Compile what serving would otherwise compile on its first steps, before the clock.
@@ -354,6 +523,7 @@ class DecodeEngine:
         max_steps: int | None = None,
         keep_tokens: bool = False,
         stop: Callable[[], bool] | None = None,
+        busy: GpuBusy | None = None,
     ) -> RunResult:
         """Serve the configured workload to completion (or ``max_steps``); greedy sampling.
 
@@ -361,7 +531,8 @@ class DecodeEngine:
         (``result.tokens``); counts and bounded timings are kept either way. ``stop`` is read
         before every step (Ctrl-C's :class:`~dsv32_engine.serving.cli.StopRequest`): when it
         says so, the loop ends there, between two whole steps, and ``result.interrupted`` says
-        the counts are of the steps that ran.
+        the counts are of the steps that ran (a step in flight is taken first). ``busy``
+        profiles the GPU over a window of loop steps (``result.gpu_busy``).
         """
         if max_steps is not None and (isinstance(max_steps, bool) or max_steps < 1):
             raise ConfigError("must be >= 1 (or None)", field="max_steps", actual=max_steps)
@@ -376,17 +547,9 @@ class DecodeEngine:
         start = time.perf_counter()
         step = 0
         sched = self.scheduler
-        while self._more(bool(pending or sched.waiting or sched.running)) and step < limit:
-            if self._stopping(step, stop):
-                result.interrupted = True
-                break
-            now = time.perf_counter()
-            while pending and pending[-1].arrival_step <= step:
-                request = pending.pop()
-                request.arrived_at = now
-                sched.arrive([request])
-            sched.admit(self.limits.next_n)
-            for request in self.step(result):
+
+        def finished(requests: list[Request]) -> None:
+            for request in requests:
                 sched.finish(request, step)
                 if self.speculation is not None:
                     self.speculation.forget(request)
@@ -395,8 +558,30 @@ class DecodeEngine:
                 if keep_tokens:
                     result.tokens[request.rid] = list(request.generated)
                 bar.update(1)
+
+        while self._more(bool(pending or sched.waiting or sched.running)) and step < limit:
+            if self._stopping(step, stop):
+                result.interrupted = True
+                break
+            if busy is not None:
+                busy.at_step(step)
+            now = time.perf_counter()
+            while pending and pending[-1].arrival_step <= step:
+                request = pending.pop()
+                request.arrived_at = now
+                sched.arrive([request])
+            sched.admit(self.limits.next_n)
+            finished(self.step(result))
             bar.set_postfix(running=len(sched.running), refresh=False)
+            seconds = time.perf_counter() - now
+            result.loop_step_seconds.append(seconds)
+            if busy is not None:
+                busy.loop_step(step, seconds)
             step += 1
+        finished(self.drain(result))  # a loop one step ahead ends with a step in flight
+        if busy is not None:
+            busy.finish(step)
+            result.gpu_busy = busy.summary()
         bar.close()
         result.wall_seconds = time.perf_counter() - start
         result.loop_steps = step
@@ -417,3 +602,23 @@ def _stages_in_graph(p: PlannerSection) -> bool:
     """Whether the captured graphs pull each replay's staged inputs themselves
     (``planner.staging_in_graph``; ``auto``: whenever the ops run in the graph)."""
     return p.ops_in_graph if p.staging_in_graph == "auto" else bool(p.staging_in_graph)
+
+
+def resolve_overlap(
+    setting: bool | str, device: torch.device, speculative: bool
+) -> tuple[bool, str]:
+    """Whether the loop runs one step ahead (``loop.overlap``), and why, for the summary."""
+    if speculative:
+        if setting is True:
+            raise ConfigError(
+                "speculative decoding runs the synchronous loop: each round's lengths, slots "
+                "and next drafts follow from the accepted drafts the host reads",
+                field="loop.overlap",
+                expected="false or auto with speculative.draft set",
+                actual=True,
+            )
+        return False, "speculative decoding reads each round before the next"
+    if setting == "auto":
+        on = device.type == "cuda"
+        return on, "auto: on CUDA" if on else "auto: off on the CPU (no device to run ahead of)"
+    return bool(setting), "loop.overlap"

@@ -109,10 +109,11 @@ class RankEngine(DecodeEngine):
             out = runner.step(batch, inputs)
         elif decision.size is not None:  # requests, or a ragged slot's tokens
             out = runner.step(batch, inputs, at_least=decision.size)
-        else:
-            ragged = ForwardMode(batch.mode).ragged
-            self.peer_eager += not ragged
-            out = runner.step(batch, inputs, eager=None if ragged else PEER_EAGER)
+        else:  # some replica's batch fits no graph: every replica runs this slot eagerly
+            # (a ragged batch with ragged graphs off is eager anyway, not for a peer)
+            own = ForwardMode(batch.mode).ragged and not runner.token_sizes
+            self.peer_eager += not own
+            out = runner.step(batch, inputs, eager=None if own else PEER_EAGER)
         if self.check is not None:
             self.check.after(runner.last_plans, inputs)
         return out
@@ -168,6 +169,7 @@ class RankEngine(DecodeEngine):
         if self.dp_ctx is None:
             return super().step(result)
         sched, spec = self.scheduler, self.speculation
+        previous = self._begin_step()
         work, mode, decoding = self._step_work()
         target, n = self.decode_mode, self.limits.next_n
         kv = sum(r.fed + k for r, k in work)  # the extend batch's KV: its lengths' sum
@@ -202,7 +204,7 @@ class RankEngine(DecodeEngine):
             self._decision, self._in_step = None, False
             if self.exchange is not None:
                 self.exchange.rows = None
-        return [r for r in sched.running if r.done]
+        return self._end_step(previous, result)
 
     def _slot(self, index: int, decision: Decision, own: int) -> bool:
         """Set up one agreed forward; whether it runs at all."""

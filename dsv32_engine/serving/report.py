@@ -100,6 +100,11 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         "step_ms_p50": 1e3 * _percentile(result.step_seconds, 50),
         "step_ms_p99": 1e3 * _percentile(result.step_seconds, 99),
         "step_ms_mean": 1e3 * result.step_seconds.mean,
+        "overlap": engine.overlap,
+        "overlap_reason": engine.overlap_reason,
+        "loop_step_ms_p50": 1e3 * _percentile(result.loop_step_seconds, 50),
+        "loop_step_ms_p99": 1e3 * _percentile(result.loop_step_seconds, 99),
+        "gpu_busy": result.gpu_busy,
         "planner_us_per_replay": _per(host["replay"], batches["replay"], 1e6),
         "planner_us_per_eager_plan": _per(
             host[f"eager_{decode_mode.value}"], batches[f"eager_{decode_mode.value}"], 1e6
@@ -185,6 +190,12 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
             f"{summary['step_ms_p50']:.2f} / {summary['step_ms_p99']:.2f} ms",
         ),
         (
+            "loop: one step ahead / loop step p50 / p99",
+            f"{'on' if summary['overlap'] else 'off'} ({summary['overlap_reason']}) / "
+            f"{summary['loop_step_ms_p50']:.2f} / {summary['loop_step_ms_p99']:.2f} ms",
+        ),
+        *busy_rows(summary),
+        (
             "planner host time per replay / eager decode / extend plan",
             f"{summary['planner_us_per_replay']:.0f} / "
             f"{summary['planner_us_per_eager_plan']:.0f} / "
@@ -236,6 +247,24 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+
+
+def busy_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The GPU-busy row, where ``--gpu-busy`` profiled a window."""
+    busy = summary.get("gpu_busy")
+    if not busy:
+        return []
+    fraction = busy["fraction"]
+    pace = busy["pace_ms_per_step"]
+    return [
+        (
+            f"GPU busy ({busy['window_steps']} profiled loop steps): device time / unprofiled pace",
+            ("n/a" if fraction is None else f"{100 * fraction:.1f}%")
+            + f" ({busy['device_ms_per_step']:.3f} / "
+            + ("n/a" if pace is None else f"{pace:.3f}")
+            + " ms a step)",
+        )
+    ]
 
 
 def speculative_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:

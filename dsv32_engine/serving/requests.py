@@ -30,6 +30,8 @@ class Request:
     first_token_at: float | None = None
     drafts: list[int] = field(default_factory=list)
     """The draft tokens its next target verify checks (speculative decoding)."""
+    in_flight: int = 0
+    """Tokens sampled by launched steps and not yet read (a loop one step ahead)."""
 
     @property
     def tokens(self) -> list[int]:
@@ -49,6 +51,11 @@ class Request:
     @property
     def done(self) -> bool:
         return len(self.generated) >= self.max_new_tokens
+
+    @property
+    def spent(self) -> bool:
+        """Its last token is generated or on its way: no step feeds it again."""
+        return len(self.generated) + self.in_flight >= self.max_new_tokens
 
 
 def make_workload(loop: LoopSection, vocab_size: int) -> list[Request]:

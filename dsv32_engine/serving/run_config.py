@@ -168,6 +168,13 @@ class LoopSection(_Section):
         description="run decode requests inside the step's extend batch (one eager forward) "
         "instead of a separate decode graph step",
     )
+    overlap: bool | Literal["auto"] = Field(
+        "auto",
+        description="run one step ahead: build and launch step N+1 while step N runs, and "
+        "read step N's tokens after (decode rows take their token on the device); auto: on "
+        "CUDA. Speculative decoding keeps the synchronous loop (each round's lengths follow "
+        "from the accepted drafts the host reads)",
+    )
 
     @field_validator("prompt_len", "max_new_tokens")
     @classmethod

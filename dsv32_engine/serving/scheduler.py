@@ -13,6 +13,7 @@ import torch
 
 from dsv32_engine.models.kv_cache import PagedKVCache, RequestPool
 from dsv32_engine.serving.requests import Request
+from dsv32_engine.serving.token_ids import TokenIds, last_of
 from planner.batch import ForwardBatch, ForwardMode
 from planner.planner import Planner
 from planner.step_inputs import StepInputs
@@ -34,6 +35,8 @@ class Scheduler:
         self.pool = pool
         self.max_batch = max_batch
         self.page_size = page_size
+        self.token_ids = TokenIds(pool.req_to_token.shape[0], pool.req_to_token.device)
+        """Every step's input ids on the device, and each request's last sampled token."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_count = 0
@@ -70,12 +73,20 @@ class Scheduler:
         page = request.pages[position // self.page_size]
         return page * self.page_size + position % self.page_size
 
-    def finish(self, request: Request, step: int) -> None:
-        request.finish_step = step
+    def release(self, request: Request) -> None:
+        """A request whose last token is launched (``spent``) leaves the running set and
+        gives back its pages and token-table row, at the end of that step: the next step
+        may admit a request into them. What it reuses is written by later work on the
+        device's stream, behind the step still finishing, so a loop one step ahead admits
+        what the synchronous loop admits. Its tokens may still be on their way (``finish``)."""
         self.running.remove(request)
         self.cache.free(request.pages)
         self.pool.free(request.pool_idx)
         request.pages = []
+
+    def finish(self, request: Request, step: int) -> None:
+        """Its last token read, at loop step ``step`` (released before)."""
+        request.finish_step = step
         self.finished_count += 1
 
     def build_extend(
@@ -83,25 +94,30 @@ class Scheduler:
         work: list[tuple[Request, int]],
         mode: ForwardMode,
         inputs: StepInputs | None = None,
+        *,
+        last_on_device: bool = False,
     ) -> tuple[ForwardBatch, torch.Tensor]:
         """The batch and ``input_ids`` feeding ``n`` more tokens of each ``(request, n)``.
 
         Tokens ``fed .. fed + n - 1`` of each request, request-major: a prompt
         chunk, or (``n = 1``) a decode request's last token in a mixed batch. ``inputs``:
         the planner's staging slot of the step, written once as :meth:`build` does.
+        ``last_on_device``: a generated token is the one the request sampled last, read
+        from the device (:class:`TokenIds`; the host may not have it yet).
         """
         lens, new, pools, locs, positions, ids = [], [], [], [], [], []
         for request, n in work:
-            tokens = request.tokens
+            tokens = request.prompt if last_on_device else request.tokens
             lens.append(request.fed + n)
             new.append(n)
             pools.append(request.pool_idx)
             for position in range(request.fed, request.fed + n):
                 positions.append(position)
                 locs.append(self.slot(request, position))
-                ids.append(tokens[position])
-        device = self.pool.req_to_token.device
-        ids_dev = torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+                ids.append(
+                    tokens[position] if position < len(tokens) else last_of(request.pool_idx)
+                )
+        ids_dev = self.token_ids.ids(ids)
         if inputs is not None and inputs.fits(len(lens), len(locs)):
             inputs.write(lens, new, pools, locs, positions)
             return inputs.batch(self.pool.req_to_token), ids_dev
@@ -182,26 +198,33 @@ class Scheduler:
         next_n: int,
         drafts: list[list[int]] | None = None,
         inputs: StepInputs | None = None,
+        *,
+        last_on_device: bool = False,
     ) -> tuple[ForwardBatch, torch.Tensor]:
         """The batch and ``input_ids`` for feeding ``next_n`` tokens of each request.
 
         Row ``i`` of a request is position ``fed + i``: its own next token
         first, then its ``next_n - 1`` drafts (target verify). ``inputs``: the planner's
         staging slot of the step (``Planner.step_inputs``): the step is written there once
-        and the batch is views of it, which a replay sends as it is.
+        and the batch is views of it, which a replay sends as it is. ``last_on_device``:
+        a generated token is the one the request sampled last, read from the device.
         """
         lens, pools, locs, positions, ids = [], [], [], [], []
         for j, request in enumerate(requests):
-            tokens = request.tokens
+            tokens = request.prompt if last_on_device else request.tokens
             lens.append(request.fed + next_n)
             pools.append(request.pool_idx)
             for i in range(next_n):
                 position = request.fed + i
                 positions.append(position)
                 locs.append(self.slot(request, position))
-                ids.append(tokens[position] if i == 0 else drafts[j][i - 1])
-        device = self.pool.req_to_token.device
-        ids_dev = torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True)
+                if i:
+                    ids.append(drafts[j][i - 1])
+                else:
+                    ids.append(
+                        tokens[position] if position < len(tokens) else last_of(request.pool_idx)
+                    )
+        ids_dev = self.token_ids.ids(ids)
         if inputs is not None and inputs.fits(len(lens), len(locs)):
             inputs.write(lens, next_n, pools, locs, positions)
             return inputs.batch(self.pool.req_to_token, next_n), ids_dev

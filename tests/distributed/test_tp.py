@@ -61,11 +61,13 @@ def test_a_perturbed_rank_is_caught_naming_rank_and_field(tp_runs):
     ]
 
 
-def test_head_sharded_ranks_decode_the_tokens_of_one_process(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "one_step_ahead"])
+def test_head_sharded_ranks_decode_the_tokens_of_one_process(tmp_path, overlap):
     """TP = 2 engines, each with half the heads and wo's partials all-reduced every layer,
-    digests agreed every forward: greedy tokens equal one unsharded process."""
+    digests agreed every forward: greedy tokens equal one unsharded process (synchronous),
+    with the ranks' loops synchronous or one step ahead."""
     overrides = {"loop.requests": 6, "loop.arrival_rate": 1.0, "loop.max_new_tokens": [4, 16]}
-    tp = {"distributed.tp": 2, "distributed.digests": True}
+    tp = {"distributed.tp": 2, "distributed.digests": True, "loop.overlap": overlap}
     ranks = run_ranks(tmp_path, "rank_engine", overrides={**overrides, **tp})
     single = scenarios.single_tokens(overrides)
     for rank in ranks:

@@ -21,11 +21,13 @@ import yaml
 from safetensors import SafetensorError
 
 from dsv32_engine.distributed.group import launched_by_torchrun
+from dsv32_engine.serving.busy import GpuBusy
 from dsv32_engine.serving.cli import DEFAULT_DECODE_CONFIG, Interrupted
 from dsv32_engine.serving.dump_ring import DEFAULT_KEEP, ENV_DIR, ENV_EVERY, ENV_KEEP
 from dsv32_engine.serving.engine import DecodeEngine, DumpSettings, RunResult
 from dsv32_engine.serving.launch import cpu_threads, launch
 from dsv32_engine.serving.memory_fit import allocation_errors, check_memory
+from dsv32_engine.serving.model_setup import resolve_device
 from dsv32_engine.serving.outputs import check_output_file, env_count, env_path, new_run_dir
 from dsv32_engine.serving.report import render, summarize
 from dsv32_engine.serving.run_config import RunConfig, load_run_config
@@ -44,8 +46,12 @@ FLAGS = {
     "dist_backend": ("--dist-backend", "distributed.backend"),
     "dist_timeout": ("--dist-timeout", "distributed.timeout_s"),
     "dp_split": ("--dp-split", "distributed.dp_split"),
+    "overlap": ("--overlap/--no-overlap", "loop.overlap"),
 }
 """Flags that set one config key to their value: ``args`` name -> (the flag, the key)."""
+BUSY_START = 20
+"""The loop step ``--gpu-busy``'s window starts at: past the first prompt chunks and the
+compiles the warm-up left (its pace skips the first half of these)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,12 @@ def check_flags(config: RunConfig, args: argparse.Namespace, env: Mapping[str, s
                 field=flag,
                 actual=f"speculative.draft = {spec.draft}",
             )
+    if getattr(args, "gpu_busy", None) and config.distributed.world > 1:
+        raise ConfigError(
+            "the busy fraction profiles one process's loop: run it without --tp and --dp-attention",
+            field="--gpu-busy",
+            actual=f"{config.distributed.world} ranks",
+        )
     if args.dump_dir is None and env_path(env, ENV_DIR) is None:
         for flag, given in (("--dump-every", args.dump_every), ("--dump-keep", args.dump_keep)):
             if given is not None:
@@ -236,6 +248,9 @@ def _run(args: argparse.Namespace, env: dict[str, str], overrides: Overrides) ->
     if config.distributed.world > 1 or launched_by_torchrun():
         return run_ranks(config, args, env, threads)
     outputs = check_outputs(args, env)
+    busy = None
+    if getattr(args, "gpu_busy", None):  # refused here, before the engine, off CUDA
+        busy = GpuBusy(BUSY_START, args.gpu_busy, resolve_device(config.device))
     if threads is not None:
         torch.set_num_threads(threads)  # before the model is built: the first heavy work
     try:
@@ -252,6 +267,7 @@ def _run(args: argparse.Namespace, env: dict[str, str], overrides: Overrides) ->
         progress=not args.quiet,
         keep_tokens=outputs.json is not None or compare,
         stop=stop,
+        busy=busy,
     )
     summary = summarize(engine, result)
     summary["cpu_threads"] = torch.get_num_threads()
