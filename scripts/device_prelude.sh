@@ -4,7 +4,7 @@
 # Sourced on the device, it installs the carried wheels (.whl/, from
 # scripts/fetch_gpu_wheels.sh; name `.whl` in the run's `carry`) into /tmp/site, quietly,
 # and puts the work tree and /tmp/site on PYTHONPATH:
-#     source scripts/device_prelude.sh || exit 1; python3 benchmarks/verify_deepgemm.py ...
+#     source scripts/device_prelude.sh || exit 1; python3 -m benchmarks deepgemm ...
 # Executed instead, it prints that install line and nothing else, for pasting:
 #     echo "$(bash scripts/device_prelude.sh) python3 ..."
 LINE='python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site || exit 1;'

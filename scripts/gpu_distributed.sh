@@ -108,5 +108,5 @@ for step in "${steps[@]}"; do
     ref_*) single "$step" $(spec "${step#ref_}") ;;
     esac
 done
-python3 -m benchmarks.check_distributed --out "$OUT" --steps "$STEPS" \
+python3 -m benchmarks check_distributed --out "$OUT" --steps "$STEPS" \
     --requests "$SPEC_REQUESTS" --spec-steps "$SPEC_STEPS" "${steps[@]}" | tee -a "$LOG"

@@ -12,11 +12,12 @@
 #   tests     the GPU tests of what this tree changed (the work tree only)
 #   graph_tests  of those, the graph and staging-pull tests alone
 #   suite     the whole GPU suite (the work tree only)
-#   check     benchmarks/device_check.py: the device check's GPU time (the work tree only)
-#   po        benchmarks/planner_overhead.py (this tree's script, run in both trees; the old
-#             tree's own where it fails this one): eager plan() and replay() beside the
-#             hand-written paths, bs 1 8 64 256
-#   refresh   benchmarks/replay_overhead.py (each tree's own): the graph runner's refresh
+#   check     the device_check benchmark: the device check's GPU time (the work tree only)
+#   po        the planner_overhead benchmark (this tree's script, run in both trees; the old
+#             tree's own where it fails this one, as it does in a tree from before
+#             benchmarks/ had groups): eager plan() and replay() beside the hand-written
+#             paths, bs 1 8 64 256
+#   refresh   the replay_overhead benchmark (each tree's own): the graph runner's refresh
 #   small     the decode loop, dsv32-small, 16 requests
 #   shapes    the decode loop, dsv32-shapes (61 layers), 64 requests
 #   arrivals  the decode loop under arrivals (configs/dsv32-small-arrivals.yaml), graphs on
@@ -24,6 +25,8 @@
 #   eager     the same with --no-graphs: every decode step an eager plan
 # A step named STEP:TREE,TREE,... runs in that order instead of its own (small:new,old), so
 # a call can alternate rounds: refresh:old,new po small:old,new ... small:new,old.
+# A benchmark runs as `python3 -m benchmarks NAME` in either tree (in a tree from before the
+# suite, benchmarks/NAME.py, as `python3 -m benchmarks.NAME`).
 # Each command is bounded by STEP_TIMEOUT seconds (default 150); with BUDGET=S, by what is
 # left of S seconds from the script's start too, and a run is skipped (its .txt says so)
 # once less than MIN_LEFT (default 45) is left. Stopped from outside (a `timeout` around the
@@ -64,6 +67,9 @@ trap pack EXIT
 run_in() {  # run_in TREE NAME CMD...: CMD from TREE's root, TREE first on the path
     local tree=$1 name=$2 t=$T
     shift 2
+    if [[ $1 == python3 && $2 == -m && $3 == benchmarks && ! -e $tree/benchmarks/__main__.py ]]; then
+        set -- python3 -m "benchmarks.$4" "${@:5}"  # a tree from before the suite: flat modules
+    fi
     if ((B > 0)); then  # within the budget: skip what cannot run, cut what would overrun
         local left=$((B - SECONDS))
         if ((left < ${MIN_LEFT:-45})); then
@@ -105,29 +111,31 @@ graph_tests() {  # the tests of the staging paths and the device check alone
         tests/planner/test_device_check_triton.py tests/planner/test_bad_input_catalogue.py
 }
 check() {  # the device check's GPU time in a graph, beside the planner's record and the floor
-    run_in "$NEW" device_check python3 benchmarks/device_check.py --out "$R/device_check.json"
+    run_in "$NEW" device_check python3 -m benchmarks device_check --out "$R/device_check.json"
 }
 suite() {
     run_in "$NEW" suite python3 -m pytest -q -p no:cacheprovider -m gpu --maxfail=25 tests
 }
 po() {
     need_old
-    local script="$OLD/benchmarks/planner_overhead.py" own="$OLD/benchmarks/planner_overhead.py.own"
+    local script="$OLD/benchmarks/host/planner_overhead.py"
+    [[ -e $script ]] || script="$OLD/benchmarks/planner_overhead.py"  # before the suite
+    local own="$script.own"
     [[ -e $own ]] || cp "$script" "$own"
-    cp "$NEW/benchmarks/planner_overhead.py" "$script"
-    both po "new old" python3 -m benchmarks.planner_overhead --iters 300 --flashinfer \
+    cp "$NEW/benchmarks/host/planner_overhead.py" "$script"
+    both po "new old" python3 -m benchmarks planner_overhead --iters 300 --flashinfer \
         --out @JSON@
     # an old tree that refused this tree's script (an API it lacks) runs its own instead
     if ! cmp -s "$own" "$script" && ls "$R"/po_old_*.txt >/dev/null 2>&1 \
         && ! ls "$R"/po_old_*.json >/dev/null 2>&1; then
         echo "=== po: the old tree failed this tree's script; its own instead" | tee -a "$LOG"
         cp "$own" "$script"
-        STEP_ORDER=old both po "old" python3 -m benchmarks.planner_overhead --iters 300 \
+        STEP_ORDER=old both po "old" python3 -m benchmarks planner_overhead --iters 300 \
             --flashinfer --out @JSON@
     fi
 }
 refresh() {
-    both refresh "old new new old" python3 benchmarks/replay_overhead.py --iters 300 \
+    both refresh "old new new old" python3 -m benchmarks replay_overhead --iters 300 \
         --batches 1 8 64 256 --out @JSON@
 }
 small() {

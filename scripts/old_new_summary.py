@@ -8,9 +8,9 @@ packed ``old_new.tar.gz`` brought back, whose files are named ``STEP_TREE_N.json
 - decode runs (``small``, ``mixed``, ``shapes``, ``arrivals``, ``eager``): the ``decode``
   summary's planner host time per replay, per ragged replay, per eager and extend plan,
   tokens/s, step p50 / p99, the replay and fallback counts;
-- ``refresh`` (``benchmarks/replay_overhead.py``): the runner's refresh, median (p99) us,
+- ``refresh`` (``python -m benchmarks replay_overhead``): the runner's refresh, median (p99) us,
   per batch size and staging;
-- ``po`` (``benchmarks.planner_overhead``): eager ``plan()`` over the hand-written code
+- ``po`` (``python -m benchmarks planner_overhead``): eager ``plan()`` over the hand-written code
   (median of per-call ratios), the same for a growing decode, and the host times;
 
 each run in its own column (old runs, then new), then new / old of the runs' medians; and

@@ -1,4 +1,4 @@
-"""``scripts/gpu_distributed.sh`` and its judge, ``benchmarks/check_distributed.py``, on the CPU.
+"""``scripts/gpu_distributed.sh`` and its judge, ``benchmarks/loop/check_distributed.py``, on the CPU.
 
 The script's CPU dry run (``CPU_DRY_RUN=1``: dsv32-tiny, gloo under ``torchrun``, 6
 requests) makes real runs of issue 40's steps, ``tp_mtp``, ``ref_mtp`` (TP = 1, one
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.check_distributed import judge, main
+from benchmarks.loop.check_distributed import judge, main
 from tests.support import REPO
 
 SCRIPT = REPO / "scripts" / "gpu_distributed.sh"

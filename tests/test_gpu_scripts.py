@@ -1,12 +1,15 @@
 """The device scripts' commands parse here, before a GPU call spends minutes on a typo.
 
 A device call is scarce (minutes of a lent H200 per session), and a command that names a
-removed config, a flag a benchmark no longer has, or a misspelt module fails only there.
+removed config, a flag a benchmark no longer has, or a misspelt benchmark fails only there.
 Each ``python3`` command of ``scripts/gpu_verify.sh`` and ``scripts/gpu_old_new.sh`` is
 read out of the script (continuation lines joined, ``$OUT`` and the script's own arrays
-expanded), run up to its argument parser (``ArgumentParser.parse_args`` stops it once the
-arguments parse), and a ``--config`` it names must resolve to a shipped config (for
-``planner decode``, the config must load with the command's flags and ``--set`` keys).
+expanded), and so is each decode CLI run of the ``decode_runs`` benchmark (its cases); each
+is run up to its argument parser (``ArgumentParser.parse_args`` stops it once the arguments
+parse), and a ``--config`` it names must resolve to a shipped config (for ``planner
+decode``, the config must load with the command's flags and ``--set`` keys). Every step of
+``gpu_verify.sh`` but ``gpu_tests`` is a benchmark's name (``python -m benchmarks`` lists
+them), and its command runs that benchmark.
 """
 
 from __future__ import annotations
@@ -20,12 +23,17 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.loop import decode_runs
+from benchmarks.registry import suite
 from dsv32_engine.serving.commands.decode import _overrides
 from dsv32_engine.serving.run_config import load_run_config, resolve_config
 from planner.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ("scripts/gpu_verify.sh", "scripts/gpu_old_new.sh")
+VERIFY = "scripts/gpu_verify.sh"
+NOT_BENCHMARKS = {"gpu_tests"}
+"""``gpu_verify.sh``'s steps that are not a benchmark's name: pytest over the GPU tests."""
 SKIPPED_MODULES = {"pip", "pytest", "torch.distributed.run"}
 """Commands of other tools: their arguments are theirs."""
 _COMMAND = re.compile(r"python3 (-m [\w.]+|[\w/]+\.py)((?:[^;|&>)\n]|\|\|)*)")
@@ -62,6 +70,25 @@ def commands(script: str) -> list[tuple[str, list[str]]]:
     return found
 
 
+def decode_run_commands() -> list[tuple[str, list[str]]]:
+    """``(target, argv)`` of each decode CLI run of the ``decode_runs`` benchmark's cases."""
+    found = []
+    for config, args in decode_runs.CASES.values():
+        cmd = decode_runs.command(config, args, None, Path("/tmp/out/x.json"), 0, [])
+        assert cmd[1:3] == ["-m", "planner"]
+        found.append(("-m planner", cmd[3:]))
+    return found
+
+
+def verify_steps() -> dict[str, str]:
+    """``gpu_verify.sh``'s steps: each arm of ``one``'s ``case`` (``NAME`` or
+    ``NAME:VARIANT``, ``*`` for any) and its commands, continuation lines joined."""
+    text = re.sub(r"\\\n\s*", " ", (REPO / VERIFY).read_text())
+    body = text[text.index('case "$step" in') : text.index("    esac")]
+    arms = re.split(r"^    ([\w:*]+)\)", body, flags=re.MULTILINE)[1:]
+    return {pattern: commands for pattern, commands in zip(arms[::2], arms[1::2])}
+
+
 def parse_only(target: str, argv: list[str], monkeypatch: pytest.MonkeyPatch):
     """Run ``target`` as ``__main__`` with ``argv`` up to its ``parse_args``."""
     original = argparse.ArgumentParser.parse_args
@@ -73,6 +100,7 @@ def parse_only(target: str, argv: list[str], monkeypatch: pytest.MonkeyPatch):
     monkeypatch.chdir(REPO)
     name = target[3:] if target.startswith("-m ") else target
     monkeypatch.delitem(sys.modules, name, raising=False)  # run afresh, as python3 would
+    monkeypatch.delitem(sys.modules, f"{name}.__main__", raising=False)  # a package's entry
     monkeypatch.setattr(sys, "path", list(sys.path))  # a script's own sys.path.insert undone
     monkeypatch.setattr(sys, "argv", [name, *argv])
     try:
@@ -88,6 +116,7 @@ def parse_only(target: str, argv: list[str], monkeypatch: pytest.MonkeyPatch):
 
 
 CASES = [(script, *command) for script in SCRIPTS for command in commands(script)]
+CASES += [("benchmarks/loop/decode_runs.py", *command) for command in decode_run_commands()]
 
 
 @pytest.mark.parametrize(
@@ -105,15 +134,35 @@ def test_a_device_script_command_parses(script, target, argv, monkeypatch):
 def test_the_commands_are_found():
     """The reader finds every step's command (a script it reads as empty checks nothing)."""
     targets = {target for _, target, _ in CASES}
-    assert {"-m planner", "-m benchmarks.ragged_steps", "-m benchmarks.batch_invariance"} <= targets
+    assert {"-m planner", "-m benchmarks"} <= targets
+    run = {argv[0] for script, target, argv in CASES if target == "-m benchmarks"}
+    assert {"ragged_steps", "batch_invariance", "decode_runs", "planner_overhead"} <= run
     assert sum(target == "-m planner" for _, target, _ in CASES) >= 10
     mixed = [argv for _, target, argv in CASES if "--debug" in argv]
     assert mixed and "graphs.ragged=true" in mixed[0]
 
 
+def test_every_verify_step_is_a_benchmark():
+    """A ``gpu_verify.sh`` step is a benchmark's name (``NAME`` or ``NAME:VARIANT``), and the
+    commands it runs run that benchmark; ``check_distributed`` runs the two-GPU script its
+    judge reads."""
+    steps, benchmarks = verify_steps(), suite()
+    assert len(steps) > 20 and set(steps) >= NOT_BENCHMARKS
+    for pattern, commands in steps.items():
+        name = pattern.split(":")[0]
+        if name in NOT_BENCHMARKS or pattern == "*":  # "*": an unknown step, refused
+            continue
+        assert name in benchmarks, f"{VERIFY}: step {pattern} names no benchmark"
+        ran = re.findall(r"python3 -m benchmarks (\S+)", commands)
+        if name == "check_distributed":
+            assert "scripts/gpu_distributed.sh" in commands and not ran
+        else:
+            assert ran and set(ran) == {name}, f"{VERIFY}: step {pattern} runs {ran}"
+
+
 def test_a_bad_flag_is_caught(monkeypatch):
     with pytest.raises(pytest.fail.Exception, match="refused its arguments"):
-        parse_only("-m benchmarks.ragged_steps", ["--no-such-flag"], monkeypatch)
+        parse_only("-m benchmarks", ["ragged_steps", "--no-such-flag"], monkeypatch)
 
 
 def test_a_bad_setting_is_caught(monkeypatch):

@@ -117,7 +117,7 @@ CONFIGS: tuple[SparseMLAConfig, ...] = (
 # Wave model of sparse_mla_num_splits, in units of one (block_h x block_n) tile step.
 # A program also loads its query tile and writes a partial; splitting at all adds the
 # combine kernel and the partials' round trip. Rough H200 estimates, to recalibrate
-# from benchmarks/bench_sparse_mla.py.
+# from benchmarks/kernels/sparse_mla.py.
 PROGRAM_OVERHEAD_TILES = 2
 SPLIT_OVERHEAD_TILES = 4
 

@@ -60,7 +60,7 @@ VARIANTS = ("resident", "chunked")
 DEFAULT_BLOCK = 1024
 DEFAULT_WARPS = 16
 # The resident variant's defaults, the fastest on the H200 at widths 4096 and 16384 and
-# 1 to 128 rows (against 4 and 16 warps, 4 to 8 bits; benchmarks/row_topk_latency.py).
+# 1 to 128 rows (against 4 and 16 warps, 4 to 8 bits; benchmarks/kernels/row_topk_latency.py).
 DEFAULT_RESIDENT_WARPS = 8
 DEFAULT_DIGIT_BITS = 5
 DIGIT_BITS_CHOICES = (4, 5, 6, 7, 8)  # the pick packs a digit into 8 bits

@@ -6,7 +6,7 @@ series. On the H200, at DeepSeek-V3.2's decode sizes (width 4096, k 2048), that 
 ~25 us a launch inside a graph at 16 to 128 rows alike: latency, not bandwidth, one
 program per row and most SMs idle. Here a program loads its row's first ``RESIDENT``
 scores once, turns them into order keys once, and runs the select and the compaction on
-those registers (~10 us there; benchmarks/row_topk_latency.py):
+those registers (~10 us there; benchmarks/kernels/row_topk_latency.py):
 
 * **Histogram digits**: each pass is one ``tl.histogram`` (warp ballots, then
   shared-memory atomics) of ``DIGIT_BITS``-bit digits, not a ``[16, BLOCK]`` compare

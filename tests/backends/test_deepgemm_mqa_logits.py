@@ -9,7 +9,6 @@ kernel's row strides. Dispatch is checked with a tensor that claims to live on C
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -344,7 +343,7 @@ def test_gpu_verification_script_smoke_mode(tmp_path):
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path)  # keep the device's /tmp/site (pydantic)
     run = subprocess.run(
-        [sys.executable, "benchmarks/verify_mqa_logits.py", "--smoke", "--cases", "6"]
+        [sys.executable, "-m", "benchmarks", "mqa_logits", "--smoke", "--cases", "6"]
         + ["--out", str(tmp_path)],
         cwd=REPO,
         env=env,
@@ -358,12 +357,9 @@ def test_gpu_verification_script_smoke_mode(tmp_path):
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location(
-        "verify_mqa_logits", REPO / "benchmarks" / "verify_mqa_logits.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks.verify import mqa_logits
+
+    return mqa_logits
 
 
 def test_gpu_verification_script_catches_broken_kernels():

@@ -31,8 +31,8 @@ from backends.deepgemm import (
     reference_fp8_paged_mqa_logits,
     reference_paged_mqa_schedule,
 )
-from benchmarks.deepgemm_cases import make_lens, make_logits_inputs
-from benchmarks.mqa_logits_cases import make_inputs
+from benchmarks.verify.deepgemm import make_lens, make_logits_inputs
+from benchmarks.verify.mqa_logits import make_inputs
 from planner.errors import PlanError
 
 REQUIRED = inspect.Parameter.empty

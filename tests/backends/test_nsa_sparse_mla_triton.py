@@ -10,7 +10,6 @@ element or a read of a never-written split shows up as nan.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -29,7 +28,6 @@ from backends.nsa.sparse_mla_plan import (
 from backends.nsa.sparse_mla_ref import mask_past_plan, plain_reference, sparse_mla_split_reference
 from backends.nsa.sparse_mla_triton import sparse_mla_decode_triton
 from planner.errors import PlanError
-from tests.support import REPO
 
 I32 = torch.int32
 SCALE = 0.3
@@ -333,12 +331,11 @@ def test_argument_checks_name_the_field():
 
 @pytest.mark.triton
 def test_benchmark_smoke_runs_on_the_cpu(tmp_path):
-    """benchmarks/bench_sparse_mla.py --smoke, so the GPU script cannot rot between sessions."""
-    path = REPO / "benchmarks" / "bench_sparse_mla.py"
-    spec = importlib.util.spec_from_file_location("bench_sparse_mla", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    result = bench.main(["--smoke", "--out", str(tmp_path)])
+    """``python -m benchmarks sparse_mla --smoke``, so the GPU script cannot rot between
+    sessions."""
+    from benchmarks.kernels import sparse_mla as bench
+
+    result = bench.run(["--smoke", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "bench_sparse_mla.json").read_text())
     assert result["ok"] and saved["ok"]
     assert saved["accuracy"]["batches"] >= 8 and saved["accuracy"]["max_rel_err"] < 1e-2

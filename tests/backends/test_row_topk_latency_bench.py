@@ -1,4 +1,5 @@
-"""A smoke run of benchmarks/row_topk_latency.py on the CPU, so the GPU script cannot rot."""
+"""A smoke run of ``python -m benchmarks row_topk_latency`` on the CPU, so the GPU script
+cannot rot."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import row_topk_latency as bench
+from benchmarks.kernels import row_topk_latency as bench
 
 
 @pytest.mark.triton

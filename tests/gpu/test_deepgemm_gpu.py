@@ -1,9 +1,8 @@
 """Real deep_gemm (sgl-deep-gemm 0.1.0) against the backends.deepgemm references, on CUDA.
 
 Skipped cleanly without CUDA; the tests that call deep_gemm are skipped when it does not
-import. The case generators and checks are those of ``benchmarks/verify_deepgemm.py``
-(``benchmarks/deepgemm_cases.py``, ``deepgemm_checks.py``, ``deepgemm_graphs.py``: one
-source of truth), here over a smaller sweep. Expect ~1-2 s of JIT compilation per
+import. The case generators and checks are those of ``benchmarks/verify/deepgemm.py``
+(one source of truth), here over a smaller sweep. Expect ~1-2 s of JIT compilation per
 new (batch bucket, num_sms) for the metadata kernel and per (next_n, heads) for the
 logits kernel on a cold cache.
 """
@@ -20,14 +19,16 @@ if not torch.cuda.is_available():
 
 from backends import deepgemm  # noqa: E402
 from backends.deepgemm import _native  # noqa: E402
-from benchmarks.deepgemm_cases import (  # noqa: E402
+from benchmarks.verify.deepgemm import (  # noqa: E402
+    LOGITS_TOL,
+    check_logits,
+    check_schedule,
+    graph_checks,
     logits_cases,
     make_lens,
     make_logits_inputs,
     schedule_cases,
 )
-from benchmarks.deepgemm_checks import LOGITS_TOL, check_logits, check_schedule  # noqa: E402
-from benchmarks.deepgemm_graphs import graph_checks  # noqa: E402
 
 DG = _native.load()
 DEV = torch.device("cuda")

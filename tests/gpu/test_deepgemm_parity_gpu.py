@@ -24,10 +24,13 @@ if not torch.cuda.is_available():
 
 from backends import deepgemm  # noqa: E402
 from backends.deepgemm import _native  # noqa: E402
-from benchmarks.deepgemm_cases import abs_inputs, make_lens, make_logits_inputs  # noqa: E402
-from benchmarks.deepgemm_checks import LOGITS_TOL  # noqa: E402
-from benchmarks.mqa_logits_cases import make_inputs  # noqa: E402
-from benchmarks.mqa_logits_checks import sign_cleared  # noqa: E402
+from benchmarks.verify.deepgemm import (  # noqa: E402
+    LOGITS_TOL,
+    abs_inputs,
+    make_lens,
+    make_logits_inputs,
+)
+from benchmarks.verify.mqa_logits import make_inputs, sign_cleared  # noqa: E402
 from planner.errors import PlanError  # noqa: E402
 
 DG = _native.load()
@@ -38,7 +41,7 @@ DEV = torch.device("cuda")
 SM100 = torch.cuda.get_device_capability()[0] == 10
 NUM_SMS = DG.get_num_sms()
 BF16_STEP = 2.0**-7  # two roundings to bf16 of nearby fp32 values differ by <= 1 ulp
-MQA_TOL = 1e-3  # benchmarks/verify_mqa_logits.py's --tol
+MQA_TOL = 1e-3  # benchmarks/verify/mqa_logits.py's --tol
 
 
 def within(got, ref, bound, tol, dtype) -> dict:

@@ -1,8 +1,7 @@
 """Real FlashInfer (flashinfer-python 0.5.3) against the backends.flashinfer references, on CUDA.
 
 Skipped cleanly without CUDA or without flashinfer. The configurations and
-checks are those of ``benchmarks/verify_flashinfer.py`` (its
-``flashinfer_configs.py`` and ``flashinfer_replay.py``: one source of truth:
+checks are those of ``benchmarks/verify/flashinfer.py`` (one source of truth:
 eager, capture and replay within bf16 tolerance of the fp32 reference,
 replayed metadata bit-equal to eager, pointers and wrapper bindings fixed, no
 synchronising call on the replay path), over smaller limits and fewer
@@ -25,8 +24,7 @@ if not torch.cuda.is_available():
 if importlib.util.find_spec("flashinfer") is None:
     pytest.skip("needs flashinfer", allow_module_level=True)
 
-from benchmarks.flashinfer_configs import CONFIGS  # noqa: E402
-from benchmarks.flashinfer_replay import run_config  # noqa: E402
+from benchmarks.verify.flashinfer import CONFIGS, run_config  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -47,7 +45,7 @@ def test_graph_slots_replay_through_the_proven_scheduler_call(name):
 
     from backends.flashinfer import release_wrappers
     from backends.flashinfer.direct_plan import as_list
-    from benchmarks.flashinfer_setup import build, make_batch
+    from benchmarks.verify.flashinfer import build, make_batch
 
     config = replace(CONFIGS[name], max_batch=16, sizes=(1, 4, 16), max_context=1024)
     device = torch.device("cuda")

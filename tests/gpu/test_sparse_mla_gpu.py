@@ -1,16 +1,12 @@
 """The Triton sparse MLA decode kernel compiled for the GPU, against its references, on CUDA.
 
-Skipped cleanly without CUDA. The checks are those of ``benchmarks/bench_sparse_mla.py``
+Skipped cleanly without CUDA. The checks are those of ``benchmarks/kernels/sparse_mla.py``
 (one source of truth) at the real shape over fewer batches: the split plan bit-equal to
 its torch reference, one capture of plan + kernel replayed over fresh batches bit-equal to
 eager calls, and the error against the fp32 reference within 2e-2 for every config.
 """
 
 from __future__ import annotations
-
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,12 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from backends.nsa.sparse_mla_plan import CONFIGS  # noqa: E402
-
-_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sparse_mla.py"
-_spec = importlib.util.spec_from_file_location("bench_sparse_mla", _SCRIPT)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_sparse_mla"] = bench
-_spec.loader.exec_module(bench)
+from benchmarks.kernels import sparse_mla as bench  # noqa: E402
 
 DEV = torch.device("cuda")
 SMS = torch.cuda.get_device_properties(DEV).multi_processor_count

@@ -32,7 +32,6 @@ from planner import (
     PlanWriteError,
     ReplayError,
 )
-from tests.support import REPO
 from tests.support.batches import make_pool
 from tests.support.graph_model import Scheduler, TinyPagedModel
 from tests.support.planners import PlannerSetup
@@ -530,17 +529,14 @@ def test_recovery_ends_the_pool_capture_only_when_torch_did_not(
 
 def test_replay_overhead_benchmark_runs_on_emulated_graphs(tmp_path):
     """A smoke run on the CPU, so the GPU script cannot rot between GPU sessions."""
-    import importlib.util
     import json
 
-    path = REPO / "benchmarks" / "replay_overhead.py"
-    spec = importlib.util.spec_from_file_location("replay_overhead", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from benchmarks.host import replay_overhead as bench
+
     out = tmp_path / "r.json"
     args = ["--device", "cpu", "--batches", "1", "4", "--iters", "3", "--warmup", "1"]
     args += ["--max-context", "256", "--backends", "paged", "--out", str(out)]
-    result = bench.main(args)
+    result = bench.run(args)
     saved = json.loads(out.read_text())
     rows = [(r["bs"], r["staging"]) for r in saved["rows"]]
     assert rows == [(bs, staging) for bs in (1, 4) for staging in ("slot", "graph", "copy")]

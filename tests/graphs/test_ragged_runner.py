@@ -107,7 +107,7 @@ def test_the_ragged_steps_benchmark_replays_and_agrees_with_eager(tmp_path, monk
     import json
     import sys
 
-    from benchmarks import ragged_steps
+    from benchmarks.loop import ragged_steps
 
     out = tmp_path / "ragged.json"
     argv = ["ragged_steps", "--smoke", "--profile", "1", "--host-profile", "2", "--prefix", "24"]
@@ -139,7 +139,7 @@ def test_the_ragged_replay_benchmark_times_cold_replays(tmp_path):
     each call, the sizes each batch routed to within the captured buckets."""
     import json
 
-    from benchmarks import ragged_replay
+    from benchmarks.host import ragged_replay
 
     out = tmp_path / "replay.json"
     argv = ["--max-batch", "16", "--context", "256", "--chunk", "24", "--decoding", "6"]
@@ -163,8 +163,8 @@ def test_the_ragged_replay_floor_checks_refuse_bad_input():
     continue its request's KV, a slot past the cache are each refused; the good batch passes."""
     import torch
 
-    from benchmarks.ragged_replay import Bounds, batch_inputs, check_inputs, ragged_batch
-    from benchmarks.seed_stack import make_table
+    from benchmarks.host.ragged_replay import Bounds, batch_inputs, check_inputs, ragged_batch
+    from benchmarks.kernels.seed_stack import make_table
 
     table, pages = make_table(4, 256, torch.device("cpu"), 0)
     kv_slots = pages * 64

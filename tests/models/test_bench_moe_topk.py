@@ -1,21 +1,15 @@
-"""A smoke run of benchmarks/bench_moe_topk.py on the CPU, so the GPU script cannot rot."""
+"""A smoke run of ``python -m benchmarks moe_topk`` on the CPU, so the GPU script cannot rot."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-from tests.support import REPO
-
-BENCH = REPO / "benchmarks" / "bench_moe_topk.py"
+from benchmarks.kernels import moe_topk as bench
 
 
 def test_bench_moe_topk_smoke(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("bench_moe_topk", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    result = bench.main(["--smoke", "--out", str(tmp_path)])
+    result = bench.run(["--smoke", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "bench_moe_topk.json").read_text())
     assert result["failures"] == [] == saved["failures"]
     assert [(r["shape"], r["rows"]) for r in saved["moe"]] == [("tiny", 1), ("tiny", 4)]

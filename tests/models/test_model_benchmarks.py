@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import model_floor, profile_step, seed_stack
+from benchmarks.kernels import model_floor, profile_step, seed_stack
 
 
 def test_model_floor_times_every_kernel_variant(tmp_path):
@@ -40,7 +40,7 @@ def test_sites_attribute_eager_ops_to_source_lines(tmp_path):
 def test_invariant_gemm_benchmark_reports_and_refuses_the_cpu(monkeypatch, capsys):
     """The GEMM benchmark times CUDA kernels only: on the CPU it says so. Its report (the
     table and the per-M sums the plot draws) runs here on a recorded result."""
-    from benchmarks import invariant_gemm
+    from benchmarks.kernels import invariant_gemm
     from dsv32_engine.models.layers.invariant_gemm import tile_config
 
     monkeypatch.setattr("sys.argv", ["invariant_gemm"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.profile_step import group_of, main
+from benchmarks.kernels.profile_step import group_of, main
 
 
 def test_kernel_names_fall_in_their_groups():

@@ -1,13 +1,13 @@
-"""The pieces benchmarks (``benchmarks.eager_pieces``, ``benchmarks.replay_pieces``) and the
-device check's (``benchmarks.device_check``) run on the
-CPU against the planner as it is: each piece they time is a call the planner still makes, so
-a change to the core that leaves them behind fails here, not in a GPU session."""
+"""The pieces benchmarks (``benchmarks.host.eager_pieces``, ``benchmarks.host.replay_pieces``)
+and the device check's (``benchmarks.host.device_check``) run on the CPU against the planner
+as it is: each piece they time is a call the planner still makes, so a change to the core
+that leaves them behind fails here, not in a GPU session."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks import eager_pieces, replay_pieces
+from benchmarks.host import eager_pieces, replay_pieces
 
 TINY = ["--batches", "2", "--context", "256", "--iters", "2", "--warmup", "1", "--device", "cpu"]
 
@@ -32,9 +32,9 @@ def test_replay_pieces_times_every_piece_of_a_replay_by_both_transports(tmp_path
 
 
 def test_the_device_check_benchmark_times_each_bucket(tmp_path, capsys):
-    """``benchmarks/device_check.py`` on the CPU: the check alone, the planner's record and
+    """``benchmarks/host/device_check.py`` on the CPU: the check alone, the planner's record and
     the floor per bucket (host times there, GPU times on a GPU)."""
-    from benchmarks import device_check
+    from benchmarks.host import device_check
 
     out = tmp_path / "check.json"
     argv = ["--device", "cpu", "--batches", "1", "4", "--max-context", "256", "--iters", "2"]

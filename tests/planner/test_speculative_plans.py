@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from backends.deepgemm import reference_paged_mqa_schedule
-from benchmarks import verify_spec_verify
+from benchmarks.verify import spec_verify
 from planner import ForwardBatch, ForwardMode, Limits, Planner
 from planner.batch import step_batches
 from planner.debug import diff_plans, padding_violations
@@ -252,9 +252,9 @@ def test_draft_decode_needs_draft_steps():
 
 
 def test_gpu_verify_script_smoke_mode(tmp_path):
-    """benchmarks/verify_spec_verify.py --smoke: the H200 script's checks on the CPU (emulated
+    """``python -m benchmarks spec_verify --smoke``: the H200 script's checks on the CPU (emulated
     graphs, references for the kernels), expanded and native verify, all passing."""
-    assert verify_spec_verify.main(["--smoke", "--cases", "3", "--out", str(tmp_path)]) == 0
+    assert spec_verify.main(["--smoke", "--cases", "3", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "verify_spec_verify.json").read_text())
     assert report["ok"] and len(report["parts"]) == 3
     assert report["parts"]["next_n=4 (expanded)"]["layouts"] == ["expanded"]

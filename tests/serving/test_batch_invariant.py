@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from benchmarks import batch_invariance
+from benchmarks.loop import batch_invariance
 from dsv32_engine.serving.engine import DecodeEngine
 from dsv32_engine.serving.plan_setup import INVARIANT_MLA_SPLITS
 from dsv32_engine.serving.run_config import load_run_config

@@ -13,7 +13,7 @@ from subprocess import CompletedProcess
 import pytest
 import yaml
 
-from benchmarks.overlap_loop import (
+from benchmarks.loop.overlap_loop import (
     CASES,
     command,
     compare_case,

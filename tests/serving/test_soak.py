@@ -276,19 +276,18 @@ def test_rss_probe_reads_this_process():
 
 
 def test_gpu_soak_script_runs_on_emulated_graphs(tmp_path):
-    """A smoke run of benchmarks/soak_gpu.py on the CPU, so the GPU script cannot rot."""
-    import importlib.util
+    """A smoke run of ``python -m benchmarks soak_gpu`` on the CPU, so the GPU script cannot
+    rot."""
     import json
 
-    spec = importlib.util.spec_from_file_location("soak_gpu", REPO / "benchmarks" / "soak_gpu.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    from benchmarks.soak import soak_gpu as script
+
     out = tmp_path / "soak.json"
     args = ["--device", "cpu", "--config", "dsv32-tiny.yaml", "--sequences", "12"]
     args += ["--runners", "2", "--max-batch", "8", "--max-context", "320"]
     args += ["--decode-steps", "24", "--warmup", "8", "--every", "4"]
     args += ["--prompt-len", "2", "4", "--max-new-tokens", "2", "8", "--out", str(out)]
-    result = script.main(args)
+    result = script.run(args)
     saved = json.loads(out.read_text())
     assert result["ok"] and saved["ok"], json.dumps(saved, indent=1)[:2000]
     assert saved["fuzz"]["mismatches"] == 0 and saved["fuzz"]["replays"] > 0

@@ -15,7 +15,7 @@ from functools import cache
 import pytest
 import torch
 
-from benchmarks import spec_decode
+from benchmarks.loop import spec_decode
 from dsv32_engine.models.config import DSV32Config
 from dsv32_engine.models.model import DSV32Model
 from dsv32_engine.serving.accept import accept_greedy
@@ -115,7 +115,8 @@ def test_the_cpu_speculative_config_serves_and_reports(tmp_path):
 
 
 def test_gpu_benchmark_script_smoke_mode(tmp_path):
-    """benchmarks/spec_decode.py --smoke: plain, MTP, n-gram and plain again on the CPU."""
+    """``python -m benchmarks spec_decode --smoke``: plain, MTP, n-gram and plain again on the
+    CPU."""
     assert spec_decode.main(["--smoke", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "spec_decode.json").read_text())
     runs = report["runs"]

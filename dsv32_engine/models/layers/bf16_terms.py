@@ -12,7 +12,7 @@ activations are bf16 already (the fp32 cast of ``x`` was exact), so each product
 ``x_k * t_ik`` is exact, and one bf16 GEMM with fp32 output
 (``torch.mm(..., out_dtype=float32)``) gives the three partial sums, added after. The
 tensor cores' fp32 accumulation is not quite IEEE fp32: measured on the H200 against
-float64 (``benchmarks/weights_proj_gemm.py``, outputs of standard deviation ~0.02), the
+float64 (``python -m benchmarks weights_proj_gemm``, outputs of standard deviation ~0.02), the
 largest error was 0.7-1.5e-7, against 0.6-3.4e-8 for cuBLAS's fp32 GEMM and 0.7-1.2e-4
 with the weight rounded to bf16 once. The ranking reads these weights through
 fp8-quantised queries and keys (steps of 2**-4), far coarser than either. At one row the fp32 SIMT

@@ -6,7 +6,7 @@ all without host syncs and with shapes that depend on the inputs' shapes only:
 
 * ``"triton"``: ``grouped_gemm_triton``, chosen on any CUDA device with Triton: on the
   H200 it beat ``torch._grouped_mm`` at every row count measured, 1 to 128 rows, in
-  both MoE shapes (``benchmarks/bench_moe_topk.py``, docs/benchmarks.md).
+  both MoE shapes (``python -m benchmarks moe_topk``, docs/benchmarks.md).
 * ``"torch"``: ``torch._grouped_mm``, CUTLASS on sm90/sm100 for bf16, the choice where
   Triton is missing. Anywhere else torch falls back to a loop that copies ``offs`` to
   the host (a sync, which breaks graph capture), so it is chosen only where that fast

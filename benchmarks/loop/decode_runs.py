@@ -1,0 +1,196 @@
+"""The decode CLI on the shipped configs: tokens/s, step p50/p99, TTFT, replays and fallbacks.
+
+Each named case is one run of ``python -m planner decode --config CONFIG --quiet --json
+OUT/CASE.json ARGS`` in a fresh process, one case after the other (timings never run side by
+side). The table gives per case tokens/s, the decode step's p50 and p99, the time to first
+token's p50, graph replays (ragged ones apart) and eager fallbacks; ``OUT/decode_runs.json``
+holds every case's summary beside each run's own ``OUT/CASE.json``. A run that fails is
+reported with its stderr's tail, the other cases still run, and the exit status is 1.
+
+Cases (``--cases`` picks them, comma- or space-separated; default ``small shapes``):
+
+* ``small``: dsv32-small, 16 requests; ``shapes``: dsv32-shapes (61 layers), 64 requests;
+* ``shapes_ragged``: shapes' run with mixing under ragged graphs (KV capacity, capture time
+  and graph memory beside shapes');
+* ``small_fi``, ``shapes_fi``: small and shapes with FlashInfer's sparse MLA kernel;
+* ``arrivals_off``, ``arrivals_on``: dsv32-small-arrivals prefill-first, then mixed under
+  ragged graphs (``arrivals`` names both);
+* ``arrivals_debug``: the mixed run with ``--debug`` (every replay checked against a fresh
+  plan), 60 requests: a correctness run.
+
+    python3 -m benchmarks decode_runs --out "$OUT"                      # small, shapes
+    python3 -m benchmarks decode_runs --cases arrivals --out "$OUT"     # both arrivals runs
+
+A CPU smoke run of the plumbing::
+
+    python3 -m benchmarks decode_runs --case 'tiny=dsv32-tiny:--requests 2' --extra='--device cpu'
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import machine, print_table, write_json
+from benchmarks.loop.overlap_loop import (
+    Runner,
+    command,
+    parse_case,
+    read_run,
+    run_decode,
+    run_process,
+)
+
+MIXED = [
+    "--set",
+    "graphs.ragged=true",
+    "--set",
+    "loop.mixed=true",
+    "--set",
+    "planner.ragged_kv_tokens=262144",
+]
+"""Mixed prefill and decode steps under ragged graphs, the KV bound sized to a loaded step."""
+CASES: dict[str, tuple[str, list[str]]] = {
+    "small": ("dsv32-small", ["--requests", "16"]),
+    "shapes": ("dsv32-shapes", ["--requests", "64"]),
+    "shapes_ragged": ("dsv32-shapes", ["--requests", "64", *MIXED]),
+    "small_fi": ("dsv32-small", ["--requests", "16", "--mla-kernel", "flashinfer"]),
+    "shapes_fi": ("dsv32-shapes", ["--requests", "64", "--mla-kernel", "flashinfer"]),
+    "arrivals_off": ("dsv32-small-arrivals", []),
+    "arrivals_on": ("dsv32-small-arrivals", MIXED),
+    "arrivals_debug": ("dsv32-small-arrivals", ["--requests", "60", "--debug", *MIXED]),
+}
+"""Each case: name -> (config, the case's own arguments to the decode CLI)."""
+GROUPS = {"arrivals": ("arrivals_off", "arrivals_on")}
+"""Names that stand for several cases, run in this order."""
+DEFAULT = ("small", "shapes")
+COUNTS = ("graph_replays", "ragged_replays", "eager_fallbacks")
+"""The summary's counts kept beside :func:`overlap_loop.read_run`'s metrics (a count by kind
+or size is summed)."""
+
+
+def case_names(texts: Sequence[str]) -> list[str]:
+    """``--cases`` words (each comma-separated) as case names, groups expanded, in order and
+    each once."""
+    names: list[str] = []
+    for text in texts:
+        for word in filter(None, (w.strip() for w in text.split(","))):
+            for name in GROUPS.get(word, (word,)):
+                if name not in names:
+                    names.append(name)
+    return names
+
+
+def total(value: Any) -> int | None:
+    """A count, or the sum of a count by kind or size (``{}``: 0)."""
+    if isinstance(value, dict):
+        return sum(int(v) for v in value.values())
+    return None if value is None else int(value)
+
+
+def read_summary(payload: dict[str, Any]) -> dict[str, Any]:
+    """What the benchmark keeps of a run's ``--json`` file: :func:`read_run`'s metrics (tokens
+    not kept: one run has nothing to compare them with) and the replay and fallback counts."""
+    run = read_run(payload)
+    run.pop("tokens")
+    summary = payload["summary"]
+    run.update({key: total(summary.get(key)) for key in COUNTS})
+    run["requests_finished"] = summary.get("requests_finished")
+    return run
+
+
+def table_rows(results: dict[str, dict[str, Any]]) -> list[tuple]:
+    rows = []
+    for name, result in results.items():
+        s = result["summary"] or {}
+        cells = [s.get(k) for k in ("tokens_per_second", "step_ms_p50", "step_ms_p99")]
+        cells += [s.get(k) for k in ("ttft_ms_p50", *COUNTS)]
+        failure = result["failure"]
+        if failure:
+            status = f"FAILED (exit {failure['exit']})"
+        else:
+            status = "interrupted" if s.get("interrupted") else "ok"
+        rows.append((name, result["config"], *("-" if c is None else c for c in cells), status))
+    return rows
+
+
+def run_cases(
+    names: Sequence[str],
+    cases: dict[str, tuple[str, list[str]]],
+    out: Path,
+    args: argparse.Namespace,
+    extra: Sequence[str],
+    runner: Runner,
+) -> dict[str, dict[str, Any]]:
+    """Each case's run, one after the other; ``OUT/CASE.json`` is the run's own file."""
+    results = {}
+    for k, name in enumerate(names):
+        config, case_args = cases[name]
+        print(f"[{k + 1}/{len(names)}] {name}", file=sys.stderr, flush=True)
+        path = out / f"{name}.json"
+        cmd = command(config, case_args, None, path, 0, extra)
+        payload, failure = run_decode(cmd, path, runner, args.timeout, args.tail, name)
+        results[name] = {
+            "config": config,
+            "args": list(case_args),
+            "command": shlex.join(cmd),
+            "summary": None if payload is None else read_summary(payload),
+            "failure": failure,
+        }
+    return results
+
+
+def main(argv: Sequence[str] | None = None, runner: Runner = run_process) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=[],
+        help=f"cases to run, e.g. small,shapes (default: those --case defines, else "
+        f"{','.join(DEFAULT)}); known: {', '.join([*CASES, *GROUPS])}",
+    )
+    p.add_argument(
+        "--case",
+        type=parse_case,
+        action="append",
+        default=[],
+        metavar="NAME=CONFIG[:ARGS]",
+        help="define (or redefine) a case",
+    )
+    p.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="arguments added to every run, e.g. --extra='--device cpu'",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    p.add_argument("--tail", type=int, default=30, help="stderr lines shown of a failed run")
+    p.add_argument("--out", help="folder for each run's CASE.json and decode_runs.json")
+    args = p.parse_args(argv)
+    cases = {**CASES, **dict(args.case)}
+    names = case_names(args.cases) or ([n for n, _ in args.case] if args.case else list(DEFAULT))
+    unknown = [n for n in names if n not in cases]
+    if unknown:
+        p.error(f"unknown cases {unknown}: known {[*cases, *GROUPS]}, or define one with --case")
+    extra = [a for text in args.extra for a in shlex.split(text)]
+    with tempfile.TemporaryDirectory(prefix="decode_runs-") as tmp:
+        out = Path(args.out or tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        results = run_cases(names, cases, out, args, extra, runner)
+    header = ("case", "config", "tok/s", "step p50", "step p99", "ttft p50")
+    header += ("replays", "ragged", "eager fallbacks", "status")
+    table = print_table("decode runs (times in ms)", header, table_rows(results))
+    if args.out:
+        payload = {"machine": machine(), "args": vars(args), "table": table, "cases": results}
+        write_json(str(Path(args.out) / "decode_runs.json"), payload)
+    return 1 if any(r["failure"] for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
