@@ -28,7 +28,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,7 +86,8 @@ def _percentile(values: list[float], q: float) -> float:
 def run_once(name: str, debug: bool, steps: int, warmup: int) -> dict[str, Any]:
     """One engine run with PLANNER_DEBUG set or unset; step-time statistics after warm-up."""
     yaml_name, overrides, per_request = CONFIGS[name]
-    overrides = overrides | {"loop.requests": int(steps / per_request) + 4}
+    # the synchronous loop: each step's time is its own (a loop ahead overlaps them)
+    overrides = overrides | {"loop.requests": int(steps / per_request) + 4, "loop.overlap": False}
     old = os.environ.pop("PLANNER_DEBUG", None)
     if debug:
         os.environ["PLANNER_DEBUG"] = "1"
@@ -98,17 +98,6 @@ def run_once(name: str, debug: bool, steps: int, warmup: int) -> dict[str, Any]:
         if old is not None:
             os.environ["PLANNER_DEBUG"] = old
     assert engine.planner.debug is debug
-    prefill: list[float] = []
-    inner = engine._prefill_step
-
-    def timed_prefill(requests):
-        start = time.perf_counter()
-        inner(requests)
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
-        prefill.append(time.perf_counter() - start)
-
-    engine._prefill_step = timed_prefill
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GraphWarning)
         result = engine.run(progress=False, max_steps=None)
@@ -121,11 +110,13 @@ def run_once(name: str, debug: bool, steps: int, warmup: int) -> dict[str, Any]:
         "device": str(engine.device),
         "graph_kind": stats.kind,
         "decode_steps": len(decode),
-        "prefill_steps": len(prefill),
+        "prefill_steps": result.prefill_steps,
         "step_ms_p50": 1e3 * statistics.median(decode),
         "step_ms_p90": 1e3 * _percentile(decode, 90),
         "step_ms_mean": 1e3 * statistics.fmean(decode),
-        "prefill_ms_mean": 1e3 * statistics.fmean(prefill) if prefill else 0.0,
+        "prefill_ms_mean": 1e3 * result.prefill_seconds / result.prefill_steps
+        if result.prefill_steps
+        else 0.0,
         "verify_ms_per_replay": 1e3 * stats.host_seconds["verify"] / graph_steps,
         "verified": engine.planner.stats.verified,
         "wall_seconds": result.wall_seconds,

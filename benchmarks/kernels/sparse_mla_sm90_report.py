@@ -137,9 +137,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", type=int, default=128)
     p.add_argument("--json", help="write the rows here")
+    p.add_argument(
+        "--configs", type=int, help="only the first N configs (a quick check; default: all)"
+    )
     args = p.parse_args(argv)
+    if args.configs is not None and args.configs < 1:
+        p.error(f"--configs must be >= 1, got {args.configs}")
     rows = []
-    for cfg in CONFIGS:
+    for cfg in CONFIGS[: args.configs]:
         for direct in (False, True):
             try:
                 r = report(cfg, args.heads, direct)

@@ -1,0 +1,73 @@
+"""CPU smoke runs of the benchmarks no other test runs whole: each runs to its end on the
+CPU at a tiny size (or, GPU-only, refuses there in one line), so a broken benchmark fails
+here rather than in a scarce device call."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks.host import debug_cost
+from benchmarks.kernels import weights_proj_gemm
+from benchmarks.loop import overlap_loop
+from tests.support import REPO
+
+
+def test_debug_cost_times_both_modes_on_the_tiny_model(tmp_path, capsys):
+    out = tmp_path / "debug_cost.json"
+    argv = ["--configs", "tiny", "--steps", "12", "--warmup", "2", "--out", str(out)]
+    assert debug_cost.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert "tiny" in json.dumps(rows)
+    assert "debug" in capsys.readouterr().out.lower()
+
+
+def test_overlap_loop_runs_both_loops_and_compares_their_tokens(tmp_path, capsys):
+    out = tmp_path / "overlap_loop.json"
+    argv = [
+        "--case",
+        "tiny=dsv32-tiny:--requests 3 --max-steps 12",
+        "--gpu-busy",
+        "0",
+        "--repeats",
+        "1",
+        "--extra=--device cpu",
+        "--out",
+        str(out),
+    ]
+    assert overlap_loop.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "tiny" in text and "yes" in text  # the tokens of both loops are equal
+    assert json.loads(out.read_text())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU's")
+def test_weights_proj_gemm_refuses_without_cuda_in_one_line(capsys):
+    assert weights_proj_gemm.main(["--rows", "1"]) == 2
+    assert capsys.readouterr().out.strip() == "needs CUDA: this compares GPU kernels"
+
+
+@pytest.mark.triton
+def test_sparse_mla_sm90_report_compiles_a_config_for_hopper(tmp_path):
+    """Triton's compiler and its bundled ptxas and cuobjdump, no GPU, in a process of its
+    own (the interpreter off, as on a GPU)."""
+    out = tmp_path / "sm90.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    argv = ["--heads", "16", "--configs", "1", "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "sparse_mla_sm90_report", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 and all("error" not in r for r in rows), rows
+    assert all(r["registers"] > 0 for r in rows)
