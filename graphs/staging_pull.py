@@ -4,7 +4,7 @@ the planner's transport of a captured mode: ``Planner(..., transport=PulledTrans
 
 Why: on a GPU host the one host-to-device copy of a replay, and the ring's events, are about
 a third of a ``replay()``'s host time, almost all of it the runtime's own submission
-(docs/benchmarks.md, planner host cost). A graph launch is made anyway; a kernel
+(measured before issue 53, `git log -p docs/benchmarks.md`). A graph launch is made anyway; a kernel
 inside it can read pinned host memory directly (it is mapped into the device's address
 space), so the copy can ride the launch instead of being a second submission.
 

@@ -56,7 +56,8 @@ VARIANTS = ("resident", "chunked")
 
 # Scores per chunk of a pass. The histogram is a [BLOCK, 16] compare: 1024 with 16 warps
 # keeps it at 32 values per thread, the fastest of the block x warps sweep on the H200
-# (128 full rows of 16384: 79.8 us, against 103.2 us with 8 warps; docs/benchmarks.md).
+# (128 full rows of 16384: 79.8 us, against 103.2 us with 8 warps; measured in round 6,
+# `git log -p docs/benchmarks.md`).
 DEFAULT_BLOCK = 1024
 DEFAULT_WARPS = 16
 # The resident variant's defaults, the fastest on the H200 at widths 4096 and 16384 and

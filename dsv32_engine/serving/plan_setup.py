@@ -32,7 +32,7 @@ def kernel_name(mla_kernel: str, device: torch.device) -> str:
     1.63-1.98x its HBM floor at B 1-128 against 1.62-2.80x with Triton: in the serving
     loop it gave no more tokens/s (dsv32-shapes, 64 requests: 1567 against 1576) and its
     ``plan()`` runs on the host every replay (644 against 248 us of planner time per
-    replay; docs/benchmarks.md, round 7)."""
+    replay; round 7, `git log -p docs/benchmarks.md`)."""
     if mla_kernel != "auto":
         return mla_kernel
     return "triton" if device.type == "cuda" and triton_available(device) else "torch"

@@ -98,7 +98,7 @@ class GraphsSection(_Section):
         "on the CPU an emulated replay re-runs the padded forward (slower than eager: 355 "
         "against 550 tokens/s for the tiny demo); under CUDA graphs (an H100) its replays equal "
         "eager plans and, with loop.mixed, arriving requests ran at 2.1-3.4x prefill-first's "
-        "tokens/s; set planner.ragged_kv_tokens to the KV a step holds (docs/benchmarks.md)",
+        "tokens/s (issue 37); set planner.ragged_kv_tokens to the KV a step holds",
     )
     token_sizes: list[int] | None = Field(
         None, description="token buckets of ragged graphs; None: 16, 32, 64, ... max_tokens"
