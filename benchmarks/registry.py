@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import difflib
 import importlib
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -46,6 +47,43 @@ class Benchmark:
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
+
+    @property
+    def gpu_steps(self) -> dict[str, str]:
+        """The module's ``GPU_STEPS``: its runs as ``scripts/gpu_verify.sh`` steps, by
+        variant ("" the plain ``NAME``, ``*`` any other), each its arguments with ``{out}``
+        (the results folder) and ``{variant}``; read with ``ast``, as the docstring is."""
+        tree = ast.parse(self.path.read_text(), filename=str(self.path))
+        for node in tree.body:
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id == "GPU_STEPS"
+            ):
+                return dict(ast.literal_eval(node.value))
+        return {}
+
+
+def step_argv(
+    step: str, out: str, benchmarks: dict[str, Benchmark] | None = None
+) -> tuple[Benchmark, list[str]]:
+    """The benchmark a ``gpu_verify.sh`` step (``NAME`` or ``NAME:VARIANT``) runs, and its
+    arguments with the results folder ``out``; a ``ValueError`` naming what exists for a
+    step that names no benchmark or no run of it."""
+    benchmarks = suite() if benchmarks is None else benchmarks
+    name, _, variant = step.partition(":")
+    if name not in benchmarks:
+        near = closest(name, benchmarks)
+        hint = f"closest: {', '.join(near)}" if near else "python -m benchmarks lists them"
+        raise ValueError(f"step {step!r}: no benchmark named {name!r} ({hint})")
+    bench = benchmarks[name]
+    steps = bench.gpu_steps
+    args = steps.get(variant, steps.get("*") if variant else None)
+    if args is None:
+        known = [f"{name}:{v}" if v else name for v in steps] or ["none"]
+        raise ValueError(f"step {step!r}: {name} has no such run (its steps: {', '.join(known)})")
+    return bench, shlex.split(args.format(out=out, variant=variant))
 
 
 def suite(root: Path = HERE) -> dict[str, Benchmark]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.loop import decode_runs
-from benchmarks.registry import suite
+from benchmarks.registry import step_argv, suite
 from dsv32_engine.serving.commands.decode import _overrides
 from dsv32_engine.serving.run_config import load_run_config, resolve_config
 from planner.errors import ConfigError
@@ -115,8 +115,25 @@ def parse_only(target: str, argv: list[str], monkeypatch: pytest.MonkeyPatch):
     pytest.fail(f"python3 {target} {shlex.join(argv)}: ended without parsing arguments")
 
 
+def step_commands() -> list[tuple[str, str, list[str]]]:
+    """``(step, target, argv)`` of every run a benchmark declares as a ``gpu_verify.sh`` step
+    (its ``GPU_STEPS``); a ``*`` run (any variant) once per case the benchmark knows."""
+    found = []
+    for name, bench in suite().items():
+        for variant in bench.gpu_steps:
+            variants = [variant]
+            if variant == "*":
+                variants = sorted(bench.load().CASES)
+            for v in variants:
+                step = f"{name}:{v}" if v else name
+                _, argv = step_argv(step, "/tmp/out")
+                found.append((step, f"-m {bench.module}", argv))
+    return found
+
+
 CASES = [(script, *command) for script in SCRIPTS for command in commands(script)]
 CASES += [("benchmarks/loop/decode_runs.py", *command) for command in decode_run_commands()]
+CASES += [(f"{VERIFY} {step}", target, argv) for step, target, argv in step_commands()]
 
 
 @pytest.mark.parametrize(
@@ -135,29 +152,31 @@ def test_the_commands_are_found():
     """The reader finds every step's command (a script it reads as empty checks nothing)."""
     targets = {target for _, target, _ in CASES}
     assert {"-m planner", "-m benchmarks"} <= targets
-    run = {argv[0] for script, target, argv in CASES if target == "-m benchmarks"}
-    assert {"ragged_steps", "batch_invariance", "decode_runs", "planner_overhead"} <= run
+    stepped = {target.rsplit(".", 1)[-1] for script, target, _ in CASES if " " in script}
+    assert {"ragged_steps", "batch_invariance", "decode_runs", "planner_overhead"} <= stepped
     assert sum(target == "-m planner" for _, target, _ in CASES) >= 10
     mixed = [argv for _, target, argv in CASES if "--debug" in argv]
     assert mixed and "graphs.ragged=true" in mixed[0]
 
 
 def test_every_verify_step_is_a_benchmark():
-    """A ``gpu_verify.sh`` step is a benchmark's name (``NAME`` or ``NAME:VARIANT``), and the
-    commands it runs run that benchmark; ``check_distributed`` runs the two-GPU script its
-    judge reads."""
-    steps, benchmarks = verify_steps(), suite()
-    assert len(steps) > 20 and set(steps) >= NOT_BENCHMARKS
-    for pattern, commands in steps.items():
-        name = pattern.split(":")[0]
-        if name in NOT_BENCHMARKS or pattern == "*":  # "*": an unknown step, refused
-            continue
-        assert name in benchmarks, f"{VERIFY}: step {pattern} names no benchmark"
-        ran = re.findall(r"python3 -m benchmarks (\S+)", commands)
-        if name == "check_distributed":
-            assert "scripts/gpu_distributed.sh" in commands and not ran
-        else:
-            assert ran and set(ran) == {name}, f"{VERIFY}: step {pattern} runs {ran}"
+    """``gpu_verify.sh`` writes no benchmark's command line: a step runs ``python -m
+    benchmarks step STEP``, whose arguments the benchmark declares (``GPU_STEPS``). Its only
+    arms of its own: ``gpu_tests`` (pytest) and ``check_distributed`` (the two-GPU script its
+    judge reads). Every benchmark that runs on a GPU declares its plain step."""
+    steps = verify_steps()
+    assert set(steps) == {"gpu_tests", "check_distributed", "*"}
+    assert "python3 -m benchmarks step" in steps["*"]
+    assert "scripts/gpu_distributed.sh" in steps["check_distributed"]
+    benchmarks = suite()
+    cpu_only = {"sparse_mla_sm90_report", "check_distributed"}
+    for name, bench in benchmarks.items():
+        if name not in cpu_only:
+            assert "" in bench.gpu_steps, f"{name}: no GPU_STEPS[''] (its gpu_verify.sh step)"
+    with pytest.raises(ValueError, match="closest: planner_overhead"):
+        step_argv("planner_overhed", "/tmp/out")
+    with pytest.raises(ValueError, match=r"its steps: model_floor\)"):
+        step_argv("model_floor:nope", "/tmp/out")
 
 
 def test_a_bad_flag_is_caught(monkeypatch):

@@ -31,6 +31,13 @@ import backends  # noqa: F401  (registers the backends)
 from benchmarks.common import machine, num_sms_of, print_table, write_json
 from planner import ForwardBatch, ForwardMode, Limits, Planner
 
+GPU_STEPS = {
+    "": "--out {out}/device_check.json",
+}
+"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
+``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
+``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
+
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -53,6 +53,13 @@ from benchmarks.common import machine, num_sms_of, print_table, time_paired, wri
 from benchmarks.kernels.seed_stack import make_table
 from planner import ForwardBatch, ForwardMode, Limits, Planner
 
+GPU_STEPS = {
+    "": "--out {out}/ragged_replay.json",
+}
+"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
+``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
+``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
+
 I32 = torch.int32
 
 

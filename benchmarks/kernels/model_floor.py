@@ -46,6 +46,13 @@ from dsv32_engine.serving.plan_setup import flashinfer_options
 from graphs import GraphRunner
 from planner import Planner
 
+GPU_STEPS = {
+    "": "--out {out}/model_floor.json",
+}
+"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
+``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
+``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
+
 KERNELS = {"reference": "torch", "production": "auto", "flashinfer": "flashinfer"}
 """Sparse MLA per variant: the torch reference, the NSA plan's Triton kernel, and
 FlashInfer's MLA kernel planned once per batch (the ``nsa_flashinfer`` companion plan)."""

@@ -46,6 +46,14 @@ from benchmarks.loop.overlap_loop import (
     run_process,
 )
 
+GPU_STEPS = {
+    "": "--cases small,shapes --out {out}",
+    "*": "--cases {variant} --out {out}",
+}
+"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
+``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
+``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
+
 MIXED = [
     "--set",
     "graphs.ragged=true",

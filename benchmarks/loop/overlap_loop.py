@@ -33,6 +33,14 @@ from typing import Any
 
 from benchmarks.common import ROOT, machine, plot_bars, print_table, write_json
 
+GPU_STEPS = {
+    "": "--out {out}/overlap_loop.json --plot {out}/overlap_loop.png",
+    "*": "--cases {variant} --out {out}/overlap_loop_{variant}.json",
+}
+"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
+``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
+``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
+
 CASES: dict[str, tuple[str, list[str]]] = {
     "small16": ("dsv32-small", ["--requests", "16"]),
     "small64": ("dsv32-small", ["--requests", "64"]),
@@ -247,7 +255,8 @@ def main(argv: list[str] | None = None, runner: Runner = run_process) -> int:
     p.add_argument(
         "--cases",
         nargs="+",
-        help=f"cases to run (default: those --case defines, else {' '.join(CASES)})",
+        help=f"cases to run, by spaces or commas (default: those --case defines, else "
+        f"{' '.join(CASES)})",
     )
     p.add_argument(
         "--case",
@@ -274,7 +283,8 @@ def main(argv: list[str] | None = None, runner: Runner = run_process) -> int:
     if args.repeats < 1 or args.gpu_busy < 0:
         p.error("--repeats must be >= 1 and --gpu-busy >= 0")
     cases = {**CASES, **dict(args.case)}
-    names = args.cases or (list(CASES) if not args.case else [n for n, _ in args.case])
+    picked = [name for item in args.cases or [] for name in item.split(",") if name]
+    names = picked or (list(CASES) if not args.case else [n for n, _ in args.case])
     unknown = [n for n in names if n not in cases]
     if unknown:
         p.error(f"unknown cases {unknown}: known {sorted(cases)}, or define one with --case")

@@ -46,6 +46,13 @@ from dsv32_engine.serving.run_config import load_run_config
 from graphs.sizes import default_token_ladder
 from planner.batch import ForwardBatch, ForwardMode
 
+GPU_STEPS = {
+    "": "--config dsv32-shapes --out {out}/ragged.json --plot {out}/ragged.png",
+}
+"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
+``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
+``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
+
 
 def mixed_batch(engine: DecodeEngine, decoding: int, context: int, chunk: int, prefix: int = 0):
     """``decoding`` one-token extends at ``context`` KV and one ``chunk``-token prompt
