@@ -54,3 +54,53 @@ def test_one_step_ahead_decodes_the_synchronous_tokens_on_the_gpu(variant):
     assert ahead.steps_by_mode == sync.steps_by_mode
     _, checked = _tokens(True, debug=True, **VARIANTS[variant])
     assert checked.tokens == sync.tokens
+
+
+class NoSyncWindow:
+    """A ``run(busy=...)`` meter that turns CUDA's sync debug mode to ``error`` once every
+    request decodes (no arrival, admission or prompt chunk left: those plan eagerly and read
+    their checks at once), and off at the end: from then on any call that makes the host
+    wait for the device (``.item()``, ``.tolist()`` of a CUDA tensor, a blocking copy, a
+    stream or device synchronize) raises. Waiting on a step's own event (``PendingRead``)
+    is not such a call: it is the one wait the loop one step ahead makes."""
+
+    def __init__(self, engine: DecodeEngine, requests: int) -> None:
+        self.engine, self.requests, self.steps = engine, requests, 0
+
+    def at_step(self, step: int) -> None:
+        sched = self.engine.scheduler
+        decoding = not sched.waiting and all(not r.prefilling for r in sched.running)
+        if self.steps == 0 and decoding and sched.finished_count == 0 and step >= 2:
+            torch.cuda.set_sync_debug_mode("error")
+        if torch.cuda.get_sync_debug_mode():
+            self.steps += 1
+
+    def loop_step(self, step: int, seconds: float) -> None:
+        pass
+
+    def finish(self, step: int) -> None:
+        torch.cuda.set_sync_debug_mode(0)
+
+    def summary(self) -> None:
+        return None
+
+
+def test_the_loop_ahead_never_waits_for_the_device_while_it_decodes():
+    """Every request arrives at step 0 and prefills in one chunk; from then on, decode steps
+    replayed one step ahead make no synchronising call at all."""
+    values = {
+        **LOOP,
+        "loop.requests": 8,
+        "loop.arrival_rate": 1000.0,
+        "loop.prompt_len": [16, 64],
+        "loop.max_new_tokens": [40, 80],
+        "loop.overlap": True,
+    }
+    engine = DecodeEngine(load_run_config(SMALL, values))
+    window = NoSyncWindow(engine, 8)
+    try:
+        result = engine.run(progress=False, keep_tokens=True, busy=window)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert result.finished == 8
+    assert window.steps >= 30, window.steps
