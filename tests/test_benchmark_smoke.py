@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks.host import debug_cost
+from benchmarks.host import debug_cost, planner_overhead, profile_host
 from benchmarks.kernels import weights_proj_gemm
 from benchmarks.loop import overlap_loop
 from tests.support import REPO
@@ -71,3 +71,19 @@ def test_sparse_mla_sm90_report_compiles_a_config_for_hopper(tmp_path):
     rows = json.loads(out.read_text())
     assert len(rows) == 2 and all("error" not in r for r in rows), rows
     assert all(r["registers"] > 0 for r in rows)
+
+
+def test_planner_overhead_times_the_planner_beside_hand_written_code(tmp_path, capsys):
+    out = tmp_path / "po.json"
+    argv = ["--batches", "1", "4", "--warmup", "2", "--iters", "5"]
+    argv += ["--flashinfer", "--device", "cpu", "--out", str(out)]
+    assert planner_overhead.main(argv) == 0
+    assert "planner host time per call" in capsys.readouterr().out
+    assert json.loads(out.read_text())
+
+
+def test_profile_host_profiles_replay_step_and_eager_plan(tmp_path, capsys):
+    out = tmp_path / "ph.json"
+    argv = ["--batch", "4", "--iters", "3", "--device", "cpu"]
+    assert profile_host.main([*argv, "--out", str(out)]) == 0
+    assert json.loads(out.read_text())
