@@ -61,8 +61,8 @@ class GpuBusy:
     The loop calls :meth:`at_step` at the top of every step (steps count from 0),
     :meth:`loop_step` with each step's wall time, and :meth:`finish` after its last step;
     :meth:`summary` is the result. The step whose top closes the window pays for the
-    synchronisation and the profiler's stop, so it is no pace sample either; nor are the
-    first ``start // 2`` steps (warm-up: first replays, allocator growth).
+    synchronisation and the profiler's stop, so it is no pace sample either; the pace is
+    the median of the unprofiled steps next to the window (:meth:`loop_step`).
 
     ``profiler_factory`` (an object with ``start``, ``stop`` and ``events``) and ``sync``
     are seams for tests: with a profiler injected, any ``device`` is accepted.
@@ -124,11 +124,14 @@ class GpuBusy:
             self._close(self.steps)
 
     def loop_step(self, step: int, seconds: float) -> None:
-        """Step ``step`` took ``seconds`` of wall time: a pace sample unless it was warm-up,
-        profiled, or the step that closed the window."""
-        if step < self.start // 2 or self.start <= step <= self.start + self.steps:
-            return
-        self._pace.append(seconds)
+        """Step ``step`` took ``seconds`` of wall time: a pace sample if it lies next to the
+        window, the steps from ``start // 2`` up to it (the first half are warm-up: first
+        replays, allocator growth) and as many as the window holds after the step that
+        closed it (which pays for the sync and the profiler's stop). Steps further off run
+        other batches (a workload's tail decodes fewer requests, faster): not this pace."""
+        end = self.start + self.steps
+        if self.start // 2 <= step < self.start or end < step <= end + self.steps:
+            self._pace.append(seconds)
 
     def finish(self, step: int) -> None:
         """The loop ended before step ``step`` (the number of steps it ran): a window still

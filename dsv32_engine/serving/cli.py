@@ -174,7 +174,7 @@ def _add_decode(sub: Any) -> None:
         type=count,
         metavar="STEPS",
         help="profile the GPU's activity over STEPS loop steps (from step 20) and report its "
-        "busy fraction: device time per step over the unprofiled pace of the other steps "
+        "busy fraction: device time per step over the unprofiled pace of the steps next to it "
         "(CUDA only)",
     )
     p.add_argument(
