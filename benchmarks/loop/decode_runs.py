@@ -39,8 +39,8 @@ from typing import Any
 from benchmarks.common import machine, print_table, write_json
 from benchmarks.loop.overlap_loop import (
     Runner,
+    add_run_arguments,
     command,
-    parse_case,
     read_run,
     run_decode,
     run_process,
@@ -162,23 +162,7 @@ def main(argv: Sequence[str] | None = None, runner: Runner = run_process) -> int
         help=f"cases to run, e.g. small,shapes (default: those --case defines, else "
         f"{','.join(DEFAULT)}); known: {', '.join([*CASES, *GROUPS])}",
     )
-    p.add_argument(
-        "--case",
-        type=parse_case,
-        action="append",
-        default=[],
-        metavar="NAME=CONFIG[:ARGS]",
-        help="define (or redefine) a case",
-    )
-    p.add_argument(
-        "--extra",
-        action="append",
-        default=[],
-        metavar="ARGS",
-        help="arguments added to every run, e.g. --extra='--device cpu'",
-    )
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
-    p.add_argument("--tail", type=int, default=30, help="stderr lines shown of a failed run")
+    add_run_arguments(p)
     p.add_argument("--out", help="folder for each run's CASE.json and decode_runs.json")
     args = p.parse_args(argv)
     cases = {**CASES, **dict(args.case)}

@@ -250,14 +250,10 @@ def run_case(name, config, case_args, args, extra, runner: Runner, progress) -> 
     return {"config": config, "args": list(case_args), "runs": runs, "failure": None}
 
 
-def main(argv: list[str] | None = None, runner: Runner = run_process) -> int:
-    p = argparse.ArgumentParser(description="the overlapped decode loop against the plain one")
-    p.add_argument(
-        "--cases",
-        nargs="+",
-        help=f"cases to run, by spaces or commas (default: those --case defines, else "
-        f"{' '.join(CASES)})",
-    )
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of a benchmark that runs the decode CLI per case: cases defined on the
+    command line, arguments added to every run, a run's time limit and the stderr shown
+    of a failed one (``decode_runs`` takes them too)."""
     p.add_argument(
         "--case",
         type=parse_case,
@@ -273,10 +269,21 @@ def main(argv: list[str] | None = None, runner: Runner = run_process) -> int:
         metavar="ARGS",
         help="arguments added to every run, e.g. --extra='--device cpu'",
     )
-    p.add_argument("--repeats", type=int, default=2, help="rounds of both variants per case")
-    p.add_argument("--gpu-busy", type=int, default=100, help="profiled loop steps (0: off)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--tail", type=int, default=30, help="stderr lines shown of a failed run")
+
+
+def main(argv: list[str] | None = None, runner: Runner = run_process) -> int:
+    p = argparse.ArgumentParser(description="the overlapped decode loop against the plain one")
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        help=f"cases to run, by spaces or commas (default: those --case defines, else "
+        f"{' '.join(CASES)})",
+    )
+    add_run_arguments(p)
+    p.add_argument("--repeats", type=int, default=2, help="rounds of both variants per case")
+    p.add_argument("--gpu-busy", type=int, default=100, help="profiled loop steps (0: off)")
     p.add_argument("--out", help="JSON results")
     p.add_argument("--plot", help="PNG of tokens/s per case and variant")
     args = p.parse_args(argv)
