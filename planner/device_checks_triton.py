@@ -31,7 +31,10 @@ import torch
 
 tl: Any = None
 """``triton.language``, once :func:`kernels` has loaded it (the kernels' bodies name it)."""
-_jitted: dict[bool, tuple[Any, Any]] = {}
+_keep_first: Any = None
+"""``_keep_first_py`` under ``triton.jit`` for the interpreter mode of the last
+:func:`kernels` call (``_check`` calls it by this name)."""
+_jitted: dict[bool, tuple[Any, Any, Any]] = {}
 BIG = 2**30
 """No row: larger than any row or value index a check compares (a constexpr of both
 kernels: Triton reads no plain module global)."""
@@ -157,6 +160,21 @@ def _table_rows(
     tl.store(found_ptr + reqs + r, tl.where(has, value, 0))
 
 
+def _keep_first_py(code, field, row, value, d1, d2, found, c, f, at, v, a, b):
+    """Refusal ``c`` (field ``f``, row ``at``, value ``v``, details ``a`` and ``b``) where
+    ``found`` and no refusal is kept yet: the check tries its refusals in the reference's
+    order and keeps the first. Under ``triton.jit`` as ``_keep_first`` (:func:`kernels`)."""
+    take = (code == 0) & found
+    return (
+        tl.where(take, c, code),
+        tl.where(take, f, field),
+        tl.where(take, at, row),
+        tl.where(take, v, value),
+        tl.where(take, a, d1),
+        tl.where(take, b, d2),
+    )
+
+
 def _check(
     region_ptr,
     found_ptr,
@@ -227,7 +245,7 @@ def _check(
     ext = tl.load(region_ptr + o_ext + r, mask=rm, other=0)
     pool = tl.load(region_ptr + o_pool + r, mask=rm, other=0)
     zero = n_req * 0
-    code = zero
+    code = zero  # the refusal kept so far (0: none), its field, row, value and details
     field = zero
     row = zero
     value = zero
@@ -237,44 +255,29 @@ def _check(
     # 1. a request adding more tokens than its KV length
     if TOKENS_GIVEN:
         at = tl.min(tl.where(real_r & (ext > seq), r, BIG), axis=0)
-        take = (code == 0) & (at < BIG)
         s = tl.sum(tl.where(r == at, seq, 0), axis=0)
-        code = tl.where(take, 1, code)
-        field = tl.where(take, 1, field)
-        row = tl.where(take, at, row)
-        value = tl.where(take, tl.sum(tl.where(r == at, ext, 0), axis=0), value)
-        d1 = tl.where(take, s, d1)
-        d2 = tl.where(take, s, d2)
+        e = tl.sum(tl.where(r == at, ext, 0), axis=0)
+        code, field, row, value, d1, d2 = _keep_first(
+            code, field, row, value, d1, d2, at < BIG, 1, 1, at, e, s, s
+        )
 
     # 2. ranges, in the layout's (``SOURCES``) order: seq_lens, extend_lens, req_pool_indices,
     # positions, out_cache_loc
     at = tl.min(tl.where(real_r & ((seq < lo_seq) | (seq > hi_seq)), r, BIG), axis=0)
     v = tl.sum(tl.where(r == at, seq, 0), axis=0)
-    take = (code == 0) & (at < BIG)
-    code = tl.where(take, 2, code)
-    field = tl.where(take, 0, field)
-    row = tl.where(take, at, row)
-    value = tl.where(take, v, value)
-    d1 = tl.where(take, v, d1)
-    d2 = tl.where(take, v, d2)
+    code, field, row, value, d1, d2 = _keep_first(
+        code, field, row, value, d1, d2, at < BIG, 2, 0, at, v, v, v
+    )
     at = tl.min(tl.where(real_r & ((ext < lo_ext) | (ext > hi_ext)), r, BIG), axis=0)
     v = tl.sum(tl.where(r == at, ext, 0), axis=0)
-    take = (code == 0) & (at < BIG)
-    code = tl.where(take, 2, code)
-    field = tl.where(take, 1, field)
-    row = tl.where(take, at, row)
-    value = tl.where(take, v, value)
-    d1 = tl.where(take, v, d1)
-    d2 = tl.where(take, v, d2)
+    code, field, row, value, d1, d2 = _keep_first(
+        code, field, row, value, d1, d2, at < BIG, 2, 1, at, v, v, v
+    )
     at = tl.min(tl.where(real_r & ((pool < lo_pool) | (pool > hi_pool)), r, BIG), axis=0)
     v = tl.sum(tl.where(r == at, pool, 0), axis=0)
-    take = (code == 0) & (at < BIG)
-    code = tl.where(take, 2, code)
-    field = tl.where(take, 2, field)
-    row = tl.where(take, at, row)
-    value = tl.where(take, v, value)
-    d1 = tl.where(take, v, d1)
-    d2 = tl.where(take, v, d2)
+    code, field, row, value, d1, d2 = _keep_first(
+        code, field, row, value, d1, d2, at < BIG, 2, 2, at, v, v, v
+    )
     bad_slot = BIG + zero
     bad_pos = BIG + zero
     for start in range(0, tokens, BLOCK_T):
@@ -287,43 +290,27 @@ def _check(
         out = real_t & given & ((pos < lo_pos) | (pos > hi_pos))
         bad_pos = tl.minimum(bad_pos, tl.min(tl.where(out, t, BIG), axis=0))
     v = tl.load(region_ptr + o_pos + tl.where(bad_pos < BIG, bad_pos, 0))
-    take = (code == 0) & (bad_pos < BIG)
-    code = tl.where(take, 2, code)
-    field = tl.where(take, 3, field)
-    row = tl.where(take, bad_pos, row)
-    value = tl.where(take, v, value)
-    d1 = tl.where(take, v, d1)
-    d2 = tl.where(take, v, d2)
+    code, field, row, value, d1, d2 = _keep_first(
+        code, field, row, value, d1, d2, bad_pos < BIG, 2, 3, bad_pos, v, v, v
+    )
     v = tl.load(region_ptr + o_slot + tl.where(bad_slot < BIG, bad_slot, 0))
-    take = (code == 0) & (bad_slot < BIG)
-    code = tl.where(take, 2, code)
-    field = tl.where(take, 4, field)
-    row = tl.where(take, bad_slot, row)
-    value = tl.where(take, v, value)
-    d1 = tl.where(take, v, d1)
-    d2 = tl.where(take, v, d2)
+    code, field, row, value, d1, d2 = _keep_first(
+        code, field, row, value, d1, d2, bad_slot < BIG, 2, 4, bad_slot, v, v, v
+    )
 
     # 3. extend lengths summing to the tokens; 4. a ragged bucket's KV bound
     ext_real = tl.where(real_r, tl.minimum(tl.maximum(ext, 0), tokens), 0)
     if TOKENS_GIVEN:
         total = tl.sum(ext_real, axis=0)
-        take = (code == 0) & (total != n_tok)
-        code = tl.where(take, 3, code)
-        field = tl.where(take, 1, field)
-        row = tl.where(take, n_tok, row)
-        value = tl.where(take, total, value)
-        d1 = tl.where(take, n_tok, d1)
-        d2 = tl.where(take, total, d2)
+        code, field, row, value, d1, d2 = _keep_first(
+            code, field, row, value, d1, d2, total != n_tok, 3, 1, n_tok, total, n_tok, total
+        )
     if KV_BOUND:
         kv = tl.sum(tl.where(real_r, seq, 0).to(tl.int64), axis=0)
         kv = tl.minimum(kv, 2**31 - 1).to(tl.int32)
-        take = (code == 0) & (kv > kv_bound)
-        code = tl.where(take, 4, code)
-        field = tl.where(take, 0, field)
-        row = tl.where(take, n_req, row)
-        value = tl.where(take, kv, value)
-        d1 = tl.where(take, kv, d1)
-        d2 = tl.where(take, kv, d2)
+        code, field, row, value, d1, d2 = _keep_first(
+            code, field, row, value, d1, d2, kv > kv_bound, 4, 0, n_req, kv, kv, kv
+        )
 
     # 5. a KV slot written twice: each real slot's token written at the slot, read back
     for start in range(0, tokens, BLOCK_T):
@@ -351,13 +338,9 @@ def _check(
         slot = tl.load(region_ptr + o_slot + t, mask=t < tokens, other=0)
         same = (t < tokens) & (t < n_tok) & (slot == twice) & (t != first)
         second = tl.minimum(second, tl.min(tl.where(same, t, BIG), axis=0))
-    take = (code == 0) & (twice < BIG)
-    code = tl.where(take, 5, code)
-    field = tl.where(take, 4, field)
-    row = tl.where(take, second, row)
-    value = tl.where(take, twice, value)
-    d1 = tl.where(take, first, d1)
-    d2 = tl.where(take, first, d2)
+    code, field, row, value, d1, d2 = _keep_first(
+        code, field, row, value, d1, d2, twice < BIG, 5, 4, second, twice, first, first
+    )
 
     # 6. a request twice: the same with the pool rows
     mine = real_r & (pool != 0) & (pool >= lo_pool) & (pool <= hi_pool)
@@ -367,13 +350,9 @@ def _check(
     twice = tl.min(tl.where(mine & (seen != r), pool, BIG), axis=0)
     first = tl.min(tl.where(real_r & (pool == twice), r, BIG), axis=0)
     second = tl.min(tl.where(real_r & (pool == twice) & (r != first), r, BIG), axis=0)
-    take = (code == 0) & (twice < BIG)
-    code = tl.where(take, 6, code)
-    field = tl.where(take, 2, field)
-    row = tl.where(take, second, row)
-    value = tl.where(take, twice, value)
-    d1 = tl.where(take, first, d1)
-    d2 = tl.where(take, first, d2)
+    code, field, row, value, d1, d2 = _keep_first(
+        code, field, row, value, d1, d2, twice < BIG, 6, 2, second, twice, first, first
+    )
 
     # 7. positions: token t's request is the last real one starting at or before t; token
     # t of request q is at seq[q] - ends[q] + t
@@ -395,25 +374,20 @@ def _check(
     q = tl.maximum(tl.sum(((starts <= safe) & opens).to(tl.int32), axis=0) - 1, 0)
     want = tl.sum(tl.where(r == q, base, 0), axis=0) + safe
     got = tl.load(region_ptr + o_pos + safe)
-    take = (code == 0) & (bad_at < BIG)
-    code = tl.where(take, 7, code)
-    field = tl.where(take, 3, field)
-    row = tl.where(take, bad_at, row)
-    value = tl.where(take, got, value)
-    d1 = tl.where(take, want, d1)
-    d2 = tl.where(take, want, d2)
+    code, field, row, value, d1, d2 = _keep_first(
+        code, field, row, value, d1, d2, bad_at < BIG, 7, 3, bad_at, got, want, want
+    )
 
     # 8. the token table rows' first bad entries (``_table_rows``)
     col = tl.load(found_ptr + r, mask=rm, other=-1)
     at = tl.min(tl.where(rm & (col >= 0), r, BIG), axis=0)
     entry = tl.load(found_ptr + reqs + r, mask=rm, other=0)
-    take = (code == 0) & (at < BIG)
-    code = tl.where(take, 8, code)
-    field = tl.where(take, 5, field)
-    row = tl.where(take, at, row)
-    value = tl.where(take, tl.sum(tl.where(r == at, entry, 0), axis=0), value)
-    d1 = tl.where(take, tl.sum(tl.where(r == at, pool, 0), axis=0), d1)
-    d2 = tl.where(take, tl.sum(tl.where(r == at, col, 0), axis=0), d2)
+    v = tl.sum(tl.where(r == at, entry, 0), axis=0)
+    p = tl.sum(tl.where(r == at, pool, 0), axis=0)
+    c = tl.sum(tl.where(r == at, col, 0), axis=0)
+    code, field, row, value, d1, d2 = _keep_first(
+        code, field, row, value, d1, d2, at < BIG, 8, 5, at, v, p, c
+    )
 
     # the error word, unless one is there; then the source fields
     old = tl.load(error_ptr)
@@ -471,12 +445,15 @@ def kernels() -> tuple[Any, Any]:
     tl = importlib.import_module("triton.language")
     knobs = getattr(triton, "knobs", None)
     interpret = bool(knobs.runtime.interpret) if knobs is not None else False
+    global _keep_first
     found = _jitted.get(interpret)
     if found is None:
-        found = _jitted[interpret] = tuple(
-            triton.jit(fn, **_unspecialised(triton, fn)) for fn in (_table_rows, _check)
+        found = _jitted[interpret] = (
+            *(triton.jit(fn, **_unspecialised(triton, fn)) for fn in (_table_rows, _check)),
+            triton.jit(_keep_first_py),
         )
-    return found
+    _keep_first = found[2]  # the helper of this mode, which _check finds by name
+    return found[0], found[1]
 
 
 def _unspecialised(triton: Any, fn: Any) -> dict[str, list[str]]:
