@@ -31,11 +31,12 @@ from dsv32_engine.distributed.exchange import HeadReduce, RowExchange
 from dsv32_engine.distributed.group import DistContext, split
 from dsv32_engine.distributed.tp import TPCheck
 from dsv32_engine.models.model import DSV32Model
-from dsv32_engine.serving.engine import DecodeEngine, RunResult
+from dsv32_engine.serving.engine import DecodeEngine
 from dsv32_engine.serving.model_setup import build_model, model_config, resolve_device
 from dsv32_engine.serving.report import runners
 from dsv32_engine.serving.requests import Request
 from dsv32_engine.serving.run_config import RunConfig
+from dsv32_engine.serving.run_result import RunResult
 from graphs import GraphRunner
 from graphs.runner import PEER_EAGER
 from planner.batch import ForwardBatch, ForwardMode

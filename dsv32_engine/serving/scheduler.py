@@ -25,6 +25,18 @@ def slot_for(planner: Planner, mode: ForwardMode) -> StepInputs | None:
     return planner.step_inputs(mode) if planner.stages(mode) and not mode.stepped else None
 
 
+def fed_id(request: Request, position: int, last_on_device: bool) -> int:
+    """The input id that feeds ``request``'s token at ``position``: the token the host has,
+    or ``last_of`` its row (the token it sampled last, which the device holds before the
+    host does) for a generated one with ``last_on_device`` or one the host has not read."""
+    prompt, generated = request.prompt, request.generated
+    if position < len(prompt):
+        return prompt[position]
+    if not last_on_device and position - len(prompt) < len(generated):
+        return generated[position - len(prompt)]
+    return last_of(request.pool_idx)
+
+
 class Scheduler:
     """Moves requests from waiting to running to finished, and builds each step's batch."""
 
@@ -107,16 +119,13 @@ class Scheduler:
         """
         lens, new, pools, locs, positions, ids = [], [], [], [], [], []
         for request, n in work:
-            tokens = request.prompt if last_on_device else request.tokens
             lens.append(request.fed + n)
             new.append(n)
             pools.append(request.pool_idx)
             for position in range(request.fed, request.fed + n):
                 positions.append(position)
                 locs.append(self.slot(request, position))
-                ids.append(
-                    tokens[position] if position < len(tokens) else last_of(request.pool_idx)
-                )
+                ids.append(fed_id(request, position, last_on_device))
         ids_dev = self.token_ids.ids(ids)
         if inputs is not None and inputs.fits(len(lens), len(locs)):
             inputs.write(lens, new, pools, locs, positions)
@@ -211,19 +220,13 @@ class Scheduler:
         """
         lens, pools, locs, positions, ids = [], [], [], [], []
         for j, request in enumerate(requests):
-            tokens = request.prompt if last_on_device else request.tokens
             lens.append(request.fed + next_n)
             pools.append(request.pool_idx)
             for i in range(next_n):
                 position = request.fed + i
                 positions.append(position)
                 locs.append(self.slot(request, position))
-                if i:
-                    ids.append(drafts[j][i - 1])
-                else:
-                    ids.append(
-                        tokens[position] if position < len(tokens) else last_of(request.pool_idx)
-                    )
+                ids.append(drafts[j][i - 1] if i else fed_id(request, position, last_on_device))
         ids_dev = self.token_ids.ids(ids)
         if inputs is not None and inputs.fits(len(lens), len(locs)):
             inputs.write(lens, next_n, pools, locs, positions)

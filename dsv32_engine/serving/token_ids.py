@@ -39,10 +39,6 @@ class TokenIds:
         rows = (-1 - sent).clamp_(min=0)
         return torch.where(sent >= 0, sent, self.last.index_select(0, rows))
 
-    def rows(self, pool_rows: list[int]) -> torch.Tensor:
-        """The pool rows of a step's outputs on the device, for :meth:`sampled`."""
-        return self._send(pool_rows)
-
     def _send(self, values: list[int]) -> torch.Tensor:
         """``values`` on the device, copied out of pinned memory on CUDA: a copy out of
         pageable memory may wait for the stream, i.e. for the step still running."""
@@ -50,7 +46,7 @@ class TokenIds:
         host = torch.tensor(values, dtype=torch.int64, pin_memory=pinned)
         return host.to(self.device, non_blocking=pinned)
 
-    def sampled(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Keep ``tokens[i]`` as the last sampled token of pool row ``rows[i]`` (on the
+    def sampled(self, pool_rows: list[int], tokens: torch.Tensor) -> None:
+        """Keep ``tokens[i]`` as the last sampled token of pool row ``pool_rows[i]`` (on the
         device, behind the step that sampled them)."""
-        self.last.index_copy_(0, rows, tokens.to(torch.int64))
+        self.last.index_copy_(0, self._send(pool_rows), tokens.to(torch.int64))

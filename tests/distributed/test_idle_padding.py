@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv32_engine.serving.engine import RunResult
 from dsv32_engine.serving.requests import make_workload
+from dsv32_engine.serving.run_result import RunResult
 from graphs.runner import PEER_EAGER
 from tests.support.engines import tiny_engine
 

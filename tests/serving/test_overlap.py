@@ -111,7 +111,7 @@ def test_a_step_read_is_taken_once():
 
 def test_decode_rows_take_their_token_from_the_device():
     ids = TokenIds(4, torch.device("cpu"))
-    ids.sampled(torch.tensor([2, 0]), torch.tensor([70, 90]))
+    ids.sampled([2, 0], torch.tensor([70, 90]))
     assert ids.ids([5, last_of(2), 6, last_of(0)]).tolist() == [5, 70, 6, 90]
     assert ids.ids([1, 2]).tolist() == [1, 2]
     assert ids.ids([]).tolist() == []

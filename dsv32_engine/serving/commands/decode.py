@@ -24,13 +24,14 @@ from dsv32_engine.distributed.group import launched_by_torchrun
 from dsv32_engine.serving.busy import GpuBusy
 from dsv32_engine.serving.cli import DEFAULT_DECODE_CONFIG, Interrupted
 from dsv32_engine.serving.dump_ring import DEFAULT_KEEP, ENV_DIR, ENV_EVERY, ENV_KEEP
-from dsv32_engine.serving.engine import DecodeEngine, DumpSettings, RunResult
+from dsv32_engine.serving.engine import DecodeEngine, DumpSettings
 from dsv32_engine.serving.launch import cpu_threads, launch
 from dsv32_engine.serving.memory_fit import allocation_errors, check_memory
 from dsv32_engine.serving.model_setup import resolve_device
 from dsv32_engine.serving.outputs import check_output_file, env_count, env_path, new_run_dir
 from dsv32_engine.serving.report import render, summarize
 from dsv32_engine.serving.run_config import RunConfig, load_run_config
+from dsv32_engine.serving.run_result import RunResult
 from planner.debug import debug_from_env
 from planner.errors import ConfigError
 
