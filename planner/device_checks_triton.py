@@ -32,9 +32,10 @@ import torch
 tl: Any = None
 """``triton.language``, once :func:`kernels` has loaded it (the kernels' bodies name it)."""
 _keep_first: Any = None
-"""``_keep_first_py`` under ``triton.jit`` for the interpreter mode of the last
-:func:`kernels` call (``_check`` calls it by this name)."""
-_jitted: dict[bool, tuple[Any, Any, Any]] = {}
+_first_outside: Any = None
+"""``_keep_first_py`` and ``_first_outside_py`` under ``triton.jit`` for the interpreter
+mode of the last :func:`kernels` call (``_check`` calls them by these names)."""
+_jitted: dict[bool, tuple[Any, ...]] = {}
 BIG = 2**30
 """No row: larger than any row or value index a check compares (a constexpr of both
 kernels: Triton reads no plain module global)."""
@@ -175,6 +176,13 @@ def _keep_first_py(code, field, row, value, d1, d2, found, c, f, at, v, a, b):
     )
 
 
+def _first_outside_py(x, lo, hi, real, r, BIG: tl.constexpr):  # noqa: N803
+    """The first real row whose ``x`` lies outside ``[lo, hi]`` (``BIG`` if none) and its
+    value. Under ``triton.jit`` as ``_first_outside`` (:func:`kernels`)."""
+    at = tl.min(tl.where(real & ((x < lo) | (x > hi)), r, BIG), axis=0)
+    return at, tl.sum(tl.where(r == at, x, 0), axis=0)
+
+
 def _check(
     region_ptr,
     found_ptr,
@@ -263,18 +271,15 @@ def _check(
 
     # 2. ranges, in the layout's (``SOURCES``) order: seq_lens, extend_lens, req_pool_indices,
     # positions, out_cache_loc
-    at = tl.min(tl.where(real_r & ((seq < lo_seq) | (seq > hi_seq)), r, BIG), axis=0)
-    v = tl.sum(tl.where(r == at, seq, 0), axis=0)
+    at, v = _first_outside(seq, lo_seq, hi_seq, real_r, r, BIG)
     code, field, row, value, d1, d2 = _keep_first(
         code, field, row, value, d1, d2, at < BIG, 2, 0, at, v, v, v
     )
-    at = tl.min(tl.where(real_r & ((ext < lo_ext) | (ext > hi_ext)), r, BIG), axis=0)
-    v = tl.sum(tl.where(r == at, ext, 0), axis=0)
+    at, v = _first_outside(ext, lo_ext, hi_ext, real_r, r, BIG)
     code, field, row, value, d1, d2 = _keep_first(
         code, field, row, value, d1, d2, at < BIG, 2, 1, at, v, v, v
     )
-    at = tl.min(tl.where(real_r & ((pool < lo_pool) | (pool > hi_pool)), r, BIG), axis=0)
-    v = tl.sum(tl.where(r == at, pool, 0), axis=0)
+    at, v = _first_outside(pool, lo_pool, hi_pool, real_r, r, BIG)
     code, field, row, value, d1, d2 = _keep_first(
         code, field, row, value, d1, d2, at < BIG, 2, 2, at, v, v, v
     )
@@ -445,14 +450,15 @@ def kernels() -> tuple[Any, Any]:
     tl = importlib.import_module("triton.language")
     knobs = getattr(triton, "knobs", None)
     interpret = bool(knobs.runtime.interpret) if knobs is not None else False
-    global _keep_first
+    global _keep_first, _first_outside
     found = _jitted.get(interpret)
     if found is None:
         found = _jitted[interpret] = (
             *(triton.jit(fn, **_unspecialised(triton, fn)) for fn in (_table_rows, _check)),
             triton.jit(_keep_first_py),
+            triton.jit(_first_outside_py),
         )
-    _keep_first = found[2]  # the helper of this mode, which _check finds by name
+    _keep_first, _first_outside = found[2:]  # this mode's helpers, found by name in _check
     return found[0], found[1]
 
 
