@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import difflib
 import importlib
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +53,9 @@ class Benchmark:
     def gpu_steps(self) -> dict[str, str]:
         """The module's ``GPU_STEPS``: its runs as ``scripts/gpu_verify.sh`` steps, by
         variant ("" the plain ``NAME``, ``*`` any other), each its arguments with ``{out}``
-        (the results folder) and ``{variant}``; read with ``ast``, as the docstring is."""
+        (the results folder), ``{variant}`` and ``{tag}`` (the variant as a file name: a
+        device call brings back no file whose name holds a comma); read with ``ast``, as the
+        docstring is."""
         tree = ast.parse(self.path.read_text(), filename=str(self.path))
         for node in tree.body:
             if (
@@ -83,7 +86,8 @@ def step_argv(
     if args is None:
         known = [f"{name}:{v}" if v else name for v in steps] or ["none"]
         raise ValueError(f"step {step!r}: {name} has no such run (its steps: {', '.join(known)})")
-    return bench, shlex.split(args.format(out=out, variant=variant))
+    tag = re.sub(r"[^A-Za-z0-9_.-]", "_", variant)
+    return bench, shlex.split(args.format(out=out, variant=variant, tag=tag))
 
 
 def suite(root: Path = HERE) -> dict[str, Benchmark]:

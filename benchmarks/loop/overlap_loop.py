@@ -35,10 +35,11 @@ from benchmarks.common import ROOT, machine, plot_bars, print_table, write_json
 
 GPU_STEPS = {
     "": "--out {out}/overlap_loop.json --plot {out}/overlap_loop.png",
-    "*": "--cases {variant} --out {out}/overlap_loop_{variant}.json",
+    "*": "--cases {variant} --out {out}/overlap_loop_{tag}.json",
 }
 """This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
+``NAME:VARIANT``; ``*``: any variant, named ``{variant}``, as a file name
+``{tag}``), ``{out}`` the results folder:
 ``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 CASES: dict[str, tuple[str, list[str]]] = {

@@ -41,13 +41,16 @@ def busy_seconds(intervals: Iterable[tuple[float, float]]) -> float:
 
 def device_intervals(events: Iterable[Any]) -> list[tuple[float, float]]:
     """The ``(start, end)`` seconds of the profiler events that kept a CUDA device busy:
-    kernels, memcpys and memsets (not user annotations, whose ranges span gaps too)."""
+    kernels, memcpys and memsets (not user annotations, whose ranges span gaps too).
+
+    ``FunctionEvent.activity_type`` is newer than torch 2.11 (the GPU machine's); where it is
+    missing, a CUDA event that is no user annotation is already a kernel, memcpy or memset."""
     return [
         (event.time_range.start * 1e-6, event.time_range.end * 1e-6)
         for event in events
         if event.device_type == torch.autograd.DeviceType.CUDA
         and not event.is_user_annotation
-        and (event.activity_type is None or event.activity_type in DEVICE_ACTIVITIES)
+        and getattr(event, "activity_type", None) in (None, *DEVICE_ACTIVITIES)
     ]
 
 

@@ -88,6 +88,25 @@ def test_device_intervals_keep_kernels_copies_and_fills_only():
     assert flat == pytest.approx([0, 1e-5, 1e-5, 2e-5, 2e-5, 3e-5])
 
 
+def test_device_intervals_without_activity_types():
+    """torch 2.11 (the GPU machine's) has no ``FunctionEvent.activity_type``: its CUDA
+    events that are no user annotation are the kernels, copies and fills."""
+
+    def older(start_us, end_us, **kwargs):
+        e = event(start_us, end_us, **kwargs)
+        del e.activity_type
+        return e
+
+    events = [
+        older(0, 10),
+        older(0, 100, annotation=True),
+        older(0, 100, device=torch.autograd.DeviceType.CPU),
+    ]
+    assert [t for interval in device_intervals(events) for t in interval] == pytest.approx(
+        [0, 1e-5]
+    )
+
+
 def test_window_holds_its_steps_and_pace_skips_warmup_window_and_closing_step():
     # two streams overlap in 0..300 us; a lone kernel at 1000..1100: 400 us in all
     busy, log = make(4, 2, [event(0, 200), event(100, 300), event(1000, 1100)])
