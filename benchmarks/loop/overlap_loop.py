@@ -3,9 +3,11 @@
 
 For each case the decode CLI runs in fresh processes, ``--overlap`` and ``--no-overlap``
 alternating (the variant that goes first swaps each round, so the host's drift falls on both
-alike) for ``--repeats`` rounds. Per case and variant the table gives the medians over rounds
-of tokens/s, step ms p50/p99, loop step ms p50, TTFT ms p50 and the GPU busy fraction
-(``--gpu-busy``: the device time of a profiled window of loop steps over the unprofiled pace),
+alike) for ``--repeats`` rounds, then one round profiled (``--gpu-busy``). Per case and
+variant the table gives the medians over the unprofiled rounds of tokens/s, step ms p50/p99,
+loop step ms p50 and TTFT ms p50, and the profiled round's GPU busy fraction (the device time
+of a window of loop steps over the unprofiled pace of the steps next to it; the profiler's
+start and stop fall inside that run's loop, so its other figures are not used),
 the overlap's speed-up in tokens/s, and whether every request generated the same tokens in
 every run: overlapping the host with the device must not change what is decoded, so tokens
 that differ make the exit status 1, as does a run that fails (after reporting the rest).
@@ -125,7 +127,15 @@ def read_run(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def median_of(runs: Sequence[dict[str, Any]], key: str) -> float | None:
-    values = [run[key] for run in runs if run.get(key) is not None]
+    """The median of ``key`` over the runs that measure it: the busy fraction over the
+    profiled runs, everything else over the unprofiled ones (a profiler's start, stop and
+    parsing land inside a profiled run's loop and would skew its times)."""
+    profiled = key == "gpu_busy"
+    values = [
+        run[key]
+        for run in runs
+        if run.get(key) is not None and bool(run.get("profiled")) == profiled
+    ]
     return statistics.median(values) if values else None
 
 
@@ -232,23 +242,32 @@ def run_case(name, config, case_args, args, extra, runner: Runner, progress) -> 
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     order = [
         (round_, variant)
-        for round_ in range(args.repeats)
+        for round_ in range(rounds(args))
         for variant in (VARIANTS if round_ % 2 == 0 else VARIANTS[::-1])
     ]
     with tempfile.TemporaryDirectory(prefix="overlap_loop-") as tmp:
         for k, (round_, variant) in enumerate(order):
             progress[0] += 1
-            where = f"{name} {variant} (round {round_ + 1}/{args.repeats})"
+            profiled = round_ >= args.repeats  # the last round, profiled (--gpu-busy)
+            which = "profiled" if profiled else f"round {round_ + 1}/{args.repeats}"
+            where = f"{name} {variant} ({which})"
             print(f"[{progress[0]}/{progress[1]}] {where}", file=sys.stderr, flush=True)
             path = Path(tmp) / f"{name}-{variant}-{round_}.json"
-            cmd = command(config, case_args, variant, path, args.gpu_busy, extra)
+            busy = args.gpu_busy if profiled else 0
+            cmd = command(config, case_args, variant, path, busy, extra)
             payload, failed = run_decode(cmd, path, runner, args.timeout, args.tail, where)
             if failed is not None:
                 progress[1] -= len(order) - k - 1
                 failure = {"variant": variant, "round": round_, **failed}
                 return {"config": config, "args": list(case_args), "runs": runs, "failure": failure}
-            runs[variant].append(read_run(payload))
+            runs[variant].append({**read_run(payload), "profiled": profiled})
     return {"config": config, "args": list(case_args), "runs": runs, "failure": None}
+
+
+def rounds(args: argparse.Namespace) -> int:
+    """Rounds of both variants per case: ``--repeats`` unprofiled, and one profiled for the
+    busy fraction where ``--gpu-busy`` asks for it."""
+    return args.repeats + (1 if args.gpu_busy else 0)
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -297,7 +316,7 @@ def main(argv: list[str] | None = None, runner: Runner = run_process) -> int:
     if unknown:
         p.error(f"unknown cases {unknown}: known {sorted(cases)}, or define one with --case")
     extra = [a for text in args.extra for a in shlex.split(text)]
-    progress = [0, len(names) * len(VARIANTS) * args.repeats]
+    progress = [0, len(names) * len(VARIANTS) * rounds(args)]
     done, failures = {}, {}
     for name in names:
         config, case_args = cases[name]

@@ -363,6 +363,23 @@ class DecodeEngine:
         done, self._done = self._done, []
         return done
 
+    def _runs_eagerly(self, work: list[tuple[Request, int]], mode: ForwardMode) -> bool:
+        """Whether this step's prompt chunks (``work`` in ``mode``) run eagerly: no token
+        bucket holds them (ragged graphs off, or past the largest bucket or the KV bound)."""
+        tokens = sum(n for _, n in work)
+        kv = sum(request.fed + n for request, n in work)
+        return self.runner.route(mode, len(work), tokens, kv)[0] is None
+
+    def _take_now(self, previous: list[Launched], result: RunResult) -> list[Launched]:
+        """Take the previous step's forwards before this step launches an eager one; nothing
+        is left to take at the step's end. An eager plan reads its check word (it waits for
+        the device) and its forward launches kernel by kernel, a host-bound wait the device
+        cannot hide: tokens taken after it (a prompt's first, in a loop of arriving
+        requests) would come that much later, and taken before it they cost nothing."""
+        for launched in previous:
+            self._take(launched, result)
+        return []
+
     def _take(self, launched: Launched, result: RunResult) -> None:
         """A launched forward's sampled tokens, read (waiting for their copy alone), kept."""
         tokens = launched.read.get()
@@ -441,6 +458,8 @@ class DecodeEngine:
         previous = self._begin_step()
         sched = self.scheduler
         work, mode, decoding = self._step_work()
+        if previous and work and self._runs_eagerly(work, mode):
+            previous = self._take_now(previous, result)
         if work:
             self._extend_step(work, mode, result)
         if decoding:
@@ -543,11 +562,11 @@ class DecodeEngine:
                 busy.loop_step(step, seconds)
             step += 1
         finished(self.drain(result))  # a loop one step ahead ends with a step in flight
-        if busy is not None:
+        result.wall_seconds = time.perf_counter() - start
+        if busy is not None:  # its events are parsed off the clock
             busy.finish(step)
             result.gpu_busy = busy.summary()
         bar.close()
-        result.wall_seconds = time.perf_counter() - start
         result.loop_steps = step
         result.generated_tokens += sum(len(r.generated) for r in sched.running)
         result.unfinished = len(pending) + len(sched.waiting) + len(sched.running)

@@ -126,3 +126,24 @@ def test_overlap_is_on_by_default_on_cuda_only_and_off_with_speculation():
     with pytest.raises(ConfigError, match="synchronous loop") as info:
         resolve_overlap(True, cuda, True)
     assert info.value.field == "loop.overlap"
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_an_eager_step_takes_the_previous_steps_tokens_before_it_launches(ragged):
+    """An eager forward waits for the device (its plan's check read) and launches kernel by
+    kernel: the step before it is taken first, so a prompt's first token is not a step late.
+    A step that replays a token bucket is launched first and the previous one taken after."""
+    engine = tiny_engine(
+        {**SMALL_LOOP, "loop.chunk_tokens": 4, "loop.overlap": True, "graphs.ragged": ragged},
+        share_model=True,
+    )
+    events: list[str] = []
+    step, take, extend = engine.step, engine._take, engine._extend_step
+    engine.step = lambda result: (events.append("step"), step(result))[1]
+    engine._take = lambda launched, result: (events.append("take"), take(launched, result))[1]
+    engine._extend_step = lambda *a: (events.append("extend"), extend(*a))[1]
+    assert engine.run(progress=False).finished == SMALL_LOOP["loop.requests"]
+    steps = " ".join(events).split("step")[2:]  # each loop step's events, past the first
+    before = [s.split("extend")[0].split() for s in steps if "extend" in s]
+    assert before  # steps with prompt chunks, each after a step with forwards in flight
+    assert all(b == (["take"] * len(b) if not ragged else []) and (b or ragged) for b in before)

@@ -128,7 +128,10 @@ class FakeCli:
             return CompletedProcess(cmd, 1, "", "Traceback\nConfigError: [--overlap] refused")
         overlap = "--overlap" in cmd
         tokens = {0: [1, 2], 1: [3, 9] if overlap and config in self.drift else [3, 4]}
-        data = payload(200.0 if overlap else 100.0, overlap=overlap, tokens=tokens)
+        profiled = "--gpu-busy" in cmd  # a profiler in the loop: slower, and busy measured
+        tps = (200.0 if overlap else 100.0) / (10 if profiled else 1)
+        busy = (0.99 if overlap else 0.7) if profiled else None
+        data = payload(tps, overlap=overlap, tokens=tokens, busy=busy)
         Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(data))
         return CompletedProcess(cmd, 0, "", "")
 
@@ -138,12 +141,17 @@ def test_main_alternates_variants_and_writes_results(tmp_path, capsys):
     argv = ["--case", "a=cfg-a:--requests 4", "--case", "b=cfg-b", "--extra=--device cpu"]
     assert main([*argv, "--out", str(out)], runner=cli) == 0
     variants = [next(a for a in cmd if a.endswith("overlap")) for cmd in cli.calls]
-    assert variants == ["--overlap", "--no-overlap", "--no-overlap", "--overlap"] * 2
+    rounds = ["--overlap", "--no-overlap", "--no-overlap", "--overlap"]
+    assert variants == (rounds + rounds[:2]) * 2  # two rounds, then one profiled
+    profiled = ["--gpu-busy" in cmd for cmd in cli.calls]
+    assert profiled == ([False] * 4 + [True] * 2) * 2  # the busy fraction's run, apart
     assert all(cmd[-2:] == ["--device", "cpu"] for cmd in cli.calls)
     captured = capsys.readouterr()
-    assert "[8/8] b overlap (round 2/2)" in captured.err
+    assert "[10/12] b overlap (round 2/2)" in captured.err
+    assert "[12/12] b no-overlap (profiled)" in captured.err
     result = json.loads(out.read_text())["cases"]["a"]
-    assert result["speedup"] == 2.0 and result["tokens_equal"] is True
+    assert result["speedup"] == 2.0 and result["tokens_equal"] is True  # unprofiled runs
+    assert result["overlap"]["gpu_busy"] == 0.99 and result["no-overlap"]["gpu_busy"] == 0.7
     assert "tokens" not in result["runs"]["overlap"][0]  # checked, not kept
 
 
@@ -155,5 +163,5 @@ def test_main_fails_on_different_tokens_and_on_a_failed_run(capsys):
     assert main(["--case", "a=cfg-a", "--case", "b=cfg-b"], runner=cli) == 1
     captured = capsys.readouterr()
     assert "ConfigError: [--overlap] refused" in captured.err  # the stderr tail
-    assert "[2/5] b" in captured.err  # a's other runs dropped from the plan
-    assert len(cli.calls) == 5 and "a: overlap run failed (exit 1)" in captured.out
+    assert "[2/7] b" in captured.err  # a's other runs dropped from the plan
+    assert len(cli.calls) == 7 and "a: overlap run failed (exit 1)" in captured.out
