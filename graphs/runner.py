@@ -28,7 +28,7 @@ from graphs.graph import Graph, GraphKind, new_graph, new_pool, recover_after_fa
 from graphs.inputs import InputSpec, StaticInputs, as_specs
 from graphs.outputs import GraphOutputError, output_kinds, slice_outputs
 from graphs.plan_writes import refuse_plan_writes
-from graphs.sizes import capture_ladder, check_positive, token_ladder
+from graphs.sizes import capture_ladder, token_ladder
 from graphs.stats import GraphStats
 from planner.batch import RAGGED_MODES, ForwardBatch, ForwardMode
 from planner.errors import BatchError, ConfigError, GraphSafetyError, PlanWriteError, ReplayError
@@ -89,10 +89,8 @@ class GraphRunner:
     ``use_cuda_graph``: ``None`` uses real CUDA graphs when the planner's device is
     CUDA and the emulation otherwise; ``False`` forces the emulation (the same
     runner logic without capture, handy for debugging on a GPU); ``True``
-    requires CUDA. ``enabled=False`` runs every step eagerly. ``extend_tokens``: the most
-    query tokens an extend batch of the caller's loop holds (its chunk budget, where mixed
-    steps add decode rows on top): extend graphs stop at the smallest token bucket holding
-    it, mixed ones go on to the top of the ladder.
+    requires CUDA. ``enabled=False`` runs every step eagerly. Ragged modes capture every
+    token bucket up to ``Limits.max_tokens`` (the caller's step budget).
     """
 
     def __init__(
@@ -105,7 +103,6 @@ class GraphRunner:
         modes: Iterable[ForwardMode | str] | None = None,
         sizes: Sequence[int] | None = None,
         token_sizes: Sequence[int] | bool | None = None,
-        extend_tokens: int | None = None,
         use_cuda_graph: bool | None = None,
         enabled: bool = True,
         warmup: WarmupHook | None = None,
@@ -132,12 +129,6 @@ class GraphRunner:
             if ragged and any(m.ragged for m in self.modes)
             else []
         )
-        self._extend_ladder = self.token_sizes
-        """The token buckets of extend graphs: ``token_sizes`` up to ``extend_tokens``."""
-        if extend_tokens is not None:
-            check_positive(extend_tokens, "extend_tokens")
-            cut = bisect.bisect_left(self.token_sizes, extend_tokens)
-            self._extend_ladder = self.token_sizes[: cut + 1]
         self.warmup_hook = warmup
         self.warmup_runs = (1 if self.kind == "cuda" else 0) if warmup_runs is None else warmup_runs
         """Eager runs of each graph's forward before its capture: one on CUDA (kernels JIT-
@@ -263,9 +254,7 @@ class GraphRunner:
 
     def _ladder_of(self, mode: ForwardMode) -> list[int]:
         """What is captured of ``mode``: request buckets, or a ragged mode's token buckets."""
-        if not mode.ragged:
-            return self.sizes
-        return self._extend_ladder if mode is ForwardMode.EXTEND else self.token_sizes
+        return self.token_sizes if mode.ragged else self.sizes
 
     def _rows(self, mode: ForwardMode, size: int) -> int:
         """Per-token rows of the graph of ``size`` in ``mode``."""

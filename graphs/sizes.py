@@ -28,43 +28,38 @@ def default_capture_ladder(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_batch} | {max_batch})
 
 
-_MIDPOINTS_FROM = 256
-"""The token bucket past which the default ladder adds a midpoint to each doubling."""
-_TOP_GAP = 16
-"""The fewest tokens a full-chunk bucket (see :func:`default_token_ladder`) lies from any
-other: closer, another graph would save too little padding to pay for itself."""
+_FINE_FROM = 256
+"""The token bucket past which the default ladder steps by a quarter of a doubling."""
+MAX_PADDING = 0.25
+"""The most padding, as a share of a step's real tokens, that the default ladder gives a step
+of more than :data:`_FINE_FROM` tokens."""
 
 
 def default_token_ladder(max_tokens: int, reqs: int) -> list[int]:
-    """Token buckets of ragged (extend, mixed) graphs: 16, 32, 64, 128, 256, then 384, 512,
-    768, 1024, 1536, ... (a step of 1.5x or 1.33x), and ``max_tokens``.
+    """Token buckets of ragged (extend, mixed) graphs: 16, 32, 64, 128, 256, then four a
+    doubling (320, 384, 448, 512, 640, 768, 896, 1024, 1280, ...), and ``max_tokens``.
 
     Up to 256 tokens the buckets double: the forward's GEMMs there cost about the same
     padded or not (their weights' bytes dominate), so more graphs would buy nothing. Past
-    it they are compute-bound and a padded token costs what a real one does: on
+    it they are compute-bound and a padded token costs what a real one does (on
     dsv32-shapes a 272-token mixed step replayed at 512 tokens spent 26.7 ms in GEMMs
-    against 18.5 ms eagerly (docs/benchmarks.md, issue 37), so the ladder adds the
-    midpoints ``3 * 2**k``, which bound the padding by a third of a bucket there, for one
-    graph more per doubling. A loaded loop's steps are a full chunk (``max_tokens - reqs``,
-    the engine's bound being a chunk plus a decode row per request) and, mixed, its
-    decoding requests on top: from 256 tokens on the ladder also holds the full chunk and
-    the chunk plus a quarter and a half of ``reqs``, so such a step pads by at most a
-    quarter of ``reqs`` where it has few decoding requests (on dsv32-shapes 16 decoding
-    beside a 1,024-token chunk padded 1,040 tokens to 1,089 and ran 2% slower than eager;
-    docs/benchmarks.md, issue 37). No bucket equals ``reqs``, the request bucket of
-    ragged graphs: an output with that many rows could be per token or per request, so it
-    could not be sliced; such a bucket moves up by one token (down, at ``max_tokens``: a
-    batch of exactly ``max_tokens`` tokens then runs eagerly, counted).
+    against 18.5 ms eagerly; docs/benchmarks.md, issue 37), so each bucket there is at most
+    1.25x the one below it: a step of ``t > 256`` tokens pads by less than ``t / 4``
+    (:data:`MAX_PADDING`). The engine's scheduler fills a loaded step to exactly its token
+    budget, decode rows included (``max_tokens``, the top bucket). No bucket equals
+    ``reqs``, the request bucket of ragged graphs: an output with that many rows could be
+    per token or per request, so it could not be sliced; such a bucket moves up by one
+    token (down, at ``max_tokens``: a batch of exactly ``max_tokens`` tokens then runs
+    eagerly, counted).
     """
     check_positive(max_tokens, "max_tokens")
-    doubling = [1 << k for k in range(4, max_tokens.bit_length())]
-    midpoints = [3 * s // 2 for s in doubling if s >= _MIDPOINTS_FROM]
-    sizes = {s for s in doubling + midpoints if s < max_tokens}
+    sizes = {1 << k for k in range(4, _FINE_FROM.bit_length())}
+    base = _FINE_FROM
+    while base < max_tokens:
+        sizes.update(base + base * quarter // 4 for quarter in range(1, 5))
+        base *= 2
+    sizes = {s for s in sizes if s < max_tokens}
     sizes.add(max_tokens)
-    chunk = max_tokens - reqs
-    for s in (chunk, chunk + reqs // 4, chunk + reqs // 2):
-        if s >= _MIDPOINTS_FROM and all(abs(s - t) >= _TOP_GAP for t in sizes):
-            sizes.add(s)
     if reqs in sizes:
         sizes.discard(reqs)
         sizes.add(reqs + 1 if reqs < max_tokens else reqs - 1)

@@ -10,13 +10,15 @@ reported with its stderr's tail, the other cases still run, and the exit status 
 Cases (``--cases`` picks them, comma- or space-separated; default ``small shapes``):
 
 * ``small``: dsv32-small, 16 requests; ``shapes``: dsv32-shapes (61 layers), 64 requests;
-* ``shapes_ragged``: shapes' run with mixing under ragged graphs (KV capacity, capture time
-  and graph memory beside shapes');
+* ``shapes_off``: shapes' run with prompt chunks eager and apart (ragged graphs and mixing
+  off: KV capacity, capture time and graph memory beside shapes');
 * ``small_fi``, ``shapes_fi``: small and shapes with FlashInfer's sparse MLA kernel;
-* ``arrivals_off``, ``arrivals_on``: dsv32-small-arrivals prefill-first, then mixed under
-  ragged graphs (``arrivals`` names both);
-* ``arrivals_debug``: the mixed run with ``--debug`` (every replay checked against a fresh
-  plan), 60 requests: a correctness run.
+* ``arrivals_off``, ``arrivals_on``: dsv32-small-arrivals prefill-first, then with the
+  defaults, mixed under ragged graphs (``arrivals`` names both);
+* ``seed_off``, ``seed_on``: a seed-like workload on dsv32-shapes (32 requests, prompts of
+  2-6k tokens, 16 at once, 2,048-token steps), the same two ways (``seed``);
+* ``arrivals_debug``: the defaults' run with ``--debug`` (every replay checked against a
+  fresh plan), 60 requests: a correctness run.
 
     python3 -m benchmarks decode_runs --out "$OUT"                      # small, shapes
     python3 -m benchmarks decode_runs --cases arrivals --out "$OUT"     # both arrivals runs
@@ -54,27 +56,25 @@ GPU_STEPS = {
 ``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
 ``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
-MIXED = [
-    "--set",
-    "graphs.ragged=true",
-    "--set",
-    "loop.mixed=true",
-    "--set",
-    "planner.ragged_kv_tokens=262144",
-]
-"""Mixed prefill and decode steps under ragged graphs, the KV bound sized to a loaded step."""
+OFF = ["--set", "graphs.ragged=false", "--set", "loop.mixed=false"]
+"""Prompt chunks eager and apart from the decodes: the defaults before issue 55 (now on CUDA
+ragged graphs and mixing are on)."""
+SEED = ["--requests", "32", "--set", "loop.prompt_len=[2048,6144]", "--set", "planner.max_batch=16"]
+"""A seed-like workload: 32 requests, prompts of 2-6k tokens, 16 at once, 2,048-token steps."""
 CASES: dict[str, tuple[str, list[str]]] = {
     "small": ("dsv32-small", ["--requests", "16"]),
     "shapes": ("dsv32-shapes", ["--requests", "64"]),
-    "shapes_ragged": ("dsv32-shapes", ["--requests", "64", *MIXED]),
+    "shapes_off": ("dsv32-shapes", ["--requests", "64", *OFF]),
     "small_fi": ("dsv32-small", ["--requests", "16", "--mla-kernel", "flashinfer"]),
     "shapes_fi": ("dsv32-shapes", ["--requests", "64", "--mla-kernel", "flashinfer"]),
-    "arrivals_off": ("dsv32-small-arrivals", []),
-    "arrivals_on": ("dsv32-small-arrivals", MIXED),
-    "arrivals_debug": ("dsv32-small-arrivals", ["--requests", "60", "--debug", *MIXED]),
+    "arrivals_off": ("dsv32-small-arrivals", OFF),
+    "arrivals_on": ("dsv32-small-arrivals", []),
+    "arrivals_debug": ("dsv32-small-arrivals", ["--requests", "60", "--debug"]),
+    "seed_off": ("dsv32-shapes", [*SEED, *OFF]),
+    "seed_on": ("dsv32-shapes", SEED),
 }
 """Each case: name -> (config, the case's own arguments to the decode CLI)."""
-GROUPS = {"arrivals": ("arrivals_off", "arrivals_on")}
+GROUPS = {"arrivals": ("arrivals_off", "arrivals_on"), "seed": ("seed_off", "seed_on")}
 """Names that stand for several cases, run in this order."""
 DEFAULT = ("small", "shapes")
 COUNTS = ("graph_replays", "ragged_replays", "eager_fallbacks")

@@ -47,17 +47,7 @@ GPU_STEPS = {
 CASES: dict[str, tuple[str, list[str]]] = {
     "small16": ("dsv32-small", ["--requests", "16"]),
     "small64": ("dsv32-small", ["--requests", "64"]),
-    "arrivals": (
-        "dsv32-small-arrivals",
-        [  # mixed steps under ragged graphs, the KV bound sized to a loaded step
-            "--set",
-            "graphs.ragged=true",
-            "--set",
-            "loop.mixed=true",
-            "--set",
-            "planner.ragged_kv_tokens=262144",
-        ],
-    ),
+    "arrivals": ("dsv32-small-arrivals", []),  # the defaults: mixed under ragged graphs
     "shapes": ("dsv32-shapes", ["--requests", "64"]),
 }
 """Default cases: name -> (config, the case's own arguments)."""

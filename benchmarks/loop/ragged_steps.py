@@ -89,8 +89,8 @@ def routed_buckets(decoding: list[int], chunks: list[int], max_batch: int) -> li
     a server with the full ladder, while the device call skips the graphs no batch replays
     (on dsv32-shapes, 3 token buckets of 8, and 1 decode size of 13). The whole ladder's
     capture time and memory are reported by the serving runs (``planner decode``)."""
-    # The engine's bound on a ragged batch: one chunk plus a decode row per request
-    # (DecodeEngine's Limits.max_tokens).
+    # A step's token budget (DecodeEngine's Limits.max_tokens, loop.chunk_tokens) holds the
+    # largest chunk and a decode row per request.
     ladder = default_token_ladder(max(chunks) + max_batch, max_batch)
     return sorted({min(s for s in ladder if s >= d + c) for d in decoding for c in chunks})
 
@@ -102,7 +102,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "graphs.ragged": True,
         "graphs.sizes": [1],
         "graphs.token_sizes": routed_buckets(args.decoding, args.chunks, top),
-        "loop.chunk_tokens": max(args.chunks),
+        "loop.chunk_tokens": max(args.chunks) + top,  # the budget holds decode rows too
         "planner.max_batch": top,
         "planner.ragged_kv_tokens": top * args.context + args.prefix + max(args.chunks),
     }

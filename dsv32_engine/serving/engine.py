@@ -22,7 +22,7 @@ from dsv32_engine.serving.dump_ring import DumpRing, MismatchDumper
 from dsv32_engine.serving.model_setup import build_model, kv_pages, model_config, resolve_device
 from dsv32_engine.serving.plan_setup import kernel_name, plan_schemas
 from dsv32_engine.serving.requests import Request, make_workload
-from dsv32_engine.serving.run_config import GraphsSection, PlannerSection, RunConfig
+from dsv32_engine.serving.run_config import PlannerSection, RunConfig
 from dsv32_engine.serving.run_result import RunResult
 from dsv32_engine.serving.scheduler import Scheduler, slot_for
 from dsv32_engine.serving.speculative import Speculation
@@ -107,8 +107,8 @@ class DecodeEngine:
             page_size=page,
             next_n=spec.next_n,
             draft_steps=spec.decode_steps,
-            max_tokens=config.loop.chunk_tokens + p.max_batch,  # a chunk plus decode rows (mixed)
-            ragged_kv_tokens=p.ragged_kv_tokens,
+            max_tokens=config.loop.chunk_tokens,  # the step's budget, decode rows included
+            ragged_kv_tokens=ragged_kv_bound(p, self.cache.num_slots),
             num_sms=num_sms,
             kv_slots=self.cache.num_slots,
             device=str(self.device),
@@ -136,11 +136,12 @@ class DecodeEngine:
             else DumpRing(dumps.directory, every=dumps.every, keep_last=dumps.keep)
         )
         enabled = config.graphs.enabled
-        token_sizes = _token_sizes(config.graphs)
-        # What the loop runs: decode (or verify), prefill chunks, and mixed steps if it mixes.
+        token_sizes = _token_sizes(config)
+        # What the loop runs: decode (or verify), and prompt chunks: mixed steps if it mixes
+        # (with or without decode rows: one program plans both), else extend steps.
         modes = [ForwardMode.DECODE, *([ForwardMode.TARGET_VERIFY] if spec.next_n > 1 else [])]
         if token_sizes is not None:
-            modes += [ForwardMode.EXTEND, *([ForwardMode.MIXED] if config.loop.mixed else [])]
+            modes.append(ForwardMode.MIXED if config.mixes else ForwardMode.EXTEND)
         self.runner = GraphRunner(
             self.planner,
             self._forward,
@@ -149,7 +150,6 @@ class DecodeEngine:
             modes=modes,
             sizes=config.graphs.sizes,
             token_sizes=token_sizes,
-            extend_tokens=config.loop.chunk_tokens,  # prompt chunks; mixed steps add decodes
             enabled=enabled if isinstance(enabled, bool) else True,
         )
         self.scheduler = Scheduler(self.cache, self.pool, p.max_batch, page)
@@ -218,37 +218,40 @@ class DecodeEngine:
         data-parallel rank goes on, idle, while any peer has)."""
         return local
 
-    def _prefill_work(self, running: list[Request]) -> list[tuple[Request, int]]:
-        """Prompt chunks for this step: requests in admission order, up to the token budget.
+    def _prefill_work(self, running: list[Request], budget: int) -> list[tuple[Request, int]]:
+        """Prompt chunks for this step: requests in admission order, filling ``budget`` tokens.
 
-        A request's chunk is never cut short to fill the leftover budget: it waits
-        for the next step instead, so a prompt of ``L`` tokens takes exactly
-        ``ceil(L / chunk_tokens)`` prefill steps, and admission order is kept.
+        Each request's chunk is what is left of its prompt, cut to what is left of the
+        budget, so a loaded step holds exactly the budget (and fits its token bucket); a
+        request the budget cannot reach waits for the next step, keeping admission order.
+        Where a prompt is cut does not change what it computes: chunked prefill equals
+        token-by-token prefill (``tests/serving/test_chunked_prefill.py``).
         """
-        chunk = self.config.loop.chunk_tokens
-        budget = chunk
         work = []
         for request in running:
+            if budget <= 0:
+                break
             if not request.prefilling:
                 continue
-            n = min(len(request.prompt) - request.fed, chunk)
-            if n > budget:
-                break
+            n = min(len(request.prompt) - request.fed, budget)
             work.append((request, n))
             budget -= n
         return work
 
     def _step_work(self) -> tuple[list[tuple[Request, int]], ForwardMode, list[Request]]:
         """This step's prompt chunks with their mode, and the requests that decode apart from
-        them: with ``loop.mixed`` the decoding requests join the chunks as one-token extends
-        (one mixed batch, nothing apart), else the chunks are an extend batch."""
+        them. Mixing (``loop.mixed``), the decoding requests join the chunks as one-token
+        extends (one mixed batch, nothing apart; a step of chunks alone is a mixed batch too,
+        so one ragged graph per bucket serves both), and their rows count against the step's
+        token budget (``loop.chunk_tokens``): the chunks take what they leave. Else the
+        chunks are an extend batch of the whole budget and the decodes a step of their own."""
         running = self.scheduler.running
-        work = self._prefill_work(running)
-        prefilling = {id(r) for r, _ in work}
-        decoding = [
-            r for r in running if not r.prefilling and not r.spent and id(r) not in prefilling
-        ]
-        if work and decoding and self.config.loop.mixed:
+        decoding = [r for r in running if not r.prefilling and not r.spent]
+        budget = self.config.loop.chunk_tokens
+        if self.config.mixes:
+            budget -= len(decoding)
+        work = self._prefill_work(running, budget)
+        if work and self.config.mixes:  # chunks alone too: one mixed graph per bucket
             return work + [(r, 1) for r in decoding], ForwardMode.MIXED, []
         return work, ForwardMode.EXTEND, decoding
 
@@ -573,12 +576,23 @@ class DecodeEngine:
         return result
 
 
-def _token_sizes(g: GraphsSection) -> list[int] | bool | None:
+def _token_sizes(config: RunConfig) -> list[int] | bool | None:
     """The runner's ragged token buckets: None (extend and mixed batches run eagerly), True
     (the default ladder) or the configured list (``graphs.ragged``, ``graphs.token_sizes``)."""
-    if not g.ragged:
+    if not config.ragged_graphs:
         return None
-    return g.token_sizes if g.token_sizes is not None else True
+    return config.graphs.token_sizes if config.graphs.token_sizes is not None else True
+
+
+def ragged_kv_bound(p: PlannerSection, kv_slots: int) -> int:
+    """The KV a captured ragged batch may hold (``planner.ragged_kv_tokens``): by default
+    what the KV cache holds, at most ``max_batch`` requests of ``max_context``. Every request
+    of this engine owns its pages (no prefix is shared), so no batch's lengths sum past the
+    cache: a step past this bound cannot happen, and the flat KV buffers it sizes (about 140
+    bytes a token: a slot and an index key) stay a few percent of the cache's bytes."""
+    if p.ragged_kv_tokens is not None:
+        return p.ragged_kv_tokens
+    return min(p.max_batch * p.max_context, kv_slots)
 
 
 def _stages_in_graph(p: PlannerSection) -> bool:

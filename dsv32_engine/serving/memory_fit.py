@@ -170,14 +170,11 @@ def _largest_fused_group(model_cfg: DSV32Config, dtype: torch.dtype) -> int:
 
 
 def forward_rows(config: RunConfig) -> int:
-    """Query rows of the widest forward the run makes: a prompt chunk (plus a decode row per
-    request when decodes join it: ``loop.mixed``, or ragged graphs, whose buckets reach
-    ``chunk_tokens + max_batch``), or ``max_batch`` requests of ``next_n`` rows."""
-    p, loop = config.planner, config.loop
-    extend = loop.chunk_tokens
-    if loop.mixed or config.graphs.ragged:
-        extend += p.max_batch
-    return max(extend, p.max_batch * config.speculative.next_n)
+    """Query rows of the widest forward the run makes: a step's token budget (a prompt chunk,
+    or mixing, decode rows and the chunks they leave room for), or ``max_batch`` requests of
+    ``next_n`` rows."""
+    p = config.planner
+    return max(config.loop.chunk_tokens, p.max_batch * config.speculative.next_n)
 
 
 def cpu_forward_row_bytes(model_cfg: DSV32Config, dtype: torch.dtype) -> int:

@@ -102,6 +102,8 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         "step_ms_mean": 1e3 * result.step_seconds.mean,
         "overlap": engine.overlap,
         "overlap_reason": engine.overlap_reason,
+        "ragged_graphs": engine.config.ragged_graphs,
+        "mixed": engine.config.mixes,
         "loop_step_ms_p50": 1e3 * _percentile(result.loop_step_seconds, 50),
         "loop_step_ms_p99": 1e3 * _percentile(result.loop_step_seconds, 99),
         "gpu_busy": result.gpu_busy,
@@ -188,6 +190,11 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
         (
             "decode step time p50 / p99",
             f"{summary['step_ms_p50']:.2f} / {summary['step_ms_p99']:.2f} ms",
+        ),
+        (
+            "prompt chunks: under ragged graphs / mixed with decodes",
+            f"{'yes' if summary['ragged_graphs'] else 'no'} / "
+            f"{'yes' if summary['mixed'] else 'no'}",
         ),
         (
             "loop: one step ahead / loop step p50 / p99",

@@ -70,9 +70,8 @@ class PlannerSection(_Section):
         None,
         ge=1,
         description="the most KV (sum of lengths) a prompt-chunk or mixed batch may hold and "
-        "still replay a ragged graph, whose flat KV buffers are this long; None: max_batch x "
-        "max_context (on a GPU set it to what a loaded step holds: it costs graph memory; "
-        "the index-key gather moves only the batch's own KV)",
+        "still replay a ragged graph, whose flat KV buffers are this long; None: what the KV "
+        "cache holds, at most max_batch x max_context (no batch holds more)",
     )
     mla_kernel: Literal["auto", "triton", "torch", "flashinfer"] = Field(
         "auto",
@@ -92,13 +91,12 @@ class GraphsSection(_Section):
 
     enabled: bool | Literal["auto"] = "auto"
     sizes: list[int] | None = None
-    ragged: bool = Field(
-        False,
-        description="capture extend and mixed batches too, in token buckets. Off by default: "
-        "on the CPU an emulated replay re-runs the padded forward (slower than eager: 355 "
-        "against 550 tokens/s for the tiny demo); under CUDA graphs (an H100) its replays equal "
-        "eager plans and, with loop.mixed, arriving requests ran at 2.1-3.4x prefill-first's "
-        "tokens/s (issue 37); set planner.ragged_kv_tokens to the KV a step holds",
+    ragged: bool | Literal["auto"] = Field(
+        "auto",
+        description="capture extend and mixed batches too, in token buckets; auto: on where "
+        "graphs run on CUDA (an H100 ran arriving requests 2.85x faster with mixing, issue "
+        "37), off on the CPU, where an emulated replay re-runs the padded forward (slower "
+        "than eager: 355 against 550 tokens/s for the tiny demo)",
     )
     token_sizes: list[int] | None = Field(
         None, description="token buckets of ragged graphs; None: 16, 32, 64, ... max_tokens"
@@ -163,10 +161,11 @@ class LoopSection(_Section):
         description="step with an idle batch when nothing runs, as a data-parallel rank must "
         "(it keeps its peers' collectives in step); a single rank just waits",
     )
-    mixed: bool = Field(
-        False,
-        description="run decode requests inside the step's extend batch (one eager forward) "
-        "instead of a separate decode graph step",
+    mixed: bool | Literal["auto"] = Field(
+        "auto",
+        description="run decode requests inside the step's extend batch (one mixed forward) "
+        "instead of a separate decode graph step; auto: where graphs run on CUDA, unless "
+        "speculative decoding verifies apart",
     )
     overlap: bool | Literal["auto"] = Field(
         "auto",
@@ -284,6 +283,33 @@ class RunConfig(_Section):
             raise ValueError(f"not a torch device: {value!r} (cpu, cuda, cuda:1)") from None
         return value
 
+    @property
+    def graphs_on(self) -> bool:
+        """Whether forwards replay captured graphs (``graphs.enabled``; auto: always, emulated
+        on the CPU)."""
+        return self.graphs.enabled is not False
+
+    @property
+    def ragged_graphs(self) -> bool:
+        """Whether extend and mixed batches replay token-bucket graphs (``graphs.ragged``
+        resolved: auto is on where graphs run on CUDA)."""
+        if self.graphs.ragged == "auto":
+            return self._graphs_on_cuda
+        return bool(self.graphs.ragged)
+
+    @property
+    def mixes(self) -> bool:
+        """Whether decode requests join the step's prompt chunks (``loop.mixed`` resolved:
+        auto is on where graphs run on CUDA, off while speculative decoding verifies in its
+        own step)."""
+        if self.loop.mixed == "auto":
+            return self._graphs_on_cuda and not self.speculative.enabled
+        return bool(self.loop.mixed)
+
+    @property
+    def _graphs_on_cuda(self) -> bool:
+        return self.graphs_on and torch.device(self.device).type == "cuda"
+
     def check_fits(self) -> None:
         """Cross-section limits, reported on the field to change."""
         spec = self.speculative
@@ -308,13 +334,23 @@ class RunConfig(_Section):
                 expected=f"<= {spec.ngram_max} (speculative.ngram_max)",
                 actual=spec.ngram_min,
             )
-        if spec.enabled and self.loop.mixed:
+        if spec.enabled and self.loop.mixed is True:
             raise ConfigError(
                 "speculative requests verify in their own graph step; they cannot join a "
                 "mixed extend batch",
                 field="loop.mixed",
                 expected=False,
                 actual=True,
+            )
+        if self.mixes and self.loop.chunk_tokens < self.planner.max_batch:
+            raise ConfigError(
+                "a mixed step's token budget holds its decoding requests' rows first and "
+                "prompt chunks in what they leave: below max_batch a full batch of decodes "
+                "would leave a waiting prompt nothing",
+                field="loop.chunk_tokens",
+                expected=f">= {self.planner.max_batch} (planner.max_batch) while mixing "
+                "(loop.mixed)",
+                actual=self.loop.chunk_tokens,
             )
         self._check_distributed()
         self._check_batch_invariant()

@@ -9,12 +9,15 @@ its reason and warned once.
 
 from __future__ import annotations
 
+import bisect
 import warnings
 
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from graphs.runner import KV_OVER_BOUND, TOKENS_OVER_BUCKETS, GraphWarning
-from graphs.sizes import default_token_ladder, token_ladder
+from graphs.sizes import MAX_PADDING, default_token_ladder, token_ladder
 from planner.batch import ForwardMode
 from planner.errors import ConfigError
 from tests.support.engines import SMALL_LOOP, tiny_engine
@@ -39,26 +42,38 @@ def eager_chunks():
     return {False: plain, True: mixed}
 
 
-def test_the_token_ladder_doubles_and_never_equals_the_request_bucket():
+def test_the_token_ladder_doubles_then_steps_by_quarters_and_never_equals_the_request_bucket():
     assert default_token_ladder(264, 8) == [16, 32, 64, 128, 256, 264]
-    # past 256 tokens a midpoint per doubling: padding at most a third of a bucket there
-    # and a full chunk (max_tokens - reqs) plus a quarter and a half of reqs: a loaded
-    # loop's mixed step, a chunk with few decoding requests on top, pads by reqs / 4
-    assert default_token_ladder(2176, 128) == [
-        16, 32, 64, 129, 256, 384, 512, 768, 1024, 1536, 2048, 2080, 2112, 2176
+    # past 256 tokens four buckets a doubling, each at most 1.25x the one below
+    assert default_token_ladder(2048, 128) == [
+        16, 32, 64, 129, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048
     ]  # fmt: skip
-    assert default_token_ladder(1000 + 64, 64)[-4:] == [768, 1000, 1024, 1064]  # 16 apart
-    assert default_token_ladder(256 + 64, 64)[-4:] == [256, 272, 288, 320]
-    assert default_token_ladder(384, 8)[-2:] == [256, 384]  # within 16 tokens of the top
+    assert default_token_ladder(600, 64)[-3:] == [448, 512, 600]  # the budget tops it
     assert default_token_ladder(100, 16) == [17, 32, 64, 100]  # 16 is the request bucket
     assert default_token_ladder(16, 16) == [15]  # at the top: one token down
     assert token_ladder(100, 16, [8, 40]) == [8, 40]
+    assert default_token_ladder(320, 320) == [16, 32, 64, 128, 256, 319]  # the top, one down
     with pytest.raises(ConfigError) as err:
         token_ladder(100, 16, [8, 16])
     assert err.value.field == "token_sizes"
     with pytest.raises(ConfigError, match="exceeds max_tokens") as err:
         token_ladder(100, 16, [8, 101])
     assert err.value.field == "token_sizes"
+
+
+@given(
+    max_tokens=st.integers(1, 9000),
+    reqs=st.integers(1, 512),
+    tokens=st.integers(257, 9000),
+)
+def test_past_256_tokens_a_step_pads_by_less_than_a_quarter_of_its_tokens(max_tokens, reqs, tokens):
+    ladder = default_token_ladder(max_tokens, reqs)
+    assert ladder == sorted(set(ladder)) and reqs not in ladder
+    assert all(1 <= size <= max_tokens for size in ladder)
+    assume(ladder and tokens <= ladder[-1])
+    bucket = ladder[bisect.bisect_left(ladder, tokens)]
+    # one token more where a bucket stepped off the request bucket
+    assert bucket - tokens < tokens * MAX_PADDING + (bucket - 1 == reqs)
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["prefill_first", "mixed"])
@@ -70,11 +85,12 @@ def test_every_forward_replays_and_tokens_equal_eager_chunks(eager_chunks, mixed
     buckets = {size for (mode, size), n in stats.replays.items() if mode == ragged.value and n}
     captured = engine.runner.captured_sizes(ragged)
     assert buckets and buckets <= set(captured)
-    # extend graphs stop at the chunk budget (16 tokens); mixed steps add decode rows on top
+    # every bucket up to the step's budget (16 tokens, decode rows included), in one mode:
+    # a mixing loop plans its steps of chunks alone as mixed batches too
     ladder = engine.runner.token_sizes
-    assert engine.runner.captured_sizes(ForwardMode.EXTEND) == [s for s in ladder if s <= 16]
-    if mixed:
-        assert captured == ladder and ladder[-1] > 16
+    assert captured == ladder and ladder[-1] == 16
+    other = ForwardMode.EXTEND if mixed else ForwardMode.MIXED
+    assert engine.runner.captured_sizes(other) == []
     assert engine.planner.stats.verified == stats.graph_steps  # debug: each replay re-planned
     assert result.tokens == eager_chunks[mixed]
     # the summary reports each bucket's capture cost

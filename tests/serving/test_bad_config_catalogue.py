@@ -327,21 +327,6 @@ def config_cases(tmp: Path) -> list[Case]:
             "graphs/sizes.py capture_ladder (GraphRunner build)",
         ),
         Case(
-            "extend tokens below one",
-            "config",
-            lambda: GraphRunner(
-                NSA_PAGED_64.planner(["paged"]),
-                lambda i, p: i,
-                req_to_token=NSA_PAGED_64.table,
-                token_sizes=True,
-                extend_tokens=0,
-            ),
-            ConfigError,
-            "extend_tokens",
-            ">= 1",
-            "graphs/runner.py GraphRunner.__init__",
-        ),
-        Case(
             "unknown graph mode",
             "config",
             lambda: GraphRunner(

@@ -22,7 +22,7 @@ VARIANTS = {
     "decode": {},
     "chunked prefill": {"loop.chunk_tokens": 4},
     "mixed": {"loop.chunk_tokens": 4, "loop.mixed": True},
-    "ragged graphs, mixed": {"loop.chunk_tokens": 4, "loop.mixed": True, "graphs.ragged": True},
+    "ragged graphs, mixed": {"loop.chunk_tokens": 5, "loop.mixed": True, "graphs.ragged": True},
     "eager": {"graphs.enabled": False, "loop.chunk_tokens": 4},
     "copy staging": {"planner.staging_in_graph": False},
 }
@@ -134,7 +134,7 @@ def test_an_eager_step_takes_the_previous_steps_tokens_before_it_launches(ragged
     kernel: the step before it is taken first, so a prompt's first token is not a step late.
     A step that replays a token bucket is launched first and the previous one taken after."""
     engine = tiny_engine(
-        {**SMALL_LOOP, "loop.chunk_tokens": 4, "loop.overlap": True, "graphs.ragged": ragged},
+        {**SMALL_LOOP, "loop.chunk_tokens": 5, "loop.overlap": True, "graphs.ragged": ragged},
         share_model=True,
     )
     events: list[str] = []
