@@ -6,7 +6,7 @@
 # A step is a benchmark's name: `python -m benchmarks` lists them, by group, a line each. Step
 # NAME (or NAME:VARIANT) runs `python3 -m benchmarks step NAME --out $OUT`: the arguments are
 # the benchmark's own, declared beside its code (its GPU_STEPS: `python -m benchmarks step
-# NAME --out DIR --dry-run` prints them), e.g. decode_runs:arrivals,shapes_ragged (the decode
+# NAME --out DIR --dry-run` prints them), e.g. decode_runs:arrivals,shapes_off (the decode
 # CLI's cases; decode_runs alone: small, shapes), seed_stack:fi, batch_invariance:speed,
 # replay_overhead:verify, overlap_loop:small16,small64. Two steps are not a benchmark's run:
 # gpu_tests, pytest -m gpu over the whole tree (tests/gpu and the GPU cases elsewhere;
