@@ -155,8 +155,8 @@ def test_the_commands_are_found():
     stepped = {target.rsplit(".", 1)[-1] for script, target, _ in CASES if " " in script}
     assert {"ragged_steps", "batch_invariance", "decode_runs", "planner_overhead"} <= stepped
     assert sum(target == "-m planner" for _, target, _ in CASES) >= 10
-    mixed = [argv for _, target, argv in CASES if "--debug" in argv]
-    assert mixed and "graphs.ragged=true" in mixed[0]
+    debug = [argv for _, target, argv in CASES if "--debug" in argv]
+    assert debug and "dsv32-small-arrivals" in debug[0]  # mixed under ragged graphs: the default
 
 
 def test_every_verify_step_is_a_benchmark():
