@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from dsv32_engine.serving.run_config import RunConfig
 from planner.batch import ForwardMode
 
 
@@ -104,6 +105,7 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         "overlap_reason": engine.overlap_reason,
         "ragged_graphs": engine.config.ragged_graphs,
         "mixed": engine.config.mixes,
+        "fast_paths_reason": _fast_paths_reason(engine.config),
         "loop_step_ms_p50": 1e3 * _percentile(result.loop_step_seconds, 50),
         "loop_step_ms_p99": 1e3 * _percentile(result.loop_step_seconds, 99),
         "gpu_busy": result.gpu_busy,
@@ -194,7 +196,7 @@ def render(summary: dict[str, Any], console: Console | None = None) -> None:
         (
             "prompt chunks: under ragged graphs / mixed with decodes",
             f"{'yes' if summary['ragged_graphs'] else 'no'} / "
-            f"{'yes' if summary['mixed'] else 'no'}",
+            f"{'yes' if summary['mixed'] else 'no'} ({summary['fast_paths_reason']})",
         ),
         (
             "loop: one step ahead / loop step p50 / p99",
@@ -314,3 +316,18 @@ def speculative_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
 def _program_name(key: ForwardMode | tuple[ForwardMode, ForwardMode]) -> str:
     """A mode's name, or an idle batch of another shape's: ``idle:target_verify``."""
     return key.value if isinstance(key, ForwardMode) else ":".join(m.value for m in key)
+
+
+def _fast_paths_reason(config: RunConfig) -> str:
+    """Why prompt chunks do or do not replay ragged graphs and mix (for the summary)."""
+    auto = [
+        key
+        for key, value in (
+            ("graphs.ragged", config.graphs.ragged),
+            ("loop.mixed", config.loop.mixed),
+        )
+        if value == "auto"
+    ]
+    if len(auto) == 2:
+        return "auto: on where graphs run on CUDA"
+    return "as set" if not auto else f"{auto[0]} auto: on where graphs run on CUDA"

@@ -44,3 +44,11 @@ def test_the_ragged_kv_bound_follows_the_cache_unless_set():
     assert ragged_kv_bound(planner, kv_slots=10_000) == 4 * 128  # no batch holds more
     stated = _config(**{"planner.ragged_kv_tokens": 7}).planner
     assert ragged_kv_bound(stated, kv_slots=100) == 7
+
+
+def test_the_summary_says_why():
+    from dsv32_engine.serving.report import _fast_paths_reason
+
+    assert _fast_paths_reason(_config()) == "auto: on where graphs run on CUDA"
+    assert _fast_paths_reason(_config(**{"graphs.ragged": True, "loop.mixed": False})) == "as set"
+    assert _fast_paths_reason(_config(**{"loop.mixed": True})).startswith("graphs.ragged auto")
