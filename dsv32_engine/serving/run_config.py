@@ -154,7 +154,11 @@ class LoopSection(_Section):
         4096, ge=0, description="GPU memory kept back for CUDA-graph pools and activations"
     )
     chunk_tokens: int = Field(
-        256, ge=1, le=1 << 20, description="prompt tokens one step prefills (chunked prefill)"
+        256,
+        ge=1,
+        le=1 << 20,
+        description="a step's token budget: the prompt tokens it prefills (chunked prefill) "
+        "and, mixing (loop.mixed), its decode rows too, which take their share first",
     )
     idle_steps: bool = Field(
         False,
