@@ -43,9 +43,6 @@ from graphs import GraphWarning
 GPU_STEPS = {
     "": "--configs small --steps 600 --out {out}/debug_cost.json",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 CONFIGS = {
     "tiny": (

@@ -34,9 +34,6 @@ from planner import ForwardBatch, ForwardMode, Limits, Planner
 GPU_STEPS = {
     "": "--out {out}/device_check.json",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -46,9 +46,6 @@ from planner.step_inputs import StepInputs, write_batch
 GPU_STEPS = {
     "": "--out {out}/eager_pieces.json --plot {out}/eager_pieces.png",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 _DECODE = ForwardMode.DECODE
 Variants = dict[str, Callable[[int], Any]]

@@ -48,9 +48,6 @@ from planner import ForwardBatch, ForwardMode, Limits, Planner
 GPU_STEPS = {
     "": "--iters 300 --out {out}/planner_overhead.json --plot {out}/planner_overhead.png",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 try:  # this tree: the graph pulls through a transport; older trees took a flag
     from graphs import PulledTransport

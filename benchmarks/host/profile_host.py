@@ -43,9 +43,6 @@ from tests.support.batches import make_pool, random_batch
 GPU_STEPS = {
     "": "--out {out}/profile_host.json",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 
 def _torch_profile(fn, iters: int, device: torch.device) -> str:

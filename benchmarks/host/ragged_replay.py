@@ -56,9 +56,6 @@ from planner import ForwardBatch, ForwardMode, Limits, Planner
 GPU_STEPS = {
     "": "--out {out}/ragged_replay.json",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 I32 = torch.int32
 

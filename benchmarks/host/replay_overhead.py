@@ -40,9 +40,6 @@ GPU_STEPS = {
     "": "--iters 300 --batches 1 64 256 --out {out}/replay_overhead.json",
     "verify": "--iters 300 --batches 1 64 256 --mode target_verify --out {out}/replay_overhead_verify.json",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 PHASES = ("refresh", "inputs", "replay")
 

@@ -43,9 +43,6 @@ from tests.support.batches import make_pool, random_batch
 GPU_STEPS = {
     "": "--out {out}/replay_pieces.json --plot {out}/replay_pieces.png",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 _DECODE = ForwardMode.DECODE
 Variants = dict[str, Callable[[int], Any]]

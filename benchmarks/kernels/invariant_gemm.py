@@ -35,9 +35,6 @@ from dsv32_engine.models.layers.invariant_gemm import (
 GPU_STEPS = {
     "": "--out {out}/invariant_gemm.json",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 SITES: dict[str, tuple[int, int, int, torch.dtype]] = {
     # name: (N, K, groups, weight dtype), DeepSeek-V3.2's dimensions

@@ -49,9 +49,6 @@ from planner import Planner
 GPU_STEPS = {
     "": "--out {out}/model_floor.json",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 KERNELS = {"reference": "torch", "production": "auto", "flashinfer": "flashinfer"}
 """Sparse MLA per variant: the torch reference, the NSA plan's Triton kernel, and

@@ -48,9 +48,6 @@ from dsv32_engine.models.layers.grouped_gemm import grouped_mm_provider
 GPU_STEPS = {
     "": "--out {out} --iters 30",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 TOPK = 2048
 

@@ -33,9 +33,6 @@ from dsv32_engine.models.model import DSV32Model
 GPU_STEPS = {
     "": "--batches 1 64 --out {out}/profile_step.json --plot {out}/profile_step.png",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 GROUPS = (
     ("sparse_mla", ("_attend", "_combine", "sparse_mla", "mla_decode", "mla_", "mla::")),

@@ -63,9 +63,6 @@ GPU_STEPS = {
     "": "--stack model --contexts 4096 --batches 1 16 64 --modes graph --runs 2 --warmup 5 --iters 20 --out {out}/model_seed.json",
     "fi": "--stack model --contexts 4096 --batches 1 16 64 --modes graph --runs 2 --warmup 5 --iters 20 --mla-kernel flashinfer --out {out}/model_seed_fi.json",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 VARIANTS = ("a_per_layer", "b_seed", "c_planner")
 

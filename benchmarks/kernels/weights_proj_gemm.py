@@ -31,9 +31,6 @@ from dsv32_engine.models.layers.bf16_terms import Bf16TermsProjection, mm_fp32_o
 GPU_STEPS = {
     "": "--out {out}/weights_proj_gemm.json --plot {out}/weights_proj_gemm.png",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 LAYERS = 61
 SCALE = 64**-0.5 * 128**-0.5

@@ -53,9 +53,6 @@ GPU_STEPS = {
     "": "--parts spec,logits,chunks --out {out}",
     "speed": "--parts speed --out {out}/speed --plot {out}/batch_invariance_speed.png",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 PARTS = ("spec", "logits", "chunks", "speed")
 INVARIANT = {"planner.batch_invariant": True}

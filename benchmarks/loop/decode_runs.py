@@ -52,9 +52,6 @@ GPU_STEPS = {
     "": "--cases small,shapes --out {out}",
     "*": "--cases {variant} --out {out}",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 OFF = ["--set", "graphs.ragged=false", "--set", "loop.mixed=false"]
 """Prompt chunks eager and apart from the decodes: the defaults before issue 55 (now on CUDA

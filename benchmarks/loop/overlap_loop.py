@@ -39,10 +39,6 @@ GPU_STEPS = {
     "": "--out {out}/overlap_loop.json --plot {out}/overlap_loop.png",
     "*": "--cases {variant} --out {out}/overlap_loop_{tag}.json",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``, as a file name
-``{tag}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 CASES: dict[str, tuple[str, list[str]]] = {
     "small16": ("dsv32-small", ["--requests", "16"]),

@@ -49,9 +49,6 @@ from planner.batch import ForwardBatch, ForwardMode
 GPU_STEPS = {
     "": "--config dsv32-shapes --out {out}/ragged.json --plot {out}/ragged.png",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 
 def mixed_batch(engine: DecodeEngine, decoding: int, context: int, chunk: int, prefix: int = 0):

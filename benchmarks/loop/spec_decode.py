@@ -42,9 +42,6 @@ from dsv32_engine.serving.run_config import RunConfig, load_run_config
 GPU_STEPS = {
     "": "--out {out}",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 RUNS = (
     ("plain", {"speculative.draft": "none"}),

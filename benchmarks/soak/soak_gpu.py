@@ -58,9 +58,6 @@ from planner.schema import parse_dim
 GPU_STEPS = {
     "": "--out {out}/soak_gpu.json",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 DECODE, VERIFY = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY
 PAGE, NEXT_N = 64, 2

@@ -59,9 +59,6 @@ from benchmarks.common import num_sms_of
 GPU_STEPS = {
     "": "--out {out}/verify_deepgemm.json",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 MAX_LEN_CHOICES = [1, 255, 256, 257, 300, 5000, 65536, 200_000]
 KINDS = ["uniform", "equal", "skewed", "splits"]

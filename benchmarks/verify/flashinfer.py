@@ -58,9 +58,6 @@ from planner import ForwardBatch, ForwardMode, Limits, Planner
 GPU_STEPS = {
     "": "--out {out}/verify_flashinfer.json",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 LENGTH_KINDS = ("uniform", "short", "long", "equal")
 ATOL = RTOL = 1e-2  # bf16 inputs and output against an fp32 reference

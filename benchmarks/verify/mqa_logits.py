@@ -62,9 +62,6 @@ from backends.deepgemm import (
 GPU_STEPS = {
     "": "--out {out}",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 KINDS = ["causal", "causal", "random", "full", "empty", "window"]
 NEG_INF = float("-inf")

@@ -37,9 +37,6 @@ from planner import ForwardBatch, ForwardMode, Limits, Planner
 GPU_STEPS = {
     "": "--out {out}/sparse_flashinfer.json --plot {out}/sparse_flashinfer.png",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 HEADS, LATENT, ROPE, TOPK = 128, 512, 64, 2048
 SCALE = 1.0 / math.sqrt(192)

@@ -65,9 +65,6 @@ from planner.debug import diff_plans
 GPU_STEPS = {
     "": "--out {out}",
 }
-"""This benchmark's runs as steps of ``scripts/gpu_verify.sh`` (``NAME`` and
-``NAME:VARIANT``; ``*``: any variant, named ``{variant}``), ``{out}`` the results folder:
-``python -m benchmarks step NAME[:VARIANT] --out DIR`` runs one."""
 
 PAGE, TOL = 64, 2.0**-9
 VERIFY = ForwardMode.TARGET_VERIFY
