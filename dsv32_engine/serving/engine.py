@@ -19,10 +19,16 @@ from tqdm import tqdm
 from dsv32_engine.models.kv_cache import PagedKVCache, RequestPool
 from dsv32_engine.models.model import DSV32Model
 from dsv32_engine.serving.dump_ring import DumpRing, MismatchDumper
+from dsv32_engine.serving.engine_settings import (
+    ragged_kv_bound,
+    ragged_token_sizes,
+    resolve_overlap,
+    stages_in_graph,
+)
 from dsv32_engine.serving.model_setup import build_model, kv_pages, model_config, resolve_device
 from dsv32_engine.serving.plan_setup import kernel_name, plan_schemas
 from dsv32_engine.serving.requests import Request, make_workload
-from dsv32_engine.serving.run_config import PlannerSection, RunConfig
+from dsv32_engine.serving.run_config import RunConfig
 from dsv32_engine.serving.run_result import RunResult
 from dsv32_engine.serving.scheduler import Scheduler, slot_for
 from dsv32_engine.serving.speculative import Speculation
@@ -126,7 +132,7 @@ class DecodeEngine:
             providers=p.providers,
             debug=p.debug or None,
             ops_in_graph=p.ops_in_graph,
-            transport=PulledTransport if _stages_in_graph(p) else None,
+            transport=PulledTransport if stages_in_graph(p) else None,
             on_mismatch=None if dumps is None else MismatchDumper(dumps.directory / "mismatches"),
         )
         self.planner.check_serves(needs)
@@ -136,7 +142,7 @@ class DecodeEngine:
             else DumpRing(dumps.directory, every=dumps.every, keep_last=dumps.keep)
         )
         enabled = config.graphs.enabled
-        token_sizes = _token_sizes(config)
+        token_sizes = ragged_token_sizes(config)
         # What the loop runs: decode (or verify), and prompt chunks: mixed steps if it mixes
         # (with or without decode rows: one program plans both), else extend steps.
         modes = [ForwardMode.DECODE, *([ForwardMode.TARGET_VERIFY] if spec.next_n > 1 else [])]
@@ -574,48 +580,3 @@ class DecodeEngine:
         result.generated_tokens += sum(len(r.generated) for r in sched.running)
         result.unfinished = len(pending) + len(sched.waiting) + len(sched.running)
         return result
-
-
-def _token_sizes(config: RunConfig) -> list[int] | bool | None:
-    """The runner's ragged token buckets: None (extend and mixed batches run eagerly), True
-    (the default ladder) or the configured list (``graphs.ragged``, ``graphs.token_sizes``)."""
-    if not config.ragged_graphs:
-        return None
-    return config.graphs.token_sizes if config.graphs.token_sizes is not None else True
-
-
-def ragged_kv_bound(p: PlannerSection, kv_slots: int) -> int:
-    """The KV a captured ragged batch may hold (``planner.ragged_kv_tokens``): by default
-    what the KV cache holds, at most ``max_batch`` requests of ``max_context``. Every request
-    of this engine owns its pages (no prefix is shared), so no batch's lengths sum past the
-    cache: a step past this bound cannot happen, and the flat KV buffers it sizes (about 140
-    bytes a token: a slot and an index key) stay a few percent of the cache's bytes."""
-    if p.ragged_kv_tokens is not None:
-        return p.ragged_kv_tokens
-    return min(p.max_batch * p.max_context, kv_slots)
-
-
-def _stages_in_graph(p: PlannerSection) -> bool:
-    """Whether the captured graphs pull each replay's staged inputs themselves
-    (``planner.staging_in_graph``; ``auto``: whenever the ops run in the graph)."""
-    return p.ops_in_graph if p.staging_in_graph == "auto" else bool(p.staging_in_graph)
-
-
-def resolve_overlap(
-    setting: bool | str, device: torch.device, speculative: bool
-) -> tuple[bool, str]:
-    """Whether the loop runs one step ahead (``loop.overlap``), and why, for the summary."""
-    if speculative:
-        if setting is True:
-            raise ConfigError(
-                "speculative decoding runs the synchronous loop: each round's lengths, slots "
-                "and next drafts follow from the accepted drafts the host reads",
-                field="loop.overlap",
-                expected="false or auto with speculative.draft set",
-                actual=True,
-            )
-        return False, "speculative decoding reads each round before the next"
-    if setting == "auto":
-        on = device.type == "cuda"
-        return on, "auto: on CUDA" if on else "auto: off on the CPU (no device to run ahead of)"
-    return bool(setting), "loop.overlap"

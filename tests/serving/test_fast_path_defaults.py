@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsv32_engine.serving.engine import ragged_kv_bound
+from dsv32_engine.serving.engine_settings import ragged_kv_bound
 from dsv32_engine.serving.run_config import load_run_config
 from planner import ConfigError
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv32_engine.serving.engine import resolve_overlap
+from dsv32_engine.serving.engine_settings import resolve_overlap
 from dsv32_engine.serving.token_ids import TokenIds, last_of
 from planner import ConfigError, ForwardMode, ReplayError
 from tests.support.engines import SMALL_LOOP, tiny_engine
