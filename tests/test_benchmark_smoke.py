@@ -14,7 +14,7 @@ import torch
 
 from benchmarks.host import debug_cost, planner_overhead, profile_host
 from benchmarks.kernels import weights_proj_gemm
-from benchmarks.loop import overlap_loop
+from benchmarks.loop import loop_profile, overlap_loop
 from tests.support import REPO
 
 
@@ -44,6 +44,19 @@ def test_overlap_loop_runs_both_loops_and_compares_their_tokens(tmp_path, capsys
     text = capsys.readouterr().out
     assert "tiny" in text and "yes" in text  # the tokens of both loops are equal
     assert json.loads(out.read_text())
+
+
+def test_loop_profile_profiles_a_window_of_steps_with_each_tool(tmp_path, capsys):
+    out = tmp_path / "loop_profile.json"
+    argv = ["--config", "dsv32-tiny", "--requests", "3", "--new", "30", "--start", "8"]
+    argv += ["--steps", "10", "--set", "loop.prompt_len=[4,8]", "--out", str(out)]
+    assert loop_profile.main(argv) == 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"none", "cprofile", "torch"}
+    assert all(r["window_ms_per_step"] > 0 for r in results.values())
+    steps = {row["function"] for row in results["cprofile"]["inclusive"]}
+    assert any("engine.py" in name and "(step)" in name for name in steps)
+    assert "by self time" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU's")
