@@ -131,7 +131,7 @@ def _draft(draft: str, n: int = 4) -> dict[str, Any]:
 
 
 def _tokens(config: RunConfig, model) -> dict[int, list[int]]:
-    engine = DecodeEngine(config, model=model)
+    engine = DecodeEngine(config, model=model, keep_logits=True)
     return engine.run(progress=False, keep_tokens=True).tokens
 
 
@@ -139,7 +139,7 @@ def _tokens(config: RunConfig, model) -> dict[int, list[int]]:
 
 
 def _engine(config: RunConfig, model) -> DecodeEngine:
-    engine = DecodeEngine(config, model=model)
+    engine = DecodeEngine(config, model=model, keep_logits=True)
     engine.warm_up()
     return engine
 

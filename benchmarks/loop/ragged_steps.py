@@ -103,7 +103,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "planner.max_batch": top,
         "planner.ragged_kv_tokens": top * args.context + args.prefix + max(args.chunks),
     }
-    engine = DecodeEngine(load_run_config(args.config, overrides))
+    engine = DecodeEngine(load_run_config(args.config, overrides), keep_logits=True)
     capture = engine.runner.capture().summary()
     timing = {"warmup": args.warmup, "iters": args.iters}
     rows = []

@@ -87,8 +87,14 @@ class DecodeEngine:
         *,
         model: DSV32Model | None = None,
         dumps: DumpSettings | None = None,
+        keep_logits: bool = False,
     ) -> None:
         self.config = config
+        self.keep_logits = keep_logits
+        """Whether a forward's outputs hold its logits (benchmarks that compare them ask).
+        Serving reads the sampled tokens alone; each graph's outputs are memory of its own
+        (a logits output is rows x vocab float32: 8.3 MB at 16 rows of DeepSeek-V3.2's
+        129,280), while what a forward frees is shared by every graph of the pool."""
         self.device = resolve_device(config.device)
         if model is None:
             model = build_model(config, model_config(config.model), self.device)
@@ -189,8 +195,24 @@ class DecodeEngine:
         self.warm_up_forwards = 0
         """Extend forwards the warm-up ran (outside the loop's counts)."""
 
-    def _forward(self, inputs: dict[str, torch.Tensor], plans: PlanSet) -> Any:
-        return self.model(inputs["input_ids"], plans, self.cache, hidden=self.wants_hidden)
+    def _forward(self, inputs: dict[str, torch.Tensor], plans: PlanSet) -> dict[str, Any]:
+        """One step on the device, captured whole in its graph: the ids resolved (a decode
+        row's from the token its request sampled last), the model, greedy sampling, and
+        where each request gets one logit row (decode, extend, mixed; not verify's ``n``),
+        its token kept by pool row for the next step's ids (``serving.token_ids``).
+        Outputs: ``tokens`` (the logits' argmax), ``input_ids`` (as resolved: debug mode
+        checks them), for a draft ``hidden``, and ``logits`` where kept (``keep_logits``)."""
+        token_ids = self.scheduler.token_ids
+        ids = token_ids.resolve(inputs["input_ids"])
+        out = self.model(ids, plans, self.cache, hidden=self.wants_hidden)
+        out = dict(out) if isinstance(out, dict) else {"logits": out}
+        tokens = out["logits"].argmax(dim=-1)
+        pool_rows = plans["nsa"].req_pool_indices
+        if tokens.shape[0] == pool_rows.shape[0]:
+            token_ids.sampled(pool_rows, tokens)
+        if not self.keep_logits:
+            del out["logits"]
+        return out | {"tokens": tokens, "input_ids": ids}
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -271,7 +293,6 @@ class DecodeEngine:
         checks = self._fed_from_device(work) if self.planner.debug else []
         firsts = [request.fed for request, _ in work]
         out = self._forward_step(batch, ids, result)
-        best = (out["logits"] if isinstance(out, dict) else out).argmax(dim=-1)
         rows, prefilled = [], 0
         for request, n in work:
             was_prefill = request.prefilling
@@ -282,11 +303,11 @@ class DecodeEngine:
             request.in_flight += kept
             rows.append((request, was_prefill, kept))
         after = None
-        if self.speculation is not None and isinstance(out, dict):  # the MTP draft's prefill
+        if self.speculation is not None and "hidden" in out:  # the MTP draft's prefill
             after = partial(
                 self.speculation.prefilled, work, firsts, self.runner.last_plans, out["hidden"]
             )
-        self._sampled(work, best, rows, mode, t0, checks, ids, result, prefilled, after)
+        self._sampled(out, rows, mode, t0, checks, result, prefilled, after)
 
     def _decode_step(self, requests: list[Request], result: RunResult) -> None:
         """Launch one decode step through the graph runner, or run a speculative round."""
@@ -308,39 +329,36 @@ class DecodeEngine:
         )
         work = [(request, 1) for request in requests]
         checks = self._fed_from_device(work) if self.planner.debug else []
-        best = self._forward_step(batch, ids, result).argmax(dim=-1)
+        out = self._forward_step(batch, ids, result)
         for request in requests:
             request.fed += 1
             request.in_flight += 1
         rows = [(request, False, True) for request in requests]
-        self._sampled(work, best, rows, ForwardMode.DECODE, t0, checks, ids, result)
+        self._sampled(out, rows, ForwardMode.DECODE, t0, checks, result)
 
     def _sampled(
         self,
-        work: list[tuple[Request, int]],
-        best: torch.Tensor,
+        out: dict[str, Any],
         rows: list[tuple[Request, bool, bool]],
         mode: ForwardMode,
         started: float,
         checks: list[tuple[int, Request, int]],
-        ids: torch.Tensor,
         result: RunResult,
         prefilled: int = 0,
         after: Callable[[], None] | None = None,
     ) -> None:
-        """A forward launched and sampled (``best``, one token per request of ``work``): the
-        tokens kept on the device for the next step's ids, their read started, and the
-        forward taken now or a loop step later (:class:`Launched`)."""
-        self.scheduler.token_ids.sampled([request.pool_idx for request, _ in work], best)
+        """A forward launched, its tokens sampled and kept on the device for the next step's
+        ids (``out``, :meth:`_forward`): their read started, and the forward taken now or a
+        loop step later (:class:`Launched`)."""
         launched = Launched(
-            self.runner.read_later(best),
+            self.runner.read_later(out["tokens"]),
             rows,
             mode,
             started,
             self.forward_steps - 1,
             prefilled,
             checks,
-            ids if checks else None,
+            out["input_ids"].clone() if checks else None,  # the graph's, rewritten next replay
             after,
         )
         self._launched(launched, result)

@@ -231,7 +231,7 @@ class RankEngine(DecodeEngine):
         out = self._forward_step(batch, ids, result)
         self._idled(shape)
         spec = self.speculation
-        if spec is not None and isinstance(out, dict):
+        if spec is not None and "hidden" in out:
             spec.prefilled([], [], self.runner.last_plans, out["hidden"])
 
     def _draft_slots(self, result: RunResult) -> None:

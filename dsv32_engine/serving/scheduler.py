@@ -134,8 +134,9 @@ class Scheduler:
         Tokens ``fed .. fed + n - 1`` of each request, request-major: a prompt
         chunk, or (``n = 1``) a decode request's last token in a mixed batch. ``inputs``:
         the planner's staging slot of the step, written once as :meth:`build` does.
-        ``last_on_device``: a generated token is the one the request sampled last, read
-        from the device (:class:`TokenIds`; the host may not have it yet).
+        ``last_on_device``: a generated token is the one the request sampled last, sent as
+        ``last_of`` its row and resolved on the device by the step's forward
+        (:class:`TokenIds`; the host may not have it yet).
         """
         lens, new, pools, locs, positions, ids = [], [], [], [], [], []
         for request, n in work:  # a range per request and per page, not a loop per token
@@ -146,7 +147,7 @@ class Scheduler:
             positions.extend(range(first, first + n))
             locs.extend(self.slots(request, first, n))
             ids.extend(fed_ids(request, first, n, last_on_device))
-        ids_dev = self.token_ids.ids(ids)
+        ids_dev = self.token_ids.send(ids)
         if inputs is not None and inputs.fits(len(lens), len(locs)):
             inputs.write(lens, new, pools, locs, positions)
             return inputs.batch(self.pool.req_to_token), ids_dev
@@ -236,7 +237,8 @@ class Scheduler:
         first, then its ``next_n - 1`` drafts (target verify). ``inputs``: the planner's
         staging slot of the step (``Planner.step_inputs``): the step is written there once
         and the batch is views of it, which a replay sends as it is. ``last_on_device``:
-        a generated token is the one the request sampled last, read from the device.
+        a generated token is the one the request sampled last, sent as ``last_of`` its row
+        (the step's forward resolves it on the device).
         """
         lens, pools, locs, positions, ids = [], [], [], [], []
         for j, request in enumerate(requests):
@@ -247,7 +249,7 @@ class Scheduler:
                 positions.append(position)
                 locs.append(self.slot(request, position))
                 ids.append(drafts[j][i - 1] if i else fed_id(request, position, last_on_device))
-        ids_dev = self.token_ids.ids(ids)
+        ids_dev = self.token_ids.send(ids)
         if inputs is not None and inputs.fits(len(lens), len(locs)):
             inputs.write(lens, next_n, pools, locs, positions)
             return inputs.batch(self.pool.req_to_token, next_n), ids_dev

@@ -176,8 +176,7 @@ class Speculation:
             requests, ForwardMode.TARGET_VERIFY, self.n, drafts, inputs=slot
         )
         out = target_step(batch, ids)
-        logits = out["logits"] if isinstance(out, dict) else out
-        best = self.planner.read(logits.argmax(dim=-1).view(len(requests), self.n))
+        best = self.planner.read(out["tokens"].view(len(requests), self.n))
         t = now()
         kept, catch_up = 0, []
         for j, (request, row) in enumerate(zip(requests, best)):

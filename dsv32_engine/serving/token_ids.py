@@ -2,13 +2,16 @@
 token from where its request's last step sampled it, on the device.
 
 Why: a loop that runs one step ahead (``loop.overlap``) builds and launches step N+1 before
-step N's tokens reach the host, so a decode row cannot name its token on the host. Each
-step's sampling writes its tokens into :attr:`TokenIds.last`, one entry per request row of
-the pool (:meth:`TokenIds.sampled`); the next step's ids name such a token as
-``last_of(pool row)`` and are resolved there by one gather, behind the sampling on the same
-stream. The synchronous loop takes the same path (it knows the token by then, but a second
-way to feed ids is a second path to keep right); speculative verify feeds its drafts and
-tokens from the host, as it reads every step before the next.
+step N's tokens reach the host, so a decode row cannot name its token on the host. The host
+sends each step's ids as they are known to it, a decode row's as ``last_of(pool row)``
+(:meth:`TokenIds.send`, one copy). Everything else runs inside the step's forward, captured
+with the model in its graph: the ids are resolved there (:meth:`TokenIds.resolve`, a gather
+of :attr:`TokenIds.last`), and the step's sampled tokens written back into
+:attr:`TokenIds.last` by pool row (:meth:`TokenIds.sampled`). A step is then one launch and
+one copy each way, not a dozen small launches beside its graph, each a gap on the device.
+The synchronous loop takes the same path (it knows the token by then, but a second way to
+feed ids is a second path to keep right); speculative verify feeds its drafts and tokens
+from the host, as it reads every step before the next.
 """
 
 from __future__ import annotations
@@ -28,25 +31,24 @@ class TokenIds:
     def __init__(self, rows: int, device: torch.device) -> None:
         self.device = device
         self.last = torch.zeros(rows, dtype=torch.int64, device=device)
-        """Row ``r``: the token the request in pool row ``r`` sampled last."""
+        """Row ``r``: the token the request in pool row ``r`` sampled last. Row 0 is the
+        null request's: padding rows write it and nothing real reads it."""
 
-    def ids(self, host: list[int]) -> torch.Tensor:
+    def send(self, host: list[int]) -> torch.Tensor:
         """``host`` (tokens, and ``last_of(row)`` for a row's last sampled token) on the
-        device, resolved: one copy, and one gather where any id is a ``last_of``."""
-        sent = self._send(host)
-        if not host or min(host) >= 0:
-            return sent
-        rows = (-1 - sent).clamp_(min=0)
-        return torch.where(sent >= 0, sent, self.last.index_select(0, rows))
-
-    def _send(self, values: list[int]) -> torch.Tensor:
-        """``values`` on the device, copied out of pinned memory on CUDA: a copy out of
-        pageable memory may wait for the stream, i.e. for the step still running."""
+        device as they are, in one copy out of pinned memory on CUDA (a copy out of pageable
+        memory may wait for the stream, i.e. for the step still running)."""
         pinned = self.device.type == "cuda"
-        host = torch.tensor(values, dtype=torch.int64, pin_memory=pinned)
-        return host.to(self.device, non_blocking=pinned)
+        values = torch.tensor(host, dtype=torch.int64, pin_memory=pinned)
+        return values.to(self.device, non_blocking=pinned)
 
-    def sampled(self, pool_rows: list[int], tokens: torch.Tensor) -> None:
-        """Keep ``tokens[i]`` as the last sampled token of pool row ``pool_rows[i]`` (on the
-        device, behind the step that sampled them)."""
-        self.last.index_copy_(0, self._send(pool_rows), tokens.to(torch.int64))
+    def resolve(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` as :meth:`send` put them, with every ``last_of(row)`` replaced by that row's
+        last sampled token: device ops only, so a captured forward runs it in its graph."""
+        rows = (-1 - ids).clamp_(min=0)
+        return torch.where(ids >= 0, ids, self.last.index_select(0, rows))
+
+    def sampled(self, pool_rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Keep ``tokens[i]`` as the last sampled token of pool row ``pool_rows[i]`` (device
+        tensors; in the sampling step's graph, behind its sampling)."""
+        self.last.index_copy_(0, pool_rows.to(torch.int64), tokens.to(torch.int64))

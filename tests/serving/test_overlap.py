@@ -111,10 +111,30 @@ def test_a_step_read_is_taken_once():
 
 def test_decode_rows_take_their_token_from_the_device():
     ids = TokenIds(4, torch.device("cpu"))
-    ids.sampled([2, 0], torch.tensor([70, 90]))
-    assert ids.ids([5, last_of(2), 6, last_of(0)]).tolist() == [5, 70, 6, 90]
-    assert ids.ids([1, 2]).tolist() == [1, 2]
-    assert ids.ids([]).tolist() == []
+    ids.sampled(torch.tensor([2, 0], dtype=torch.int32), torch.tensor([70, 90]))
+    sent = ids.send([5, last_of(2), 6, last_of(0)])
+    assert sent.tolist() == [5, last_of(2), 6, last_of(0)]  # one copy, as the host knows them
+    assert ids.resolve(sent).tolist() == [5, 70, 6, 90]
+    assert ids.resolve(ids.send([1, 2])).tolist() == [1, 2]
+    assert ids.resolve(ids.send([])).tolist() == []
+
+
+def test_a_step_samples_and_keeps_its_tokens_inside_its_forward():
+    """The forward a graph captures resolves the ids, samples, and keeps each request's token
+    by pool row: nothing of the step's device work is left to launch beside its graph."""
+    engine = tiny_engine({**SMALL_LOOP, "loop.overlap": True}, share_model=True)
+    engine.keep_logits = True  # serving's outputs leave them out
+    engine.runner.capture()
+    sched = engine.scheduler
+    sched.arrive(engine.workload()[:2])
+    sched.admit(1)
+    work = [(request, len(request.prompt)) for request in sched.running]
+    batch, ids = sched.build_extend(work, ForwardMode.EXTEND)
+    out = engine.runner.step(batch, {"input_ids": ids})
+    assert set(out) >= {"logits", "tokens", "input_ids"}
+    assert out["tokens"].tolist() == out["logits"].argmax(dim=-1).tolist()
+    rows = [request.pool_idx for request, _ in work]
+    assert sched.token_ids.last[rows].tolist() == out["tokens"].tolist()
 
 
 def test_overlap_is_on_by_default_on_cuda_only_and_off_with_speculation():
@@ -147,3 +167,16 @@ def test_an_eager_step_takes_the_previous_steps_tokens_before_it_launches(ragged
     before = [s.split("extend")[0].split() for s in steps if "extend" in s]
     assert before  # steps with prompt chunks, each after a step with forwards in flight
     assert all(b == (["take"] * len(b) if not ragged else []) and (b or ragged) for b in before)
+
+
+def test_serving_graphs_keep_no_logits():
+    """Serving reads the sampled tokens alone: a graph's outputs are memory of its own in
+    every graph, so the logits stay inside the forward (where the pool shares them)."""
+    engine = tiny_engine({**SMALL_LOOP, "loop.overlap": True}, share_model=True)
+    sched = engine.scheduler
+    sched.arrive(engine.workload()[:1])
+    sched.admit(1)
+    work = [(request, len(request.prompt)) for request in sched.running]
+    batch, ids = sched.build_extend(work, ForwardMode.EXTEND)
+    out = engine.runner.step(batch, {"input_ids": ids})
+    assert set(out) == {"tokens", "input_ids"}
