@@ -119,22 +119,27 @@ def test_decode_rows_take_their_token_from_the_device():
     assert ids.resolve(ids.send([])).tolist() == []
 
 
-def test_a_step_samples_and_keeps_its_tokens_inside_its_forward():
-    """The forward a graph captures resolves the ids, samples, and keeps each request's token
-    by pool row: nothing of the step's device work is left to launch beside its graph."""
+def _prefill_outputs(requests: int, keep_logits: bool):
+    """The engine's outputs of one extend step over the whole prompts of its first
+    ``requests`` requests, and the pool rows of those requests."""
     engine = tiny_engine({**SMALL_LOOP, "loop.overlap": True}, share_model=True)
-    engine.keep_logits = True  # serving's outputs leave them out
-    engine.runner.capture()
+    engine.keep_logits = keep_logits
     sched = engine.scheduler
-    sched.arrive(engine.workload()[:2])
+    sched.arrive(engine.workload()[:requests])
     sched.admit(1)
     work = [(request, len(request.prompt)) for request in sched.running]
     batch, ids = sched.build_extend(work, ForwardMode.EXTEND)
     out = engine.runner.step(batch, {"input_ids": ids})
+    return engine, out, [request.pool_idx for request, _ in work]
+
+
+def test_a_step_samples_and_keeps_its_tokens_inside_its_forward():
+    """The forward a graph captures resolves the ids, samples, and keeps each request's token
+    by pool row: nothing of the step's device work is left to launch beside its graph."""
+    engine, out, rows = _prefill_outputs(2, keep_logits=True)
     assert set(out) >= {"logits", "tokens", "input_ids"}
     assert out["tokens"].tolist() == out["logits"].argmax(dim=-1).tolist()
-    rows = [request.pool_idx for request, _ in work]
-    assert sched.token_ids.last[rows].tolist() == out["tokens"].tolist()
+    assert engine.scheduler.token_ids.last[rows].tolist() == out["tokens"].tolist()
 
 
 def test_overlap_is_on_by_default_on_cuda_only_and_off_with_speculation():
@@ -172,11 +177,5 @@ def test_an_eager_step_takes_the_previous_steps_tokens_before_it_launches(ragged
 def test_serving_graphs_keep_no_logits():
     """Serving reads the sampled tokens alone: a graph's outputs are memory of its own in
     every graph, so the logits stay inside the forward (where the pool shares them)."""
-    engine = tiny_engine({**SMALL_LOOP, "loop.overlap": True}, share_model=True)
-    sched = engine.scheduler
-    sched.arrive(engine.workload()[:1])
-    sched.admit(1)
-    work = [(request, len(request.prompt)) for request in sched.running]
-    batch, ids = sched.build_extend(work, ForwardMode.EXTEND)
-    out = engine.runner.step(batch, {"input_ids": ids})
+    _, out, _ = _prefill_outputs(1, keep_logits=False)
     assert set(out) == {"tokens", "input_ids"}
