@@ -50,13 +50,42 @@ def test_loop_profile_profiles_a_window_of_steps_with_each_tool(tmp_path, capsys
     out = tmp_path / "loop_profile.json"
     argv = ["--config", "dsv32-tiny", "--requests", "3", "--new", "30", "--start", "8"]
     argv += ["--steps", "10", "--set", "loop.prompt_len=[4,8]", "--out", str(out)]
+    argv += ["--trace", str(tmp_path / "trace.json")]
     assert loop_profile.main(argv) == 0
     results = json.loads(out.read_text())["results"]
+    assert results["torch"]["device_gaps"] == {"device_ops_per_step": 0.0}  # no device here
     assert set(results) == {"none", "cprofile", "torch"}
     assert all(r["window_ms_per_step"] > 0 for r in results.values())
     steps = {row["function"] for row in results["cprofile"]["inclusive"]}
     assert any("engine.py" in name and "(step)" in name for name in steps)
     assert "by self time" in capsys.readouterr().out
+
+
+def test_device_gaps_splits_a_trace_into_graph_gaps_and_waits_between_launches():
+    def x(name, cat, ts, dur, corr):
+        return {
+            "ph": "X",
+            "name": name,
+            "cat": cat,
+            "ts": ts,
+            "dur": dur,
+            "args": {"correlation": corr},
+        }
+
+    events = [
+        x("cudaGraphLaunch", "cuda_runtime", 0, 5, 1),
+        x("k0", "kernel", 10, 10, 1),  # the graph: two kernels, 1 us apart
+        x("k1", "kernel", 21, 9, 1),
+        x("Memcpy DtoH", "gpu_memcpy", 35, 2, 7),  # beside it, 5 us after the graph
+        x("k2", "kernel", 36, 4, 8),  # overlaps the copy (another stream): no gap
+        x("cudaLaunchKernel", "cuda_runtime", 30, 1, 8),
+    ]
+    gaps = loop_profile.device_gaps(events, steps=1)
+    assert gaps["in_graph_ops_per_step"] == 2 and gaps["beside_ops_per_step"] == 2
+    assert gaps["device_us_per_step"] == 25
+    assert (gaps["graph_gaps_per_step"], gaps["graph_gap_us_per_step"]) == (1, 1)
+    assert (gaps["other_gaps_per_step"], gaps["other_gap_us_per_step"]) == (1, 5)
+    assert loop_profile.device_gaps([], steps=3) == {"device_ops_per_step": 0.0}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU's")

@@ -13,6 +13,10 @@ loop steps ``--start`` to ``--start + --steps - 1`` of a long decode (every requ
   and CUDA runtime calls the host makes per step (launches, copies, pinned allocations);
 - ``none``: no profiler, the wall time of the same window (the pace the others distort).
 
+``--trace PATH`` also writes the torch tool's window as a Chrome trace and reads it back:
+per step, the device's kernels inside the graph and launched beside it, their time, and the
+gaps between them, inside a graph (its own inter-kernel latency) or between launches.
+
     python3 -m benchmarks loop_profile --out $OUT/loop_profile.json
     python3 -m benchmarks loop_profile --config dsv32-tiny --requests 8 --new 200 --steps 100
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import statistics
 import time
 from typing import Any
@@ -39,6 +44,54 @@ GPU_STEPS = {
 TOOLS = ("none", "cprofile", "torch")
 
 
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+"""The Chrome trace's categories of work that keeps the device busy (kineto's names)."""
+
+
+def device_gaps(events: list[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """Per loop step, what the device ran and where it idled, from a Chrome trace's events.
+
+    Each kernel, copy or fill is *in a graph* when it shares its correlation id with a
+    ``cudaGraphLaunch`` (the launch that ran it), else *beside* it (launched on its own).
+    The idle time between two consecutive pieces of device work is counted under
+    ``in_graph`` when both belong to one graph launch (the graph's own inter-kernel
+    latency, which no host work changes), else under ``between`` (the device waited for a
+    launch or a copy). Overlapping work (several streams) leaves no gap."""
+    launches = {
+        e["args"].get("correlation")
+        for e in events
+        if e.get("ph") == "X" and e.get("name") == "cudaGraphLaunch"
+    }
+    work = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES),
+        key=lambda e: e["ts"],
+    )
+    if not work:
+        return {"device_ops_per_step": 0.0}
+    graphed = [e["args"].get("correlation") in launches for e in work]
+    gaps = {"in_graph": [0, 0.0], "between": [0, 0.0]}
+    reach = work[0]["ts"] + work[0]["dur"]
+    for before, after in zip(work, work[1:]):
+        gap = after["ts"] - reach
+        reach = max(reach, after["ts"] + after["dur"])
+        if gap <= 0:
+            continue
+        same = before["args"].get("correlation") == after["args"].get("correlation")
+        key = "in_graph" if same and before["args"].get("correlation") in launches else "between"
+        gaps[key][0] += 1
+        gaps[key][1] += gap
+    return {
+        "device_ops_per_step": len(work) / steps,
+        "in_graph_ops_per_step": sum(graphed) / steps,
+        "beside_ops_per_step": (len(work) - sum(graphed)) / steps,
+        "device_us_per_step": sum(e["dur"] for e in work) / steps,
+        "graph_gaps_per_step": gaps["in_graph"][0] / steps,
+        "graph_gap_us_per_step": gaps["in_graph"][1] / steps,
+        "other_gaps_per_step": gaps["between"][0] / steps,
+        "other_gap_us_per_step": gaps["between"][1] / steps,
+    }
+
+
 class WindowProfile:
     """The engine's loop hook (``DecodeEngine.run(busy=...)``): profiles steps ``start`` to
     ``start + steps - 1`` with ``tool`` and keeps every loop step's wall time."""
@@ -48,6 +101,8 @@ class WindowProfile:
     ) -> None:
         self.tool, self.start, self.steps, self.device = tool, start, steps, device
         self.trace = trace
+        self.gaps: dict[str, Any] | None = None
+        """With a trace: :func:`device_gaps` of the window."""
         self.seconds: dict[int, float] = {}
         self._profiler: Any = None
         self.window_wall = 0.0
@@ -83,6 +138,8 @@ class WindowProfile:
                 self._profiler.stop()
                 if self.trace:
                     self._profiler.export_chrome_trace(self.trace)
+                    with open(self.trace, encoding="utf-8") as stream:
+                        self.gaps = device_gaps(json.load(stream)["traceEvents"], self.steps)
 
     def loop_step(self, step: int, seconds: float) -> None:
         self.seconds[step] = seconds
@@ -103,6 +160,7 @@ class WindowProfile:
         elif self.tool == "torch":
             averages = self._profiler.key_averages()
             out["table"] = averages.table(sort_by="self_cpu_time_total", row_limit=40)
+            out["device_gaps"] = self.gaps
             out["ops"] = sorted(
                 (
                     {
@@ -168,6 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     if "torch" in results:
         print("\ntorch.profiler, by self CPU time (whole window)")
         print(results["torch"]["table"])
+        gaps = results["torch"]["device_gaps"]
+        if gaps:
+            print_table(
+                "the device per loop step (from the trace, under the profiler)",
+                ("measure", "value"),
+                [(k, f"{v:.1f}") for k, v in gaps.items()],
+            )
     write_json(args.out, {"machine": machine(), "args": vars(args), "results": results})
     return 0
 
