@@ -9,8 +9,9 @@ wraps it in ``torch.cuda.graph``: three lines, so nothing else differs.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, Protocol
 
 import torch
@@ -84,6 +85,28 @@ def recover_after_failed_capture(pool: Any) -> None:
             raise
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def on_capture_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Run the body on the CUDA capture ``stream``, ordered after the work before it and
+    before the work after it; a no-op without one (emulated graphs).
+
+    Why: a graph's warm-up must run on the stream it is captured on. cuBLAS(Lt) keeps its
+    handles and workspaces per (device, stream) and makes them on a stream's first GEMM;
+    made inside a capture, that setup is capture-unsafe (upstream fixed the same in
+    ``make_graphed_callables``, pytorch#187745). Warmed up on the current stream and captured
+    on a fresh side stream, a runner's first GEMM on that stream came inside its capture: on
+    an H100 (2a925c0 and 62baad5) a second engine in one process dropped a mixed graph, its
+    GEMM failing with CUBLAS_STATUS_EXECUTION_FAILED or a later Triton launch on that error
+    (``tests/gpu/test_overlap_gpu.py``, two engines)."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream().wait_stream(stream)
 
 
 def new_pool(kind: GraphKind) -> Any:

@@ -24,7 +24,14 @@ from typing import Any
 
 import torch
 
-from graphs.graph import Graph, GraphKind, new_graph, new_pool, recover_after_failed_capture
+from graphs.graph import (
+    Graph,
+    GraphKind,
+    new_graph,
+    new_pool,
+    on_capture_stream,
+    recover_after_failed_capture,
+)
 from graphs.inputs import InputSpec, StaticInputs, as_specs
 from graphs.outputs import GraphOutputError, output_kinds, slice_outputs
 from graphs.plan_writes import refuse_plan_writes
@@ -218,11 +225,12 @@ class GraphRunner:
         plans = self.planner.capture(bs, mode, req_to_token=self.req_to_token, tokens=tokens)
         views = self.inputs.views(bs, rows)
         self.inputs.pad(bs, rows)
-        self.planner.warm_up()  # providers' JIT work, once, before the first capture
-        if self.warmup_hook is not None:
-            self.warmup_hook(self.planner, bs)
-        for _ in range(self.warmup_runs):
-            output_kinds(self.forward(dict(views), plans), bs, rows)
+        with on_capture_stream(stream):  # the stream the graph is captured on
+            self.planner.warm_up()  # providers' JIT work, once, before the first capture
+            if self.warmup_hook is not None:
+                self.warmup_hook(self.planner, bs)
+            for _ in range(self.warmup_runs):
+                output_kinds(self.forward(dict(views), plans), bs, rows)
         planner, forward = self.planner, self.forward
 
         kinds: list[str] = []

@@ -56,6 +56,18 @@ def test_one_step_ahead_decodes_the_synchronous_tokens_on_the_gpu(variant):
     assert checked.tokens == sync.tokens
 
 
+def test_a_second_engine_in_one_process_captures_every_graph():
+    """Each runner captures on a side stream of its own: its warm-up runs there too, or the
+    stream's first GEMM (cuBLAS's per-stream handle and workspace) comes inside a capture,
+    which dropped a mixed graph of the second engine of a process."""
+    values = {**LOOP, **VARIANTS["ragged graphs, mixed"]}
+    for overlap in (False, True):
+        engine = DecodeEngine(load_run_config(SMALL, {**values, "loop.overlap": overlap}))
+        engine.warm_up()
+        assert engine.runner.stats.dropped == {}
+        del engine
+
+
 class NoSyncWindow:
     """A ``run(busy=...)`` meter that turns CUDA's sync debug mode to ``error`` once every
     request decodes (no arrival, admission or prompt chunk left: those plan eagerly and read

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import warnings
 
@@ -24,6 +25,7 @@ from graphs import (
     capture_ladder,
     is_capturing,
 )
+from graphs import runner as runner_module
 from graphs.emulated import POISON_INT
 from planner import (
     BatchError,
@@ -544,3 +546,25 @@ def test_replay_overhead_benchmark_runs_on_emulated_graphs(tmp_path):
     assert all(g["eager_fallbacks"] == {} for g in saved["graphs"].values())
     assert saved["graph_kind"] == "emulated"
     assert all(r["refresh"]["p50"] > 0 for r in saved["rows"])
+
+
+def test_warm_up_runs_on_the_stream_the_graph_is_captured_on(monkeypatch):
+    """Every warm-up forward runs inside ``on_capture_stream`` of the capture's stream (the
+    emulation's is None): cuBLAS makes its per-stream state on a stream's first GEMM, which
+    must not come inside a capture."""
+    inside: list[bool] = []
+    depth = [0]
+
+    @contextlib.contextmanager
+    def recording(stream):
+        depth[0] += 1
+        yield
+        depth[0] -= 1
+
+    monkeypatch.setattr(runner_module, "on_capture_stream", recording)
+    runner, *_ = _setup(warmup_runs=1)
+    forward = runner.forward
+    runner.forward = lambda inputs, plans: (inside.append(depth[0] > 0), forward(inputs, plans))[1]
+    runner.capture()
+    # per size: its warm-up forward inside, then the capture's own forward outside
+    assert inside == [True, False] * len(runner.stats.capture_costs)
