@@ -242,13 +242,13 @@ class Scheduler:
         """
         lens, pools, locs, positions, ids = [], [], [], [], []
         for j, request in enumerate(requests):
-            lens.append(request.fed + next_n)
+            first = request.fed
+            lens.append(first + next_n)
             pools.append(request.pool_idx)
-            for i in range(next_n):
-                position = request.fed + i
-                positions.append(position)
-                locs.append(self.slot(request, position))
-                ids.append(drafts[j][i - 1] if i else fed_id(request, position, last_on_device))
+            positions.extend(range(first, first + next_n))
+            locs.extend(self.slots(request, first, next_n))
+            ids.append(fed_id(request, first, last_on_device))
+            ids.extend(drafts[j][: next_n - 1] if next_n > 1 else ())
         ids_dev = self.token_ids.send(ids)
         if inputs is not None and inputs.fits(len(lens), len(locs)):
             inputs.write(lens, next_n, pools, locs, positions)
@@ -293,9 +293,8 @@ class Scheduler:
         for request, first, n in work:
             lens.append(first + n)
             pools.append(request.pool_idx)
-            for position in range(first, first + n):
-                positions.append(position)
-                locs.append(self.slot(request, position))
+            positions.extend(range(first, first + n))
+            locs.extend(self.slots(request, first, n))
         return ForwardBatch(
             seq_lens_cpu=torch.tensor(lens, dtype=torch.int32),
             req_pool_indices=torch.tensor(pools, dtype=torch.int32),
