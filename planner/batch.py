@@ -32,8 +32,9 @@ class ForwardMode(str, enum.Enum):
     - ``extend``: new tokens after an optional cached prefix, a different number
       per request (prefill, chunked prefill); a full graph per (requests, tokens)
       bucket, eager past the stated bounds (``Limits.ragged_kv_tokens``, ``max_tokens``);
-    - ``mixed``: extend and decode requests in one batch (a decode request is an
-      extend of one token); captured like extend.
+    - ``mixed``: extend and decode (or verify) requests in one batch (a decode request is
+      an extend of one token, a verify request one of ``next_n``); captured like extend.
+      Its logits are the last ``next_n`` rows of every request (:data:`LOGIT_ROWS_MODES`).
     - ``draft_extend``: the draft model catches up on each request's accepted
       tokens (1..``next_n``, a different number per request), padded to
       ``next_n`` rows per request so shapes stay static (full graph);
@@ -79,6 +80,12 @@ UNIFORM_MODES = DECODE_MODES | {ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECO
 """Every request has the same number of query rows: shapes are static per batch size."""
 VERIFY_ROWS_MODES = frozenset({ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND})
 """Modes with ``next_n`` query rows per request (the limits' ``next_n``); others have one."""
+LOGIT_ROWS_MODES = frozenset({ForwardMode.MIXED})
+"""Ragged modes whose LM head reads the last ``next_n`` rows of every request (the limits'
+``next_n``; one row when not speculating): a mixed batch holds verify rows (a request's last
+token and its ``next_n - 1`` drafts) beside prompt chunks, and one rule for every request
+keeps the output ``[reqs, next_n]`` whatever the mix, so a token bucket's graph captures it.
+A request of fewer tokens repeats its first row. Extend batches keep one row per request."""
 
 BATCH = "batch"
 """Owner name of the batch's own tensors in the planner's tables (no backend may take it)."""

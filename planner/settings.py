@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from planner.batch import VERIFY_ROWS_MODES, ForwardMode
+from planner.batch import LOGIT_ROWS_MODES, VERIFY_ROWS_MODES, ForwardMode
 from planner.errors import ConfigError, SchemaError
 from planner.limits import Limits
 from planner.schema import Plan, Setting
@@ -29,9 +29,9 @@ DERIVED_DIMS = frozenset(
 """The dimensions :func:`planner.program.batch_dims` derives from each batch and the limits:
 never options (``next_n`` and every integer setting are dimensions too; see
 ``docs/backends.md``)."""
-LAYOUT = frozenset({"kernel_next_n", "row_repeat"})
-"""The row layout's settings (:func:`planner.program.row_layout`), per mode: the planner's,
-never options."""
+LAYOUT = frozenset({"kernel_next_n", "row_repeat", "logit_n"})
+"""The row layout's settings (:func:`planner.program.row_layout`, and ``logit_n``, the logit
+rows per request), per mode: the planner's, never options."""
 
 
 def settings_for(
@@ -40,12 +40,15 @@ def settings_for(
     """Limits, then the schema's defaults, then the user's backend options; next_n per mode.
 
     Target verify and draft extend have ``next_n`` query rows per request;
-    every other mode one row per query token.
+    every other mode one row per query token. ``logit_n``: the logit rows per request of a
+    ragged batch, ``next_n`` in a mixed one (its verify rows), else 1.
     """
     settings = dict(base)
     settings.update(plan_cls.defaults)
     settings.update(options)
-    settings["next_n"] = int(settings["next_n"]) if mode in VERIFY_ROWS_MODES else 1
+    next_n = int(settings["next_n"])
+    settings["next_n"] = next_n if mode in VERIFY_ROWS_MODES else 1
+    settings["logit_n"] = next_n if mode in LOGIT_ROWS_MODES else 1
     return settings
 
 

@@ -46,7 +46,9 @@ kv_gather_slots = metadata_op(
 
 last_token_rows = metadata_op(
     "last_token_rows",
-    "out[b] = qo_indptr[b+1] - 1: the row of request b's last query token (its next-token logits).",
+    "out[b, i] = min(max(qo_indptr[b+1] - n + i, qo_indptr[b]), qo_indptr[b+1] - 1) for out "
+    "[reqs, n] (out[b] = qo_indptr[b+1] - 1 for [reqs]): the rows of request b's last n query "
+    "tokens, whose logits the head computes (a shorter request repeats its first row).",
 )
 slot_pages = metadata_op(
     "slot_pages",

@@ -273,7 +273,8 @@ def kv_gather_slots(
 
 
 def check_last_token_rows(out: torch.Tensor, qo_indptr: torch.Tensor) -> int:
-    _check_i32("out", out, 1)
+    """``out`` is ``[reqs]`` or ``[reqs, n]`` (the last ``n`` rows of each request)."""
+    _check_i32("out", out, 2 if isinstance(out, torch.Tensor) and out.dim() == 2 else 1)
     reqs = _check_indptr("qo_indptr", qo_indptr)
     _check_length("out", out, reqs, "len(qo_indptr) - 1")
     _check_device(out, qo_indptr=qo_indptr)
@@ -281,10 +282,22 @@ def check_last_token_rows(out: torch.Tensor, qo_indptr: torch.Tensor) -> int:
 
 
 def last_token_rows(out: torch.Tensor, qo_indptr: torch.Tensor) -> None:
-    """``out[b] = qo_indptr[b + 1] - 1``: the row of request ``b``'s last query token, the one
-    whose logits predict its next token (the LM head runs on these rows only)."""
+    """The rows of each request's last ``n`` query tokens, whose logits the LM head computes
+    (it runs on these rows only): ``out[b, i] = min(max(end - n + i, start), end - 1)`` with
+    ``start, end = qo_indptr[b], qo_indptr[b + 1]``, for ``out`` of ``[reqs, n]``; ``[reqs]``
+    is ``n = 1``, ``out[b] = end - 1``, the row whose logits predict the request's next token.
+
+    Why ``n`` rows: a mixed batch of verify rows (a request's last token and ``n - 1`` drafts)
+    and prompt chunks reads every verify row, and one rule for all requests keeps the output
+    ``[reqs, n]`` whatever the mix. A request of fewer than ``n`` tokens repeats its first
+    row; a padding request (``start == end``) gives the last real token's row, ``end - 1``,
+    in every column, as with ``n = 1``."""
     check_last_token_rows(out, qo_indptr)
-    torch.sub(qo_indptr[1:], 1, out=out)
+    n = out.shape[1] if out.dim() == 2 else 1
+    start, end = qo_indptr[:-1].unsqueeze(1), qo_indptr[1:].unsqueeze(1)
+    offsets = torch.arange(n, 0, -1, dtype=I32, device=out.device)  # n - i
+    rows = torch.minimum(torch.maximum(end - offsets, start), end - 1)
+    out.copy_(rows.view(out.shape))
 
 
 def check_slot_pages(out: torch.Tensor, out_cache_loc: torch.Tensor, page_size: int) -> int:

@@ -121,10 +121,14 @@ def _kv_gather_kernel(
     tl.store(out_ptr + p, slot, mask=in_out)
 
 
-def _last_rows_kernel(out_ptr, qo_ptr, reqs, BLOCK: tl.constexpr):
-    b = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    keep = b < reqs
-    tl.store(out_ptr + b, tl.load(qo_ptr + b + 1, mask=keep, other=1) - 1, mask=keep)
+def _last_rows_kernel(out_ptr, qo_ptr, reqs, n, BLOCK: tl.constexpr):
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # element b * n + i of out
+    keep = e < reqs * n
+    b = e // n
+    start = tl.load(qo_ptr + b, mask=keep, other=0)
+    end = tl.load(qo_ptr + b + 1, mask=keep, other=1)
+    row = tl.minimum(tl.maximum(end - n + e % n, start), end - 1)
+    tl.store(out_ptr + e, row, mask=keep)
 
 
 def _slot_pages_kernel(out_ptr, loc_ptr, n, page_size, out_stride, BLOCK: tl.constexpr):
@@ -238,7 +242,8 @@ def last_token_rows(out: torch.Tensor, qo_indptr: torch.Tensor) -> None:
     tri._require(out.device)
     if reqs == 0:
         return
-    _last_rows.launch((triton.cdiv(reqs, _BLOCK),), out, qo_indptr, reqs, BLOCK=_BLOCK)
+    n = out.shape[1] if out.dim() == 2 else 1
+    _last_rows.launch((triton.cdiv(reqs * n, _BLOCK),), out, qo_indptr, reqs, n, BLOCK=_BLOCK)
 
 
 def slot_pages(out: torch.Tensor, out_cache_loc: torch.Tensor, page_size: int) -> None:

@@ -6,7 +6,8 @@ reads every request's KV gathered flat, in request order, and each query
 token its causal range of it: token ``t`` at position ``p`` of request ``b``
 reads ``[kv_indptr[b], kv_indptr[b] + p + 1)``. Sparse MLA then reads the
 top-k of those, as in decode. Mixed batches (decode requests are extends of
-one token) use the same plan. The indexer's chunks (``indexer_chunk_rows``) follow
+one token, verify requests of ``next_n``) use the same plan; their head reads each
+request's last ``next_n`` rows (``logit_rows``, ``planner.batch.LOGIT_ROWS_MODES``). The indexer's chunks (``indexer_chunk_rows``) follow
 from ``max_seq_len`` and the logits budget alone (``extend_ops``), so nothing the layers
 read depends on host values other than the plan's scalars.
 """
@@ -114,11 +115,12 @@ class NSAExtendPlan(RaggedInputsPlan, backend="nsa"):
     )
     logit_rows: Tensor = tensor_field(
         I32,
-        ("reqs",),
+        ("reqs", "logit_n"),
         op="last_token_rows",
         inputs=("qo_indptr",),
         pad=PAD_DERIVED,
-        doc="row of each request's last token: the LM head runs on these rows only",
+        doc="rows of each request's last logit_n tokens (1; a mixed batch's verify rows: "
+        "next_n): the LM head runs on these rows only",
     )
     mla_split_plan: Tensor = mla_split.split_table_field("tokens")
     topk: int = scalar_field("topk", doc="tokens each query token attends to, at most")

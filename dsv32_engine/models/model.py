@@ -284,8 +284,9 @@ class DSV32Model(nn.Module):
         """Next-token logits fp32 for one step; writes this step's KV.
 
         ``[rows, vocab]`` for a decode or verify batch (a row per query token),
-        ``[reqs, vocab]`` for an extend batch: only each request's last token
-        predicts anything, so the head runs on the plan's ``logit_rows`` alone.
+        ``[reqs * logit_n, vocab]`` for an extend or mixed batch: only each request's last
+        token predicts anything (a mixed batch's verify request: its last ``next_n``), so the
+        head runs on the plan's ``logit_rows`` alone, request-major.
         ``hidden=True`` returns ``{"logits", "hidden"}``, the final normed hidden
         state of every row or token (what an MTP draft is fed).
         """
@@ -299,14 +300,16 @@ class DSV32Model(nn.Module):
                 h, cos, sin, plan, cache.mla[i], cache.index[i], sparse, delta=delta, defer=True
             )
         ragged = isinstance(plan, NSAExtendPlan)
-        if ragged and not hidden:  # only the logit rows are normalised
+        # a ragged batch's logit rows, flat: each request's last logit_n rows, request-major
+        rows = plan.logit_rows.long().view(-1) if ragged else None
+        if rows is not None and not hidden:  # only the logit rows are normalised
             h = h if delta is None else h + delta
-            return self.head(self.norm(h[plan.logit_rows.long()])).float()
+            return self.head(self.norm(h[rows])).float()
         # The last layer's FFN output joins the stream in the final norm's launch.
         normed = self.norm(h) if delta is None else add_rms_norm(h, delta, self.norm)[1]
         if not hidden:
             return self.head(normed).float()
-        last = normed[plan.logit_rows.long()] if ragged else normed
+        last = normed[rows] if rows is not None else normed
         return {"logits": self.head(last).float(), "hidden": normed}
 
     # ------------------------------------------------------------- persistence

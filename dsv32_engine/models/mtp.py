@@ -156,7 +156,8 @@ class MTPDraft(nn.Module):
         else:
             out = self.layer(input_ids, hidden, plan, cache, sparse=plans.get("nsa_flashinfer"))
         if isinstance(plan, (NSADraftExtendPlan, NSAExtendPlan)):
-            out = out[plan.logit_rows.long()]  # each request's last (accepted) token
+            # each request's last (accepted) token; a mixed batch's last logit_n, flat
+            out = out[plan.logit_rows.long().view(-1)]
         return {"tokens": self._next(out), "hidden": out}
 
     def _decode_steps(

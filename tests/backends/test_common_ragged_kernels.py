@@ -266,6 +266,31 @@ def test_triton_bit_equal_on_random_batches(reqs, decode, seed):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("seed", range(4))
+def test_last_token_rows_are_each_requests_last_n_rows(impl, n, seed):
+    """``[reqs, n]``: every request's last ``n`` rows, a shorter one's first row repeated;
+    padding requests (no tokens, after the real ones) the last real token's row. ``[reqs]``
+    is ``n = 1``, the last row alone."""
+    rng = random.Random(seed * 8 + n)
+    extend = [rng.randint(1, 2 * n) for _ in range(rng.randint(1, 9))]
+    padding = rng.randint(0, 3)
+    qo = _indptr(_t(extend + [0] * padding))
+    want, end = [], 0
+    for e in extend:
+        start, end = end, end + e
+        want.append([max(end - n + i, start) for i in range(n)])
+    want += [[end - 1] * n] * padding
+    out = _garbage(len(extend) + padding, n)
+    impl.last_token_rows(out, qo)
+    assert out.tolist() == want
+    if n == 1:
+        flat = _garbage(len(extend) + padding)
+        impl.last_token_rows(flat, qo)
+        assert flat.tolist() == [row[0] for row in want]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_garbage_offsets_still_write_everything_in_bounds(impl):
     """Offsets that are not cumulative lengths give meaningless values, but every element
     is written and every read stays in bounds (the kernels clamp the request index)."""

@@ -56,6 +56,15 @@ def extend_batch(rng: random.Random, *, mode=ForwardMode.EXTEND, bs=None) -> For
     )
 
 
+def logit_rows(new: list[int], n: int) -> list[list[int]]:
+    """Each request's last ``n`` rows, its first repeated where it has fewer tokens."""
+    out, end = [], 0
+    for e in new:
+        start, end = end, end + e
+        out.append([max(end - n + i, start) for i in range(n)])
+    return out
+
+
 def expected(batch: ForwardBatch) -> dict[str, list]:
     """Every extend-plan field, the slow obvious way."""
     lens, new = batch.seq_lens_cpu.tolist(), batch.extend_lens_cpu.tolist()
@@ -73,7 +82,7 @@ def expected(batch: ForwardBatch) -> dict[str, list]:
             out["topk_lens"].append(min(p + 1, TOPK))
         kv_start += n
     out["kv_slots"] = [int(TABLE[p, j]) for p, n in zip(pools, lens) for j in range(n)]
-    out["logit_rows"] = [sum(new[: b + 1]) - 1 for b in range(len(new))]
+    out["logit_rows"] = logit_rows(new, 1)
     locs = batch.out_cache_loc.tolist()
     out["cache_pages"] = [[loc // PAGE for loc in locs], [loc % PAGE for loc in locs]]
     return out
@@ -100,6 +109,40 @@ def test_extend_plans_equal_the_reference(seed):
     # The indexer's chunk rows follow from the width and the budget alone (extend_ops).
     width = plan.max_seq_len
     assert plan.indexer_chunk_rows == max(1, budget // (-(-width // ROW_ALIGN) * ROW_ALIGN * 4))
+
+
+@pytest.mark.parametrize("next_n", [2, 4])
+def test_a_mixed_batch_heads_the_last_next_n_rows_of_every_request(next_n):
+    """Speculating (``next_n > 1``), a mixed batch's logit rows are each request's last
+    ``next_n`` (a verify request's rows; a shorter request repeats its first), an extend
+    batch's its last alone; a bucket's padding requests all point at the last real row."""
+    planner = _planner(next_n=next_n)
+    rng = random.Random(next_n)
+    for _ in range(8):
+        batch = extend_batch(rng, mode=ForwardMode.MIXED)
+        new = batch.extend_lens_cpu.tolist()
+        new[-1:] = [next_n]  # a verify request's rows, and short ones (new[0] is 1)
+        locs = batch.out_cache_loc.tolist()[: sum(new[:-1])]
+        pool, length = int(batch.req_pool_indices[-1]), int(batch.seq_lens_cpu[-1])
+        length = max(length, next_n)
+        locs += [int(TABLE[pool, q]) for q in range(length - next_n, length)]
+        lens = batch.seq_lens_cpu.clone()
+        lens[-1] = length
+        batch = dataclasses.replace(
+            batch,
+            seq_lens_cpu=lens,
+            extend_lens_cpu=torch.tensor(new, dtype=torch.int32),
+            out_cache_loc=torch.tensor(locs, dtype=torch.int32),
+        )
+        mixed = planner.plan(batch)["nsa"]
+        assert mixed.logit_rows.tolist() == logit_rows(new, next_n)
+        extend = planner.plan(dataclasses.replace(batch, mode=ForwardMode.EXTEND))["nsa"]
+        assert extend.logit_rows.tolist() == logit_rows(new, 1)
+        tokens = sum(new)
+        padded = planner.plan(batch, pad_to=MAX_BATCH, pad_tokens=tokens + 3)["nsa"]
+        rows = padded.logit_rows.tolist()
+        assert rows[: batch.bs] == logit_rows(new, next_n)
+        assert rows[batch.bs :] == [[tokens - 1] * next_n] * (MAX_BATCH - batch.bs)
 
 
 def test_decode_and_verify_plans_are_unchanged_by_extend_support():
