@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from backends.nsa.extend_plan import NSAExtendPlan
 from dsv32_engine.models.kv_cache import PagedKVCache, RequestPool
 from dsv32_engine.models.model import DSV32Model
 from dsv32_engine.serving.dump_ring import DumpRing, MismatchDumper
@@ -201,14 +202,21 @@ class DecodeEngine:
         where each request gets one logit row (decode, extend, mixed; not verify's ``n``),
         its token kept by pool row for the next step's ids (``serving.token_ids``).
         Outputs: ``tokens`` (the logits' argmax), ``input_ids`` (as resolved: debug mode
-        checks them), for a draft ``hidden``, and ``logits`` where kept (``keep_logits``)."""
+        checks them), for a draft ``hidden``, and ``logits`` where kept (``keep_logits``).
+        A speculating mixed batch's head reads ``n`` rows of every request: its ``tokens``
+        are ``[reqs, n]``, read by the host (its verify rows were fed from the host too)."""
         token_ids = self.scheduler.token_ids
         ids = token_ids.resolve(inputs["input_ids"])
         out = self.model(ids, plans, self.cache, hidden=self.wants_hidden)
         out = dict(out) if isinstance(out, dict) else {"logits": out}
         tokens = out["logits"].argmax(dim=-1)
-        pool_rows = plans["nsa"].req_pool_indices
-        if tokens.shape[0] == pool_rows.shape[0]:
+        plan = plans["nsa"]
+        pool_rows = plan.req_pool_indices
+        per = plan.logit_rows.shape[1] if isinstance(plan, NSAExtendPlan) else 1
+        if per > 1:  # a speculating mixed batch: [reqs, n], by request (graphs slice requests)
+            tokens = tokens.view(-1, per)
+            out["logits"] = out["logits"].view(tokens.shape[0], per, -1)
+        elif tokens.shape[0] == pool_rows.shape[0]:
             token_ids.sampled(pool_rows, tokens)
         if not self.keep_logits:
             del out["logits"]
@@ -268,25 +276,31 @@ class DecodeEngine:
 
     def _step_work(self) -> tuple[list[tuple[Request, int]], ForwardMode, list[Request]]:
         """This step's prompt chunks with their mode, and the requests that decode apart from
-        them. Mixing (``loop.mixed``), the decoding requests join the chunks as one-token
-        extends (one mixed batch, nothing apart; a step of chunks alone is a mixed batch too,
-        so one ragged graph per bucket serves both), and their rows count against the step's
-        token budget (``loop.chunk_tokens``): the chunks take what they leave. Else the
-        chunks are an extend batch of the whole budget and the decodes a step of their own."""
+        them. Mixing (``loop.mixed``), the decoding requests join the chunks as extends of
+        their rows (one token; speculating, ``n`` verify rows: its last token and ``n - 1``
+        drafts), in one mixed batch, nothing apart (a step of chunks alone is a mixed batch
+        too, so one ragged graph per bucket serves both); their rows count against the
+        step's token budget (``loop.chunk_tokens``) and the chunks take what they leave.
+        Else the chunks are an extend batch of the whole budget and the decodes (or
+        verifies) a step of their own; so is a mixing step with no chunk."""
         running = self.scheduler.running
         decoding = [r for r in running if not r.prefilling and not r.spent]
+        rows = self.limits.next_n  # each decoding request's rows: 1, or n verify rows
         budget = self.config.loop.chunk_tokens
         if self.config.mixes:
-            budget -= len(decoding)
+            budget -= rows * len(decoding)
         work = self._prefill_work(running, budget)
         if work and self.config.mixes:  # chunks alone too: one mixed graph per bucket
-            return work + [(r, 1) for r in decoding], ForwardMode.MIXED, []
+            return work + [(r, rows) for r in decoding], ForwardMode.MIXED, []
         return work, ForwardMode.EXTEND, decoding
 
     def _extend_step(
         self, work: list[tuple[Request, int]], mode: ForwardMode, result: RunResult
     ) -> None:
         """Launch each request's chunk; the token after it is kept where the prompt is done."""
+        if self.speculation is not None and mode is ForwardMode.MIXED:
+            self._mixed_verify_step(work, result)
+            return
         t0 = time.perf_counter()
         slot = slot_for(self.planner, mode)
         batch, ids = self.scheduler.build_extend(work, mode, inputs=slot, last_on_device=True)
@@ -308,6 +322,52 @@ class DecodeEngine:
                 self.speculation.prefilled, work, firsts, self.runner.last_plans, out["hidden"]
             )
         self._sampled(out, rows, mode, t0, checks, result, prefilled, after)
+
+    def _mixed_verify_step(self, work: list[tuple[Request, int]], result: RunResult) -> None:
+        """A speculating mixed step: prompt chunks and verify rows in one forward, read now.
+
+        Each decoding request's ``n`` rows are its last token and ``n - 1`` drafts, fed from
+        the host (the loop is synchronous under speculation: the host has read every token
+        before it builds the next step). The head reads every request's last ``n`` rows: a
+        chunk's row ``n - 1`` is its next token (kept where the prompt is done), a verify
+        request's rows are greedy acceptance's (``Speculation.accept``). Then the MTP draft
+        catches up on both kinds of row in one forward over the same plans
+        (``Speculation.caught_up``); its draft decode follows at the step's end."""
+        spec = self.speculation
+        t0 = time.perf_counter()
+        drafts = [None if r.prefilling else spec.drafts(r) for r, _ in work]
+        firsts = [request.fed for request, _ in work]
+        slot = slot_for(self.planner, ForwardMode.MIXED)
+        batch, ids = self.scheduler.build_extend(work, ForwardMode.MIXED, slot, drafts=drafts)
+        out = self._forward_step(batch, ids, result)
+        best = self.runner.read(out["tokens"])  # [requests, n]: waits for the step
+        now = time.perf_counter()
+        prefilled, verifying, verify_drafts, verify_rows = 0, [], [], []
+        for (request, n), row, drafted in zip(work, best, drafts):
+            if drafted is not None:
+                verifying.append(request)
+                verify_drafts.append(drafted)
+                verify_rows.append(row)
+                continue
+            request.prefill_steps += 1
+            request.fed += n
+            prefilled += n
+            if not request.prefilling:  # the prompt is done: row n - 1 is its next token
+                result.ttft_seconds.append(now - request.arrived_at)
+                request.take(row[-1], now)
+        kept, taken = spec.accept(verifying, verify_drafts, verify_rows, now, mixed=True)
+        result.decode_tokens += kept
+        self._done += [request for request, _ in work if request.done]
+        if "hidden" in out:  # the MTP draft: its catch-up on this step's rows
+            verified = iter(taken)
+            accepted = [None if drafted is None else next(verified) for drafted in drafts]
+            spec.caught_up(work, firsts, accepted, self.runner.last_plans, out["hidden"])
+        seconds = now - max(t0, self._last_taken)
+        self._last_taken = now
+        result.prefill_tokens += prefilled
+        result.prefill_seconds += seconds
+        result.decode_seconds += seconds
+        result.prefill_steps += 1
 
     def _decode_step(self, requests: list[Request], result: RunResult) -> None:
         """Launch one decode step through the graph runner, or run a speculative round."""

@@ -158,7 +158,8 @@ class LoopSection(_Section):
         ge=1,
         le=1 << 20,
         description="a step's token budget: the prompt tokens it prefills (chunked prefill) "
-        "and, mixing (loop.mixed), its decode rows too, which take their share first",
+        "and, mixing (loop.mixed), its decode rows too (speculating, speculative.draft_tokens "
+        "verify rows per request), which take their share first",
     )
     idle_steps: bool = Field(
         False,
@@ -168,8 +169,8 @@ class LoopSection(_Section):
     mixed: bool | Literal["auto"] = Field(
         "auto",
         description="run decode requests inside the step's extend batch (one mixed forward) "
-        "instead of a separate decode graph step; auto: where graphs run on CUDA, unless "
-        "speculative decoding verifies apart",
+        "instead of a separate decode graph step; speculating, their verify rows "
+        "(speculative.draft_tokens each) join it the same way; auto: where graphs run on CUDA",
     )
     overlap: bool | Literal["auto"] = Field(
         "auto",
@@ -303,11 +304,10 @@ class RunConfig(_Section):
 
     @property
     def mixes(self) -> bool:
-        """Whether decode requests join the step's prompt chunks (``loop.mixed`` resolved:
-        auto is on where graphs run on CUDA, off while speculative decoding verifies in its
-        own step)."""
+        """Whether decode (or, speculating, verify) requests join the step's prompt chunks
+        (``loop.mixed`` resolved: auto is on where graphs run on CUDA)."""
         if self.loop.mixed == "auto":
-            return self._graphs_on_cuda and not self.speculative.enabled
+            return self._graphs_on_cuda
         return bool(self.loop.mixed)
 
     @property
@@ -338,21 +338,21 @@ class RunConfig(_Section):
                 expected=f"<= {spec.ngram_max} (speculative.ngram_max)",
                 actual=spec.ngram_min,
             )
-        if spec.enabled and self.loop.mixed is True:
-            raise ConfigError(
-                "speculative requests verify in their own graph step; they cannot join a "
-                "mixed extend batch",
-                field="loop.mixed",
-                expected=False,
-                actual=True,
+        rows = spec.next_n  # each decoding request's rows in a mixed step
+        least = (self.planner.max_batch - 1) * rows + 1
+        if self.mixes and self.loop.chunk_tokens < least:
+            per = (
+                f"{rows} rows (speculative.draft_tokens) of each decoding request"
+                if rows > 1
+                else "one row of each decoding request"
             )
-        if self.mixes and self.loop.chunk_tokens < self.planner.max_batch:
             raise ConfigError(
-                "a mixed step's token budget holds its decoding requests' rows first and "
-                "prompt chunks in what they leave: below max_batch a full batch of decodes "
-                "would leave a waiting prompt nothing",
+                f"a mixed step's token budget holds {per} first and prompt chunks in what "
+                "they leave: below (planner.max_batch - 1) x rows + 1, a prompt beside a "
+                "full batch of decoding requests would get nothing",
                 field="loop.chunk_tokens",
-                expected=f">= {self.planner.max_batch} (planner.max_batch) while mixing "
+                expected=f">= {least} (planner.max_batch {self.planner.max_batch}, "
+                f"{rows} row{'s' if rows > 1 else ''} per decoding request) while mixing "
                 "(loop.mixed)",
                 actual=self.loop.chunk_tokens,
             )

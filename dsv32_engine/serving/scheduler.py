@@ -128,6 +128,7 @@ class Scheduler:
         inputs: StepInputs | None = None,
         *,
         last_on_device: bool = False,
+        drafts: list[list[int] | None] | None = None,
     ) -> tuple[ForwardBatch, torch.Tensor]:
         """The batch and ``input_ids`` feeding ``n`` more tokens of each ``(request, n)``.
 
@@ -136,17 +137,24 @@ class Scheduler:
         the planner's staging slot of the step, written once as :meth:`build` does.
         ``last_on_device``: a generated token is the one the request sampled last, sent as
         ``last_of`` its row and resolved on the device by the step's forward
-        (:class:`TokenIds`; the host may not have it yet).
+        (:class:`TokenIds`; the host may not have it yet). ``drafts`` (per entry, None for a
+        chunk): a verify request's ``n`` rows, its next token then its first ``n - 1``
+        drafts, as :meth:`build` lays a verify out.
         """
         lens, new, pools, locs, positions, ids = [], [], [], [], [], []
-        for request, n in work:  # a range per request and per page, not a loop per token
+        for j, (request, n) in enumerate(work):  # a range per request and page, not per token
             first = request.fed
             lens.append(first + n)
             new.append(n)
             pools.append(request.pool_idx)
             positions.extend(range(first, first + n))
             locs.extend(self.slots(request, first, n))
-            ids.extend(fed_ids(request, first, n, last_on_device))
+            drafted = drafts[j] if drafts is not None else None
+            if drafted is None:
+                ids.extend(fed_ids(request, first, n, last_on_device))
+            else:
+                ids.append(fed_id(request, first, last_on_device))
+                ids.extend(drafted[: n - 1])
         ids_dev = self.token_ids.send(ids)
         if inputs is not None and inputs.fits(len(lens), len(locs)):
             inputs.write(lens, new, pools, locs, positions)

@@ -12,6 +12,16 @@ greedy decoding's. Then the draft proposes the next round's ``n - 1`` tokens:
   ``n - 2`` steps, each over its own plan. A request that finishes its prompt is caught
   up by a draft prefill over the same extend plans as the target's chunk.
 
+Mixing (``loop.mixed``), a step with prompt chunks verifies its decoding requests in the
+same forward: a mixed batch of prompt chunks and verify rows (``n`` per request), whose head
+reads every request's last ``n`` rows (``planner.batch.LOGIT_ROWS_MODES``). The engine
+builds and runs it (``DecodeEngine._mixed_verify_step``), :meth:`Speculation.accept` keeps
+what greedy decoding would, and one MTP forward over the same plans
+(:meth:`Speculation.caught_up`) catches the draft up on the prompt rows and the verify rows
+at once, in place of a draft prefill and a draft extend. A step of verify rows alone
+stays a verify graph step with its draft extend, as a step of decode rows alone stays a
+decode graph step.
+
 Every draft batch goes through the planner and a graph runner like the target's, so the
 bugs the planner exists to rule out (stale schedules, wrong padded row counts, lengths
 from the wrong counts) are ruled out here too.
@@ -56,10 +66,13 @@ class SpecStats:
 
     verify_steps: int = 0
     verified_requests: int = 0
+    mixed_verify_steps: int = 0
+    """Verify rounds run inside a mixed step, beside prompt chunks (of ``verify_steps``)."""
     accepted_tokens: int = 0
     """Tokens verify accepted (drafts the target agreed with, plus its own), before budgets."""
     draft_forwards: Counter = field(default_factory=Counter)
-    """Draft forwards by kind: draft_prefill (eager, over a prompt chunk's plans), draft_extend,
+    """Draft forwards by kind: draft_prefill (eager, over a prompt chunk's plans), draft_mixed
+    (eager, over a mixed step's plans: its prompt rows and verify rows), draft_extend,
     draft_decode (graphs)."""
 
 
@@ -125,7 +138,7 @@ class Speculation:
         for runner in self.runners.values():
             runner.capture()
 
-    # ---- the draft prefill: after a target prompt chunk ----------------------------------
+    # ---- the draft's catch-up over a target step's plans: prompt chunks, mixed steps -----
 
     def prefilled(
         self,
@@ -136,11 +149,44 @@ class Speculation:
     ) -> None:
         """Run the MTP layer over a prompt chunk the target just read (pairs ``(h_p, t_p+1)``
         at the chunk's positions, with its plans); queue requests whose prompt is done."""
+        self.caught_up(work, firsts, [None] * len(work), plans, hidden)
+
+    def caught_up(
+        self,
+        work: list[tuple[Request, int]],
+        firsts: list[int],
+        accepted: list[list[int] | None],
+        plans: PlanSet,
+        hidden: torch.Tensor,
+    ) -> None:
+        """One MTP forward over a target step's plans (an extend or mixed batch), its rows
+        fed ``(h_p, t_p+1)``: the target's hidden state at position ``p`` and the token after.
+
+        A prompt chunk's next token is the prompt's (its last row's: the token the target
+        just sampled, taken by now). A verify request's ``(request, n)`` entry (``accepted``:
+        the tokens it took; None for a chunk) feeds its accepted rows the accepted tokens,
+        so the layer's KV up to the last accepted position is what a draft extend writes;
+        its rejected rows (token 0) lie past the request's new length, and their KV is
+        rewritten (by the draft decode, then the next catch-up) before anything reads it.
+        Queues, for the draft decode, every request caught up and not done, from its last
+        prompt row or its last accepted row (the plans' ``logit_rows``: ``per`` rows of each
+        request, request-major)."""
         if self.mtp is None:
             return
-        ids = [
-            r.tokens[p + 1] for (r, n), first in zip(work, firsts) for p in range(first, first + n)
-        ]
+        ids: list[int] = []
+        picks: list[tuple[Request, int]] = []
+        per = getattr(plans["nsa"], "logit_rows", None)
+        per = per.shape[1] if per is not None and per.dim() == 2 else 1
+        for i, ((request, n), first, taken) in enumerate(zip(work, firsts, accepted)):
+            if taken is None:
+                ids.extend(request.tokens[first + 1 : first + n + 1])
+                last = per - 1  # the head's rows end with the chunk's last token
+                caught = not request.prefilling
+            else:
+                ids.extend([*taken, *[0] * (n - len(taken))])
+                last, caught = len(taken) - 1, True
+            if caught and not request.done:
+                picks.append((request, i * per + last))
         ids_t = torch.tensor(ids, dtype=torch.int64, device=hidden.device)
         hidden = hidden.to(self.mtp.dtype)
         rows = plans["nsa"].positions.shape[0]
@@ -154,14 +200,15 @@ class Speculation:
             hidden = torch.nn.functional.pad(hidden[: len(ids)], (0, 0, 0, pad))
         out = self.mtp(ids_t, hidden, plans, self.cache)
         if work:
-            self.stats.draft_forwards["draft_prefill"] += 1
-        for i, (request, _) in enumerate(work):
-            if not request.prefilling and not request.done:
-                self._pending.append((request, out["tokens"][i], out["hidden"][i]))
+            mixed = plans.mode is ForwardMode.MIXED
+            self.stats.draft_forwards["draft_mixed" if mixed else "draft_prefill"] += 1
+        for request, row in picks:
+            self._pending.append((request, out["tokens"][row], out["hidden"][row]))
 
     # ---- a round: verify, accept, draft extend ---------------------------------------------
 
-    def _drafts(self, request: Request) -> list[int]:
+    def drafts(self, request: Request) -> list[int]:
+        """The ``n - 1`` drafts ``request``'s next verify checks."""
         if self.ngram is not None:
             return self.ngram.propose(request.rid, request.tokens, self.n - 1)
         return request.drafts
@@ -170,37 +217,59 @@ class Speculation:
         self, requests: list[Request], target_step: TargetStep, now: Callable[[], float]
     ) -> int:
         """Verify every request's drafts, keep what greedy decoding would; the tokens kept."""
-        drafts = [self._drafts(r) for r in requests]
+        drafts = [self.drafts(r) for r in requests]
         slot = slot_for(self.planner, ForwardMode.TARGET_VERIFY)
         batch, ids = self.scheduler.build(
             requests, ForwardMode.TARGET_VERIFY, self.n, drafts, inputs=slot
         )
         out = target_step(batch, ids)
         best = self.planner.read(out["tokens"].view(len(requests), self.n))
-        t = now()
-        kept, catch_up = 0, []
-        for j, (request, row) in enumerate(zip(requests, best)):
-            accepted = accept_greedy(drafts[j], row)
-            first = request.fed
+        firsts = [request.fed for request in requests]
+        kept, accepted = self.accept(requests, drafts, best, now())
+        if self.mtp is not None:
+            catch_up = [
+                (j, request, first, taken)
+                for j, (request, first, taken) in enumerate(zip(requests, firsts, accepted))
+                if not request.done
+            ]
+            if catch_up:
+                hidden = out["hidden"]
+                rows = [j * self.n + i for j, _, _, acc in catch_up for i in range(len(acc))]
+                index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+                ids = torch.tensor([t for *_, acc in catch_up for t in acc], dtype=torch.int64)
+                work = [(r, f, len(a)) for _, r, f, a in catch_up]
+                self._catch_up = (work, ids.to(hidden.device), hidden[index].to(self.mtp.dtype))
+        return kept
+
+    def accept(
+        self,
+        requests: list[Request],
+        drafts: list[list[int]],
+        best: list[list[int]],
+        now: float,
+        *,
+        mixed: bool = False,
+    ) -> tuple[int, list[list[int]]]:
+        """Greedy acceptance of one verify round (``best``: each request's ``n`` rows'
+        argmax; ``mixed``: they were verified in a mixed step): every request takes the
+        tokens greedy decoding would and is fed that many, cut to its budget. The tokens
+        kept, and each request's accepted tokens (before the cut: the rows it was fed)."""
+        kept, taken = 0, []
+        for request, drafted, row in zip(requests, drafts, best):
+            accepted = accept_greedy(drafted, row)
             before = len(request.generated)
             for token in accepted:
-                request.take(token, t)
+                request.take(token, now)
             request.fed += len(accepted)
             del request.generated[request.max_new_tokens :]
             kept += len(request.generated) - before
             self.stats.accepted_tokens += len(accepted)
-            if not request.done:
-                catch_up.append((j, request, first, accepted))
-        self.stats.verify_steps += 1
-        self.stats.verified_requests += len(requests)
-        if self.mtp is not None and catch_up:
-            hidden = out["hidden"]
-            rows = [j * self.n + i for j, _, _, acc in catch_up for i in range(len(acc))]
-            index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
-            ids = torch.tensor([t for *_, acc in catch_up for t in acc], dtype=torch.int64)
-            work = [(r, f, len(a)) for _, r, f, a in catch_up]
-            self._catch_up = (work, ids.to(hidden.device), hidden[index].to(self.mtp.dtype))
-        return kept
+            taken.append(accepted)
+        if requests:
+            self.stats.verify_steps += 1
+            self.stats.mixed_verify_steps += mixed
+            self.stats.verified_requests += len(requests)
+        return kept, taken
 
     def draft_sizes(self) -> tuple[int, int]:
         """Requests of this step's draft extend and draft decode (0: none to run); what a
@@ -258,6 +327,7 @@ class Speculation:
             "draft": self.spec.draft,
             "draft_tokens": self.n,
             "verify_steps": s.verify_steps,
+            "mixed_verify_steps": s.mixed_verify_steps,
             "mean_accept_length": s.accepted_tokens / s.verified_requests
             if s.verified_requests
             else 0.0,

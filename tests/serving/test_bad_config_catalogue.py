@@ -154,12 +154,15 @@ def config_cases(tmp: Path) -> list[Case]:
             LOAD,
         ),
         Case(
-            "speculative decoding in mixed batches",
+            "mixed step budget below the verify rows",
             "config",
-            lambda: load_run_config(TINY_YAML, {"speculative.draft": "ngram", "loop.mixed": True}),
+            lambda: load_run_config(
+                TINY_YAML,
+                {"speculative.draft": "ngram", "loop.mixed": True, "loop.chunk_tokens": 60},
+            ),
             ConfigError,
-            "loop.mixed",
-            "cannot join a mixed extend batch",
+            "loop.chunk_tokens",
+            ">= 61",
             "dsv32_engine/serving/run_config.py RunConfig.check_fits",
         ),
         Case(

@@ -20,7 +20,8 @@ def _config(**overrides):
         ({}, False, False),  # the CPU: an emulated replay re-runs the padded forward
         ({"device": "cuda"}, True, True),
         ({"device": "cuda", "graphs.enabled": False}, False, False),
-        ({"device": "cuda", "speculative.draft": "ngram"}, True, False),  # verifies apart
+        ({"device": "cuda", "speculative.draft": "ngram"}, True, True),  # verify rows mix
+        ({"speculative.draft": "mtp"}, False, False),  # the CPU, speculating or not
         ({"device": "cuda", "graphs.ragged": False}, False, True),  # mixed, eagerly
         ({"graphs.ragged": True}, True, False),  # each set by hand on the CPU
         ({"loop.mixed": True}, False, True),
@@ -36,6 +37,25 @@ def test_a_mixed_step_budget_below_max_batch_is_refused_by_name():
         _config(**{"loop.mixed": True, "loop.chunk_tokens": 15, "planner.max_batch": 16})
     assert err.value.field == "loop.chunk_tokens" and "max_batch" in str(err.value)
     _config(**{"loop.mixed": False, "loop.chunk_tokens": 15, "planner.max_batch": 16})
+
+
+@pytest.mark.parametrize("draft_tokens", [2, 4, 8])
+def test_a_speculating_mixed_budget_holds_every_verify_row_and_a_prompt_token(draft_tokens):
+    """Speculating, each decoding request takes ``draft_tokens`` rows of a mixed step: the
+    budget must leave a prompt beside ``max_batch - 1`` verifying requests one token."""
+    least = 15 * draft_tokens + 1
+    spec = {
+        "speculative.draft": "ngram",
+        "speculative.draft_tokens": draft_tokens,
+        "planner.max_batch": 16,
+        "loop.mixed": True,
+    }
+    with pytest.raises(ConfigError) as err:
+        _config(**spec, **{"loop.chunk_tokens": least - 1})
+    assert err.value.field == "loop.chunk_tokens"
+    assert f">= {least}" in str(err.value) and "speculative.draft_tokens" in str(err.value)
+    assert _config(**spec, **{"loop.chunk_tokens": least}).mixes
+    _config(**{**spec, "loop.mixed": False}, **{"loop.chunk_tokens": least - 1})  # not mixing
 
 
 def test_the_ragged_kv_bound_follows_the_cache_unless_set():

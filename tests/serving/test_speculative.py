@@ -76,6 +76,103 @@ def test_speculative_greedy_tokens_equal_plain_decoding(draft, tokens):
         assert (forwards.get("draft_decode", 0) > 0) == (tokens > 2)  # k = tokens - 2 steps
 
 
+MIXED_CASES = [
+    # (draft, tokens per verify, ragged graphs: emulated token-bucket replays, else eager)
+    ("ngram", 4, False),
+    ("ngram", 3, True),
+    ("mtp", 4, False),
+    ("mtp", 4, True),
+    ("mtp", 2, True),
+    ("mtp", 8, False),
+]
+
+
+@pytest.mark.parametrize(("draft", "tokens", "ragged"), MIXED_CASES)
+def test_speculating_mixed_steps_emit_plain_greedy_tokens(draft, tokens, ragged):
+    """Mixing (``loop.mixed``), a step's verify rows share its forward with prompt chunks
+    cut to the step's budget, replayed from token buckets (debug mode: every replay equal
+    to a fresh eager plan) or eagerly; every request's tokens are still plain greedy
+    decoding's, and the MTP draft catches up on both kinds of row over the mixed plans."""
+    budget = 3 * tokens + 4  # (max_batch - 1) verifying requests' rows and a few prompt tokens
+    overrides = {
+        **LOOP,
+        "speculative.draft": draft,
+        "speculative.draft_tokens": tokens,
+        "loop.mixed": True,
+        "loop.chunk_tokens": budget,
+        "graphs.ragged": ragged,
+        "planner.debug": ragged,
+    }
+    engine = DecodeEngine(load_run_config(None, overrides), model=_model())
+    steps: list[tuple[int, int]] = []  # (verify rows, prompt tokens) of every mixed step
+    build = engine.scheduler.build_extend
+
+    def recorded(work, mode, *args, drafts=None, **kwargs):
+        if drafts is not None:
+            rows = sum(n for (_, n), d in zip(work, drafts) if d is not None)
+            steps.append((rows, sum(n for _, n in work) - rows))
+        return build(work, mode, *args, drafts=drafts, **kwargs)
+
+    engine.scheduler.build_extend = recorded
+    result = engine.run(progress=False, keep_tokens=True)
+    assert result.tokens == _plain()
+    summary = summarize(engine, result)
+    spec = summary["speculative"]
+    assert spec["mixed_verify_steps"] > 0 and spec["mean_accept_length"] > 1.0
+    assert summary["steps_by_mode"]["mixed"] == len(steps) > 0
+    assert "extend" not in summary["steps_by_mode"]  # every prompt chunk ran mixed
+    assert all(rows % tokens == 0 and rows + chunk <= budget for rows, chunk in steps)
+    assert any(rows and chunk for rows, chunk in steps)  # verify rows beside a chunk
+    assert any(rows + chunk == budget for rows, chunk in steps)  # a chunk cut to the budget
+    runner = engine.runner
+    if ragged:
+        assert summary["eager_fallbacks"] == {} and not runner.stats.ragged
+        assert any(mode == "mixed" for mode, _ in runner.stats.replays)
+        stats = engine.planner.stats  # the drafts' replays too: one planner
+        assert stats.verified == stats.batches["replay"] >= runner.stats.steps > 0
+    else:
+        assert runner.stats.ragged["mixed"] == len(steps)
+    if draft == "mtp":
+        forwards = spec["draft_forwards"]
+        assert forwards["draft_mixed"] == len(steps) and "draft_prefill" not in forwards
+        assert forwards["draft_extend"] > 0  # verify-only steps keep their graph step
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_the_mtp_draft_caught_up_in_a_mixed_step_proposes_what_it_proposes_apart(ragged):
+    """Greedy output cannot tell a good draft from a bad one (acceptance only); the drafts
+    can. Under a budget that never binds, the loop runs the same rounds mixing or not, so
+    the MTP draft's catch-up in one forward over a mixed step's plans (its prompt rows and
+    verify rows) must propose every request exactly the drafts its draft prefill and draft
+    extend propose apart."""
+
+    def drafts(mixed: bool) -> tuple[dict[int, list[tuple[int, ...]]], int]:
+        overrides = {
+            **LOOP,
+            "loop.arrival_rate": 0.5,  # arrivals while others decode: verify beside chunks
+            "speculative.draft": "mtp",
+            "loop.mixed": mixed,
+            "graphs.ragged": ragged and mixed,
+        }
+        engine = DecodeEngine(load_run_config(None, overrides), model=_model())
+        spec, seen = engine.speculation, {}
+        propose = spec.drafts
+
+        def recorded(request):
+            out = propose(request)
+            seen.setdefault(request.rid, []).append(tuple(out))
+            return out
+
+        spec.drafts = recorded
+        engine.run(progress=False)
+        return seen, spec.stats.mixed_verify_steps
+
+    apart, none = drafts(False)
+    mixed, steps = drafts(True)
+    assert none == 0 and steps > 0
+    assert mixed == apart
+
+
 def test_accept_keeps_the_agreeing_prefix_and_the_bonus_token():
     assert accept_greedy([5, 6, 7], [5, 6, 9, 4]) == [5, 6, 9]
     assert accept_greedy([1, 2, 3], [1, 2, 3, 4]) == [1, 2, 3, 4]
