@@ -18,10 +18,18 @@ Cases (``--cases`` picks them, comma- or space-separated; default ``small shapes
 * ``seed_off``, ``seed_on``: a seed-like workload on dsv32-shapes (32 requests, prompts of
   2-6k tokens, 16 at once, 2,048-token steps), the same two ways (``seed``);
 * ``arrivals_debug``: the defaults' run with ``--debug`` (every replay checked against a
-  fresh plan), 60 requests: a correctness run.
+  fresh plan), 60 requests: a correctness run;
+* ``arrivals_mtp_apart``, ``arrivals_mtp_mixed``: dsv32-small-arrivals with the MTP draft (4
+  rows per verify), its prompt chunks apart from the verify graph step (``loop.mixed=false``,
+  ragged graphs on), then its verify rows mixed into the chunks' steps under ragged graphs
+  (``arrivals_mtp`` names both; issue 55's goal: mixed >= 1.3x apart's tokens/s);
+* ``arrivals_mtp_invariant``: the mixed run in the batch-invariant mode with
+  ``--compare-plain``, 60 requests: speculative greedy must equal plain greedy for every
+  request (the table's ``spec == plain``).
 
     python3 -m benchmarks decode_runs --out "$OUT"                      # small, shapes
     python3 -m benchmarks decode_runs --cases arrivals --out "$OUT"     # both arrivals runs
+    python3 -m benchmarks decode_runs --cases arrivals_mtp,arrivals_mtp_invariant --out "$OUT"
 
 A CPU smoke run of the plumbing::
 
@@ -58,6 +66,8 @@ OFF = ["--set", "graphs.ragged=false", "--set", "loop.mixed=false"]
 ragged graphs and mixing are on)."""
 SEED = ["--requests", "32", "--set", "loop.prompt_len=[2048,6144]", "--set", "planner.max_batch=16"]
 """A seed-like workload: 32 requests, prompts of 2-6k tokens, 16 at once, 2,048-token steps."""
+MTP = ["--draft", "mtp", "--set", "graphs.ragged=true"]
+"""The MTP draft (``speculative.draft_tokens`` 4) with prompt chunks in token buckets."""
 CASES: dict[str, tuple[str, list[str]]] = {
     "small": ("dsv32-small", ["--requests", "16"]),
     "shapes": ("dsv32-shapes", ["--requests", "64"]),
@@ -69,9 +79,20 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "arrivals_debug": ("dsv32-small-arrivals", ["--requests", "60", "--debug"]),
     "seed_off": ("dsv32-shapes", [*SEED, *OFF]),
     "seed_on": ("dsv32-shapes", SEED),
+    "arrivals_mtp_apart": ("dsv32-small-arrivals", [*MTP, "--set", "loop.mixed=false"]),
+    "arrivals_mtp_mixed": ("dsv32-small-arrivals", [*MTP, "--set", "loop.mixed=true"]),
+    "arrivals_mtp_invariant": (
+        "dsv32-small-arrivals",
+        [*MTP, "--set", "loop.mixed=true", "--batch-invariant", "--compare-plain"]
+        + ["--requests", "60"],
+    ),
 }
 """Each case: name -> (config, the case's own arguments to the decode CLI)."""
-GROUPS = {"arrivals": ("arrivals_off", "arrivals_on"), "seed": ("seed_off", "seed_on")}
+GROUPS = {
+    "arrivals": ("arrivals_off", "arrivals_on"),
+    "seed": ("seed_off", "seed_on"),
+    "arrivals_mtp": ("arrivals_mtp_apart", "arrivals_mtp_mixed"),
+}
 """Names that stand for several cases, run in this order."""
 DEFAULT = ("small", "shapes")
 COUNTS = ("graph_replays", "ragged_replays", "eager_fallbacks")
@@ -100,12 +121,18 @@ def total(value: Any) -> int | None:
 
 def read_summary(payload: dict[str, Any]) -> dict[str, Any]:
     """What the benchmark keeps of a run's ``--json`` file: :func:`read_run`'s metrics (tokens
-    not kept: one run has nothing to compare them with) and the replay and fallback counts."""
+    not kept: one run has nothing to compare them with), the replay and fallback counts, and
+    under speculation its mean accept length, its verify rounds mixed with prompt chunks and,
+    with ``--compare-plain``, whether its tokens equal plain greedy's (``spec_equals_plain``)."""
     run = read_run(payload)
     run.pop("tokens")
     summary = payload["summary"]
     run.update({key: total(summary.get(key)) for key in COUNTS})
     run["requests_finished"] = summary.get("requests_finished")
+    spec = summary.get("speculative") or {}
+    run["mean_accept_length"] = spec.get("mean_accept_length")
+    run["mixed_verify_steps"] = spec.get("mixed_verify_steps")
+    run["spec_equals_plain"] = (summary.get("plain") or {}).get("tokens_equal")
     return run
 
 
@@ -115,6 +142,7 @@ def table_rows(results: dict[str, dict[str, Any]]) -> list[tuple]:
         s = result["summary"] or {}
         cells = [s.get(k) for k in ("tokens_per_second", "step_ms_p50", "step_ms_p99")]
         cells += [s.get(k) for k in ("ttft_ms_p50", *COUNTS)]
+        cells += [s.get(k) for k in ("mean_accept_length", "spec_equals_plain")]
         failure = result["failure"]
         if failure:
             status = f"FAILED (exit {failure['exit']})"
@@ -173,7 +201,7 @@ def main(argv: Sequence[str] | None = None, runner: Runner = run_process) -> int
         out.mkdir(parents=True, exist_ok=True)
         results = run_cases(names, cases, out, args, extra, runner)
     header = ("case", "config", "tok/s", "step p50", "step p99", "ttft p50")
-    header += ("replays", "ragged", "eager fallbacks", "status")
+    header += ("replays", "ragged", "eager fallbacks", "accept", "spec == plain", "status")
     table = print_table("decode runs (times in ms)", header, table_rows(results))
     if args.out:
         payload = {"machine": machine(), "args": vars(args), "table": table, "cases": results}

@@ -31,11 +31,19 @@ WORKLOAD = {
 }
 NGRAM = {"speculative.draft": "ngram", "speculative.draft_tokens": 3}
 MTP = {"speculative.draft": "mtp", "speculative.draft_tokens": 4}
+MIXED = {"loop.mixed": True, "graphs.ragged": True, "loop.chunk_tokens": 20}
 LAYOUTS = {
     "tp2_ngram": ({"distributed.tp": 2, "distributed.digests": True, **NGRAM}, 2),
     "tp2_mtp": ({"distributed.tp": 2, "distributed.digests": True, **MTP}, 2),
     "dp2_ngram": ({"distributed.dp_attention": 2, "planner.debug": True, **NGRAM}, 2),
     "dp2_mtp": ({"distributed.dp_attention": 2, "planner.debug": True, **MTP}, 2),
+    # mixing: verify rows beside prompt chunks (cut to a small budget), in token buckets
+    # (debug: every replay verified) or eagerly; a rank with nothing pads its peers' bucket
+    "dp2_mtp_mixed": ({"distributed.dp_attention": 2, "planner.debug": True, **MTP, **MIXED}, 2),
+    "dp2_ngram_mixed": (
+        {"distributed.dp_attention": 2, **NGRAM, **MIXED, "graphs.ragged": False},
+        2,
+    ),
     "tp2_dp2": ({"distributed.tp": 2, "distributed.dp_attention": 2}, 4),
     "tp2_dp2_ngram": ({"distributed.tp": 2, "distributed.dp_attention": 2, **NGRAM}, 4),
 }
@@ -133,6 +141,12 @@ def test_data_parallel_replicas_replay_their_peers_shape(layout_run):
         assert any(k.startswith("target_verify:") for k in replayed), replayed
     if "mtp" in name:
         assert shapes["draft_extend"] > 0 and shapes["draft_decode"] > 0, shapes
+    if "mixed" in name:  # verify rows joined prompt chunks, on some replica
+        assert sum(r["speculative"]["mixed_verify_steps"] for r in ranks) > 0
+        assert "extend" not in {mode for r in ranks for _, _, mode, *_ in r["trace"]}
+        if extra.get("graphs.ragged"):
+            assert shapes["mixed"] > 0, shapes  # a replica padding its peers' bucket
+            assert any(k.startswith("mixed:") for k in ranks[0]["replays_by_size"])
     if extra.get("planner.debug"):
         for rank in ranks:
             assert rank["verified_replays"] == rank["graph_replays"] > 0

@@ -58,6 +58,29 @@ def test_read_summary_keeps_the_metrics_and_sums_counts_by_kind():
     assert run["tokens_per_second"] == 100.0 and run["ttft_ms_p50"] == 5.0
     assert (run["graph_replays"], run["ragged_replays"], run["eager_fallbacks"]) == (40, 3, 3)
     assert "tokens" not in run and read_summary(payload(fallbacks={}))["eager_fallbacks"] == 0
+    assert run["mean_accept_length"] is None and run["spec_equals_plain"] is None  # no draft
+    spec = payload()
+    spec["summary"]["speculative"] = {"mean_accept_length": 2.5, "mixed_verify_steps": 7}
+    spec["summary"]["plain"] = {"tokens_equal": True}
+    run = read_summary(spec)
+    assert (run["mean_accept_length"], run["mixed_verify_steps"]) == (2.5, 7)
+    assert run["spec_equals_plain"] is True
+
+
+def test_the_mtp_cases_compare_mixing_against_the_same_draft_apart():
+    """Issue 55's speculative pair: one draft, the same config, only ``loop.mixed`` apart; and
+    the batch-invariant mixed run that compares its tokens with plain greedy's."""
+    assert case_names(["arrivals_mtp"]) == ["arrivals_mtp_apart", "arrivals_mtp_mixed"]
+    (apart_config, apart), (mixed_config, mixed) = (
+        CASES["arrivals_mtp_apart"],
+        CASES["arrivals_mtp_mixed"],
+    )
+    assert apart_config == mixed_config == "dsv32-small-arrivals"
+    assert apart[-1] == "loop.mixed=false" and mixed[-1] == "loop.mixed=true"
+    assert apart[:-1] == mixed[:-1] and "mtp" in apart
+    invariant = CASES["arrivals_mtp_invariant"][1]
+    assert invariant[: len(mixed)] == mixed
+    assert "--batch-invariant" in invariant and "--compare-plain" in invariant
 
 
 def test_main_runs_each_case_once_into_out_and_writes_all(tmp_path, capsys):
