@@ -288,6 +288,10 @@ def speculative_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         ("mean accept length", f"{spec['mean_accept_length']:.2f}"),
         ("accepted tokens per verify step", f"{spec['accepted_tokens_per_verify_step']:.2f}"),
+        (
+            "verify steps (mixed with prompt chunks)",
+            f"{spec['verify_steps']} ({spec['mixed_verify_steps']})",
+        ),
     ]
     plain = summary.get("plain")
     if plain:
