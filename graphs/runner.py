@@ -140,7 +140,9 @@ class GraphRunner:
         self.warmup_runs = (1 if self.kind == "cuda" else 0) if warmup_runs is None else warmup_runs
         """Eager runs of each graph's forward before its capture: one on CUDA (kernels JIT-
         compile and lazy state is made outside the capture), none for emulated graphs, whose
-        capture is itself an eager run."""
+        capture is itself an eager run. Every size needs its own: captured without one, a
+        smaller size's first GEMM of a new shape failed inside the capture on an H100
+        (CUBLAS_STATUS_EXECUTION_FAILED; ``tests/gpu/test_overlap_gpu.py``)."""
         top = self.sizes[-1] if enabled else 0
         rows = max((top * self._next_n(m) for m in self.modes if not m.ragged), default=top)
         if enabled and self.token_sizes:
@@ -225,6 +227,7 @@ class GraphRunner:
         plans = self.planner.capture(bs, mode, req_to_token=self.req_to_token, tokens=tokens)
         views = self.inputs.views(bs, rows)
         self.inputs.pad(bs, rows)
+        planned = time.perf_counter()
         with on_capture_stream(stream):  # the stream the graph is captured on
             self.planner.warm_up()  # providers' JIT work, once, before the first capture
             if self.warmup_hook is not None:
@@ -248,11 +251,18 @@ class GraphRunner:
             return out
 
         graph = new_graph(self.kind, stream)
-        before = self._memory()
+        before = self._memory()  # synchronises: the warm-up's time ends here
+        warmed = time.perf_counter()
         outputs = graph.capture(body, pool=self._pool)
+        recorded = time.perf_counter()
         after = self._memory()
         entry = CapturedGraph(mode, bs, rows, graph, plans, outputs, kinds, tokens)
-        cost: dict[str, float | int | None] = {"seconds": time.perf_counter() - start}
+        cost: dict[str, float | int | None] = {
+            "seconds": time.perf_counter() - start,
+            "plan_seconds": planned - start,
+            "warmup_seconds": warmed - planned,
+            "record_seconds": recorded - warmed,
+        }
         if before is not None and after is not None:
             self.stats.pool_allocated_bytes += after[0] - before[0]
             self.stats.pool_reserved_bytes += after[1] - before[1]

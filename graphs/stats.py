@@ -44,8 +44,11 @@ class GraphStats:
     """Planner host time of the ragged replays (extend, mixed), inside ``host_seconds``'s
     refresh: what a prompt chunk's replay costs on the host."""
     capture_costs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Per captured graph (``decode/8``, ``extend/t512``): capture seconds (warm-up runs
-    included) and, on CUDA, the bytes its capture added to the pool."""
+    """Per captured graph (``decode/8``, ``extend/t512``): capture seconds, split into the
+    planner's capture plans (``plan_seconds``; a first capture of a shape includes its
+    kernels' JIT compiles), the eager warm-up runs until the device finished them
+    (``warmup_seconds``) and the recording, instantiation included (``record_seconds``); on
+    CUDA, the bytes its capture added to the pool."""
     eager: Counter = field(default_factory=Counter)
     """Eager fallbacks by reason: batches a graph should have served."""
     ragged: Counter = field(default_factory=Counter)

@@ -118,6 +118,7 @@ def summarize(engine: Any, result: Any) -> dict[str, Any]:
         ),
         "planner_us_per_ragged_replay": graph["planner_us_per_ragged_replay"],
         "graph_pool_bytes": graph.get("pool_allocated_bytes"),
+        "graph_pool_reserved_bytes": graph.get("pool_reserved_bytes"),
         "graph_capture_seconds": graph["capture_seconds"],
         "graph_capture_costs": graph["capture_costs"],
         "graph_replays": graph_replays(engine),
