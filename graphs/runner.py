@@ -59,6 +59,10 @@ RAGGED = "ragged"
 never warned."""
 TOKENS_OVER_BUCKETS = "tokens_over_buckets"
 """A ragged batch with more query tokens than the largest token bucket."""
+TOKENS_PAST_GRAPHS = "tokens_past_graphs"
+"""A ragged batch past ``ragged_max_tokens``, the largest token bucket its caller asked for
+below its step budget (there steps are GPU-bound and eager costs what a replay does): eager
+by design, counted as a ragged step, never warned."""
 KV_OVER_BOUND = "kv_tokens_over_bound"
 """A ragged batch whose KV (the sum of its lengths) exceeds the planner's static bound
 (``Limits.ragged_kv_tokens``): its flat KV gathers would not fit the captured buffers."""
@@ -97,7 +101,9 @@ class GraphRunner:
     CUDA and the emulation otherwise; ``False`` forces the emulation (the same
     runner logic without capture, handy for debugging on a GPU); ``True``
     requires CUDA. ``enabled=False`` runs every step eagerly. Ragged modes capture every
-    token bucket up to ``Limits.max_tokens`` (the caller's step budget).
+    token bucket up to ``Limits.max_tokens`` (the caller's step budget), or up to
+    ``ragged_max_tokens`` where the caller caps the ladder below it: past there a step is
+    GPU-bound, a graph saves it nothing and costs its capture.
     """
 
     def __init__(
@@ -114,6 +120,7 @@ class GraphRunner:
         enabled: bool = True,
         warmup: WarmupHook | None = None,
         warmup_runs: int | None = None,
+        ragged_max_tokens: int | None = None,
     ) -> None:
         self.planner = planner
         self.forward = forward
@@ -127,9 +134,31 @@ class GraphRunner:
         self.ragged_reqs = limits.max_batch
         """The request bucket of every ragged graph: per-request buffers are small, so one
         bucket keeps ragged graphs to one per token bucket."""
+        if ragged_max_tokens is not None and token_sizes is not True:
+            raise ConfigError(
+                "ragged_max_tokens caps the default token ladder; a ladder given as a list "
+                "sets its own top",
+                field="ragged_max_tokens",
+                expected="None with token_sizes given",
+                actual=ragged_max_tokens,
+            )
+        if ragged_max_tokens is not None and ragged_max_tokens <= self.ragged_reqs:
+            raise ConfigError(
+                "the largest token bucket must exceed the request bucket: a mixed step holds "
+                "a row for each decoding request, up to max_batch",
+                field="ragged_max_tokens",
+                expected=f"> {self.ragged_reqs} (max_batch)",
+                actual=ragged_max_tokens,
+            )
+        self.ragged_max_tokens = ragged_max_tokens
+        """The largest token bucket below the step budget, or None (the budget): ragged
+        batches past it run eagerly by design (:data:`TOKENS_PAST_GRAPHS`)."""
+        top_tokens = limits.extend_tokens
+        if ragged_max_tokens is not None:
+            top_tokens = min(top_tokens, ragged_max_tokens)
         self.token_sizes: list[int] = (
             token_ladder(
-                limits.extend_tokens,
+                top_tokens,
                 self.ragged_reqs,
                 None if token_sizes is True else token_sizes,  # type: ignore[arg-type]
             )
@@ -332,6 +361,8 @@ class GraphRunner:
             return ladder[i], None
         if want <= top:
             return None, SIZE_DROPPED
+        if mode.ragged and self.ragged_max_tokens is not None:
+            return None, TOKENS_PAST_GRAPHS
         return None, TOKENS_OVER_BUCKETS if mode.ragged else BATCH_TOO_LARGE
 
     def step(
@@ -436,7 +467,7 @@ class GraphRunner:
             outputs = slice_outputs(outputs, iter(kinds), 0, 0)
         self.stats.host_seconds["eager"] += time.perf_counter() - start
         self.stats.steps += 1
-        if reason == RAGGED:
+        if reason in (RAGGED, TOKENS_PAST_GRAPHS):
             self.stats.ragged[ForwardMode(batch.mode).value] += 1
         else:
             self.stats.eager[reason] += 1
@@ -444,7 +475,12 @@ class GraphRunner:
         return outputs
 
     def _warn_fallback(self, batch: ForwardBatch, reason: str) -> None:
-        if reason in self._warned or reason in (RAGGED, PEER_EAGER, GRAPHS_DISABLED):  # asked for
+        if reason in self._warned or reason in (
+            RAGGED,
+            TOKENS_PAST_GRAPHS,
+            PEER_EAGER,
+            GRAPHS_DISABLED,
+        ):  # asked for
             return
         self._warned.add(reason)
         mode = ForwardMode(batch.mode)

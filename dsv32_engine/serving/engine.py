@@ -163,6 +163,7 @@ class DecodeEngine:
             modes=modes,
             sizes=config.graphs.sizes,
             token_sizes=token_sizes,
+            ragged_max_tokens=config.graphs.ragged_max_tokens if token_sizes else None,
             enabled=enabled if isinstance(enabled, bool) else True,
         )
         self.scheduler = Scheduler(self.cache, self.pool, p.max_batch, page)

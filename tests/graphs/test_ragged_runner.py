@@ -16,7 +16,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from graphs.runner import KV_OVER_BOUND, TOKENS_OVER_BUCKETS, GraphWarning
+from graphs.runner import KV_OVER_BOUND, TOKENS_OVER_BUCKETS, TOKENS_PAST_GRAPHS, GraphWarning
 from graphs.sizes import MAX_PADDING, default_token_ladder, token_ladder
 from planner.batch import ForwardMode
 from planner.errors import ConfigError
@@ -114,6 +114,36 @@ def test_past_the_stated_bounds_a_step_runs_eagerly_counted_and_said_once(eager_
     for reason in (KV_OVER_BOUND, TOKENS_OVER_BUCKETS):
         assert sum(f"running eagerly ({reason}:" in s for s in said) == 1, said
     assert result.tokens == eager_chunks[False]
+
+
+def test_past_ragged_max_tokens_a_step_runs_eagerly_by_design_and_tokens_are_the_same(
+    eager_chunks,
+):
+    """``graphs.ragged_max_tokens`` tops the default ladder below the step budget: fewer
+    graphs to capture, and a step past it is a ragged step run eagerly (counted as such,
+    never warned, not a fallback), with the tokens of eager chunks."""
+    engine, result, said = _serve(**{"graphs.ragged_max_tokens": 8})
+    runner, stats = engine.runner, engine.runner.stats
+    assert runner.token_sizes == default_token_ladder(8, 4) == [8]  # not the budget's 16
+    assert runner.captured_sizes(ForwardMode.EXTEND) == [8]
+    assert said == [] and not stats.eager  # by design: no warning, no fallback
+    assert stats.ragged["extend"] > 0 and any(m == "extend" for m, _ in stats.replays)
+    assert runner.route(ForwardMode.EXTEND, 2, 9, 20) == (None, TOKENS_PAST_GRAPHS)
+    assert result.tokens == eager_chunks[False]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"graphs.ragged_max_tokens": 4}, "> 4 (planner.max_batch)"),
+        ({"graphs.ragged_max_tokens": 8, "graphs.token_sizes": [3, 8]}, "unset with"),
+    ],
+    ids=["not_past_max_batch", "beside_a_list"],
+)
+def test_a_ragged_max_tokens_that_cannot_work_is_refused_by_name(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        tiny_engine({**LOOP, **overrides})
+    assert err.value.field == "graphs.ragged_max_tokens" and expected in str(err.value)
 
 
 def test_the_ragged_steps_benchmark_replays_and_agrees_with_eager(tmp_path, monkeypatch):

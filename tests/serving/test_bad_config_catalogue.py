@@ -125,6 +125,28 @@ def config_cases(tmp: Path) -> list[Case]:
             "dsv32_engine/serving/run_config.py RunConfig.check_fits",
         ),
         Case(
+            "ragged_max_tokens not past max_batch",
+            "config",
+            lambda: load_run_config(
+                TINY_YAML, {"graphs.ragged_max_tokens": 4, "planner.max_batch": 4}
+            ),
+            ConfigError,
+            "graphs.ragged_max_tokens",
+            "> 4 (planner.max_batch)",
+            "dsv32_engine/serving/run_config.py RunConfig.check_fits",
+        ),
+        Case(
+            "ragged_max_tokens beside a token ladder",
+            "config",
+            lambda: load_run_config(
+                TINY_YAML, {"graphs.ragged_max_tokens": 64, "graphs.token_sizes": [32, 64]}
+            ),
+            ConfigError,
+            "graphs.ragged_max_tokens",
+            "unset with graphs.token_sizes",
+            "dsv32_engine/serving/run_config.py RunConfig.check_fits",
+        ),
+        Case(
             "draft tokens outside 2..8 (YAML)",
             "config",
             lambda: load_run_config(TINY_YAML, {"speculative.draft_tokens": 9}),
