@@ -23,7 +23,6 @@ Cases (``--cases``; default all): ``small``, ``arrivals`` (dsv32-small-arrivals)
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine, plot_bars, print_table, write_json
-from benchmarks.loop.decode_runs import OFF
+from benchmarks.loop.decode_runs import OFF, chosen_cases
 from benchmarks.loop.overlap_loop import (
     Runner,
     add_run_arguments,
@@ -159,13 +158,7 @@ def main(argv: Sequence[str] | None = None, runner: Runner = run_process) -> int
     p.add_argument("--out", help="folder for each run's JSON and capture_costs.json")
     p.add_argument("--plot", help="write a PNG of capture seconds per case here")
     args = p.parse_args(argv)
-    cases = {**CASES, **dict(args.case)}
-    words = [w.strip() for text in args.cases for w in text.split(",") if w.strip()]
-    names = list(dict.fromkeys(words)) or ([n for n, _ in args.case] if args.case else list(CASES))
-    unknown = [n for n in names if n not in cases]
-    if unknown:
-        p.error(f"unknown cases {unknown}: known {list(cases)}, or define one with --case")
-    extra = [a for text in args.extra for a in shlex.split(text)]
+    names, cases, extra = chosen_cases(p, args, CASES, list(CASES), groups={})
     with tempfile.TemporaryDirectory(prefix="capture_costs-") as tmp:
         out = Path(args.out or tmp)
         out.mkdir(parents=True, exist_ok=True)

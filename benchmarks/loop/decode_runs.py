@@ -42,7 +42,7 @@ import argparse
 import shlex
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,16 +100,37 @@ COUNTS = ("graph_replays", "ragged_replays", "eager_fallbacks")
 or size is summed)."""
 
 
-def case_names(texts: Sequence[str]) -> list[str]:
+def case_names(texts: Sequence[str], groups: Mapping[str, Sequence[str]] = GROUPS) -> list[str]:
     """``--cases`` words (each comma-separated) as case names, groups expanded, in order and
     each once."""
     names: list[str] = []
     for text in texts:
         for word in filter(None, (w.strip() for w in text.split(","))):
-            for name in GROUPS.get(word, (word,)):
+            for name in groups.get(word, (word,)):
                 if name not in names:
                     names.append(name)
     return names
+
+
+def chosen_cases(
+    p: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    known: Mapping[str, tuple[str, list[str]]],
+    default: Sequence[str],
+    groups: Mapping[str, Sequence[str]] = GROUPS,
+) -> tuple[list[str], dict[str, tuple[str, list[str]]], list[str]]:
+    """What a benchmark's run of the decode CLI per case was asked for: the case names
+    (``--cases``, groups expanded; else those ``--case`` defines; else ``default``), every
+    case it knows (``known`` and ``--case``'s) and the arguments ``--extra`` adds to each
+    run. An unknown name is a usage error that lists the known ones."""
+    cases = {**known, **dict(args.case)}
+    names = case_names(args.cases, groups) or (
+        [n for n, _ in args.case] if args.case else list(default)
+    )
+    unknown = [n for n in names if n not in cases]
+    if unknown:
+        p.error(f"unknown cases {unknown}: known {[*cases, *groups]}, or define one with --case")
+    return names, cases, [a for text in args.extra for a in shlex.split(text)]
 
 
 def total(value: Any) -> int | None:
@@ -190,12 +211,7 @@ def main(argv: Sequence[str] | None = None, runner: Runner = run_process) -> int
     add_run_arguments(p)
     p.add_argument("--out", help="folder for each run's CASE.json and decode_runs.json")
     args = p.parse_args(argv)
-    cases = {**CASES, **dict(args.case)}
-    names = case_names(args.cases) or ([n for n, _ in args.case] if args.case else list(DEFAULT))
-    unknown = [n for n in names if n not in cases]
-    if unknown:
-        p.error(f"unknown cases {unknown}: known {[*cases, *GROUPS]}, or define one with --case")
-    extra = [a for text in args.extra for a in shlex.split(text)]
+    names, cases, extra = chosen_cases(p, args, CASES, DEFAULT)
     with tempfile.TemporaryDirectory(prefix="decode_runs-") as tmp:
         out = Path(args.out or tmp)
         out.mkdir(parents=True, exist_ok=True)
