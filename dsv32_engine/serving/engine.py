@@ -255,45 +255,13 @@ class DecodeEngine:
         data-parallel rank goes on, idle, while any peer has)."""
         return local
 
-    def _prefill_work(self, running: list[Request], budget: int) -> list[tuple[Request, int]]:
-        """Prompt chunks for this step: requests in admission order, filling ``budget`` tokens.
-
-        Each request's chunk is what is left of its prompt, cut to what is left of the
-        budget, so a loaded step holds exactly the budget (and fits its token bucket); a
-        request the budget cannot reach waits for the next step, keeping admission order.
-        Where a prompt is cut does not change what it computes: chunked prefill equals
-        token-by-token prefill (``tests/serving/test_chunked_prefill.py``).
-        """
-        work = []
-        for request in running:
-            if budget <= 0:
-                break
-            if not request.prefilling:
-                continue
-            n = min(len(request.prompt) - request.fed, budget)
-            work.append((request, n))
-            budget -= n
-        return work
-
     def _step_work(self) -> tuple[list[tuple[Request, int]], ForwardMode, list[Request]]:
-        """This step's prompt chunks with their mode, and the requests that decode apart from
-        them. Mixing (``loop.mixed``), the decoding requests join the chunks as extends of
-        their rows (one token; speculating, ``n`` verify rows: its last token and ``n - 1``
-        drafts), in one mixed batch, nothing apart (a step of chunks alone is a mixed batch
-        too, so one ragged graph per bucket serves both); their rows count against the
-        step's token budget (``loop.chunk_tokens``) and the chunks take what they leave.
-        Else the chunks are an extend batch of the whole budget and the decodes (or
-        verifies) a step of their own; so is a mixing step with no chunk."""
-        running = self.scheduler.running
-        decoding = [r for r in running if not r.prefilling and not r.spent]
-        rows = self.limits.next_n  # each decoding request's rows: 1, or n verify rows
-        budget = self.config.loop.chunk_tokens
-        if self.config.mixes:
-            budget -= rows * len(decoding)
-        work = self._prefill_work(running, budget)
-        if work and self.config.mixes:  # chunks alone too: one mixed graph per bucket
-            return work + [(r, rows) for r in decoding], ForwardMode.MIXED, []
-        return work, ForwardMode.EXTEND, decoding
+        """This step's work (``Scheduler.step_work``) within the step's token budget
+        (``loop.chunk_tokens``), mixing or not (``loop.mixed``), a decoding request's rows
+        ``next_n`` (its verify rows when speculating)."""
+        return self.scheduler.step_work(
+            self.config.loop.chunk_tokens, self.config.mixes, self.limits.next_n
+        )
 
     def _extend_step(
         self, work: list[tuple[Request, int]], mode: ForwardMode, result: RunResult

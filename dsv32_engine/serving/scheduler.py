@@ -121,6 +121,45 @@ class Scheduler:
         request.finish_step = step
         self.finished_count += 1
 
+    def prefill_work(self, budget: int) -> list[tuple[Request, int]]:
+        """Prompt chunks for this step: requests in admission order, filling ``budget`` tokens.
+
+        Each request's chunk is what is left of its prompt, cut to what is left of the
+        budget, so a loaded step holds exactly the budget (and fits its token bucket); a
+        request the budget cannot reach waits for the next step, keeping admission order.
+        Where a prompt is cut does not change what it computes: chunked prefill equals
+        token-by-token prefill (``tests/serving/test_chunked_prefill.py``).
+        """
+        work = []
+        for request in self.running:
+            if budget <= 0:
+                break
+            if not request.prefilling:
+                continue
+            n = min(len(request.prompt) - request.fed, budget)
+            work.append((request, n))
+            budget -= n
+        return work
+
+    def step_work(
+        self, budget: int, mixes: bool, rows: int = 1
+    ) -> tuple[list[tuple[Request, int]], ForwardMode, list[Request]]:
+        """This step's prompt chunks with their mode, and the requests that decode apart from
+        them. Mixing (``mixes``), the decoding requests join the chunks as extends of their
+        ``rows`` (one token; speculating, ``n`` verify rows: its last token and ``n - 1``
+        drafts), in one mixed batch, nothing apart (a step of chunks alone is a mixed batch
+        too, so one ragged graph per bucket serves both); their rows count against the
+        step's token ``budget`` and the chunks take what they leave. Else the chunks are an
+        extend batch of the whole budget and the decodes (or verifies) a step of their own;
+        so is a mixing step with no chunk."""
+        decoding = [r for r in self.running if not r.prefilling and not r.spent]
+        if mixes:
+            budget -= rows * len(decoding)
+        work = self.prefill_work(budget)
+        if work and mixes:  # chunks alone too: one mixed graph per bucket
+            return work + [(r, rows) for r in decoding], ForwardMode.MIXED, []
+        return work, ForwardMode.EXTEND, decoding
+
     def build_extend(
         self,
         work: list[tuple[Request, int]],
