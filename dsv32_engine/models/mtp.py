@@ -9,8 +9,8 @@ the target's head. Embedding and head are the target's (shared, not copied).
 
 As a draft it runs in three kinds of batch, each reading only the plans it is given:
 
-- draft prefill: over a prompt chunk, with the target's extend plans (the pairs sit at
-  the chunk's own positions and slots);
+- catch-up: inside the target's forward of a prompt-chunk or mixed step, with its plans
+  (the pairs sit at the rows' own positions and slots; ``Speculation.catch_up``);
 - draft extend (``NSADraftExtendPlan``): the accepted tokens of a verify, ``next_n``
   rows per request; padding rows are zeroed before the layer and never read;
 - draft decode (a stepped plan set): ``k`` one-token steps in one forward, step ``s``

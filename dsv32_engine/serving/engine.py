@@ -203,7 +203,9 @@ class DecodeEngine:
         where each request gets one logit row (decode, extend, mixed; not verify's ``n``),
         its token kept by pool row for the next step's ids (``serving.token_ids``).
         Outputs: ``tokens`` (the logits' argmax), ``input_ids`` (as resolved: debug mode
-        checks them), for a draft ``hidden``, and ``logits`` where kept (``keep_logits``).
+        checks them), ``logits`` where kept (``keep_logits``); under an MTP draft, a verify
+        step's ``hidden`` (for its draft extend), and a prompt-chunk or mixed step's draft
+        catch-up (``Speculation.catch_up``: ``draft_tokens``, ``draft_hidden``).
         A speculating mixed batch's head reads ``n`` rows of every request: its ``tokens``
         are ``[reqs, n]``, read by the host (its verify rows were fed from the host too)."""
         token_ids = self.scheduler.token_ids
@@ -219,6 +221,9 @@ class DecodeEngine:
             out["logits"] = out["logits"].view(tokens.shape[0], per, -1)
         elif tokens.shape[0] == pool_rows.shape[0]:
             token_ids.sampled(pool_rows, tokens)
+        if self.wants_hidden and isinstance(plan, NSAExtendPlan):
+            # a prompt-chunk or mixed step: the MTP draft catches up here, in the same graph
+            out |= self.speculation.catch_up(plans, tokens, out.pop("hidden"))
         if not self.keep_logits:
             del out["logits"]
         return out | {"tokens": tokens, "input_ids": ids}
@@ -275,6 +280,8 @@ class DecodeEngine:
         batch, ids = self.scheduler.build_extend(work, mode, inputs=slot, last_on_device=True)
         checks = self._fed_from_device(work) if self.planner.debug else []
         firsts = [request.fed for request, _ in work]
+        if self.speculation is not None:
+            self.speculation.stage(work, firsts)
         out = self._forward_step(batch, ids, result)
         rows, prefilled = [], 0
         for request, n in work:
@@ -286,10 +293,8 @@ class DecodeEngine:
             request.in_flight += kept
             rows.append((request, was_prefill, kept))
         after = None
-        if self.speculation is not None and "hidden" in out:  # the MTP draft's prefill
-            after = partial(
-                self.speculation.prefilled, work, firsts, self.runner.last_plans, out["hidden"]
-            )
+        if self.speculation is not None and "draft_tokens" in out:  # the MTP draft's catch-up
+            after = partial(self.speculation.caught_up, work, [None] * len(work), out, False)
         self._sampled(out, rows, mode, t0, checks, result, prefilled, after)
 
     def _mixed_verify_step(self, work: list[tuple[Request, int]], result: RunResult) -> None:
@@ -299,15 +304,17 @@ class DecodeEngine:
         the host (the loop is synchronous under speculation: the host has read every token
         before it builds the next step). The head reads every request's last ``n`` rows: a
         chunk's row ``n - 1`` is its next token (kept where the prompt is done), a verify
-        request's rows are greedy acceptance's (``Speculation.accept``). Then the MTP draft
-        catches up on both kinds of row in one forward over the same plans
-        (``Speculation.caught_up``); its draft decode follows at the step's end."""
+        request's rows are greedy acceptance's (``Speculation.accept``). The MTP draft caught
+        up on both kinds of row inside the same forward (``Speculation.catch_up``); its
+        draft decode, from each request's last row taken (``Speculation.caught_up``),
+        follows at the step's end."""
         spec = self.speculation
         t0 = time.perf_counter()
         drafts = [None if r.prefilling else spec.drafts(r) for r, _ in work]
         firsts = [request.fed for request, _ in work]
         slot = slot_for(self.planner, ForwardMode.MIXED)
         batch, ids = self.scheduler.build_extend(work, ForwardMode.MIXED, slot, drafts=drafts)
+        spec.stage(work, firsts, drafts)
         out = self._forward_step(batch, ids, result)
         best = self.runner.read(out["tokens"])  # [requests, n]: waits for the step
         now = time.perf_counter()
@@ -327,10 +334,10 @@ class DecodeEngine:
         kept, taken = spec.accept(verifying, verify_drafts, verify_rows, now, mixed=True)
         result.decode_tokens += kept
         self._done += [request for request, _ in work if request.done]
-        if "hidden" in out:  # the MTP draft: its catch-up on this step's rows
+        if "draft_tokens" in out:  # the MTP draft caught up on this step's rows in its forward
             verified = iter(taken)
             accepted = [None if drafted is None else next(verified) for drafted in drafts]
-            spec.caught_up(work, firsts, accepted, self.runner.last_plans, out["hidden"])
+            spec.caught_up(work, accepted, out, True)
         seconds = now - max(t0, self._last_taken)
         self._last_taken = now
         result.prefill_tokens += prefilled

@@ -217,22 +217,20 @@ class RankEngine(DecodeEngine):
         return True
 
     def _idle_extend(self, decision: Decision, result: RunResult) -> None:
-        """This replica's part of its peers' prompt-chunk forward: the peers' token bucket with
-        the null extend where they replay it, else an IDLE batch; then the MTP draft's
-        prefill over its plans (its layer exchanges rows too)."""
+        """This replica's part of its peers' prompt-chunk forward: the null extend in the
+        peers' mode (replayed in their token bucket, or eagerly as they run), else an IDLE
+        batch. Under an MTP draft the forward holds the draft's catch-up, whose layer
+        exchanges rows too: a null extend runs it as the peers' forwards do."""
         peers = {ForwardMode(m) for m in decision.modes if m != "idle"}
         ragged = next((m for m in peers if m.ragged), None)
-        if ragged is not None and decision.size is not None:
+        if ragged is not None and (decision.size is not None or self.wants_hidden):
             batch, ids = self.scheduler.idle_ragged(ragged)
             shape = ragged
         else:
             batch, ids = self.scheduler.idle()
             shape = ForwardMode.DECODE
-        out = self._forward_step(batch, ids, result)
+        self._forward_step(batch, ids, result)
         self._idled(shape)
-        spec = self.speculation
-        if spec is not None and "hidden" in out:
-            spec.prefilled([], [], self.runner.last_plans, out["hidden"])
 
     def _draft_slots(self, result: RunResult) -> None:
         """The MTP draft's two forwards of this step, agreed across replicas: the draft

@@ -10,15 +10,21 @@ greedy decoding's. Then the draft proposes the next round's ``n - 1`` tokens:
   catches the layer up on each request's accepted tokens with the target's hidden states
   of those rows and yields the first draft; one draft-decode graph then runs the other
   ``n - 2`` steps, each over its own plan. A request that finishes its prompt is caught
-  up by a draft prefill over the same extend plans as the target's chunk.
+  up over its prompt's rows inside the target's own prompt-chunk forward (below).
 
 Mixing (``loop.mixed``), a step with prompt chunks verifies its decoding requests in the
 same forward: a mixed batch of prompt chunks and verify rows (``n`` per request), whose head
 reads every request's last ``n`` rows (``planner.batch.LOGIT_ROWS_MODES``). The engine
 builds and runs it (``DecodeEngine._mixed_verify_step``), :meth:`Speculation.accept` keeps
-what greedy decoding would, and one MTP forward over the same plans
-(:meth:`Speculation.caught_up`) catches the draft up on the prompt rows and the verify rows
-at once, in place of a draft prefill and a draft extend. A step of verify rows alone
+what greedy decoding would, and one MTP forward over the same plans catches the draft up on
+the prompt rows and the verify rows at once, in place of a draft prefill and a draft extend.
+That MTP forward runs inside the target's forward of every prompt-chunk or mixed step
+(:meth:`Speculation.catch_up`, in its graph where the step replays one): its ids are each
+row's next token, staged by the host where it has it (:meth:`Speculation.stage`) and the
+target's own token at that row where it does not (a verify row: a row is accepted only where
+its token is the target's; the row that ends a prompt), so nothing waits for the host's
+acceptance; :meth:`Speculation.caught_up` then takes each request's draft from its last
+prompt row or its last accepted row. A step of verify rows alone
 stays a verify graph step with its draft extend, as a step of decode rows alone stays a
 decode graph step.
 
@@ -71,9 +77,9 @@ class SpecStats:
     accepted_tokens: int = 0
     """Tokens verify accepted (drafts the target agreed with, plus its own), before budgets."""
     draft_forwards: Counter = field(default_factory=Counter)
-    """Draft forwards by kind: draft_prefill (eager, over a prompt chunk's plans), draft_mixed
-    (eager, over a mixed step's plans: its prompt rows and verify rows), draft_extend,
-    draft_decode (graphs)."""
+    """Draft forwards by kind: draft_prefill (inside a prompt-chunk step's forward, over its
+    plans), draft_mixed (inside a mixed step's forward: its prompt rows and verify rows),
+    draft_extend, draft_decode (their own graphs)."""
 
 
 class Speculation:
@@ -105,10 +111,17 @@ class Speculation:
         self._catch_up = None
         """The last verify's accepted tokens for the draft extend: (request, first position,
         accepted), their ids and the target's hidden rows (copied out of the graph's output)."""
+        self.next_ids: torch.Tensor | None = None
+        """Per row of a prompt-chunk or mixed step, the token after it where the host has it,
+        else -1 (:meth:`stage`): read inside the target's forward, in its graph, so a static
+        buffer of the step budget's rows; a bucket's padding rows read stale ids, and their
+        KV goes to the null slot."""
         if spec.draft == "mtp":
             self.mtp = MTPDraft(model, seed=spec.mtp_seed)
             planner.check_serves(MTPDraft.PLANS, who="the MTP draft")
             self.cache = self.mtp.new_cache(num_pages)
+            rows = planner.limits.extend_tokens
+            self.next_ids = torch.zeros(rows, dtype=torch.int64, device=planner.device)
             modes = [ForwardMode.DRAFT_EXTEND] + ([ForwardMode.DRAFT_DECODE] if self.steps else [])
             for mode in modes:
                 per = "rows" if mode is ForwardMode.DRAFT_EXTEND else "reqs"
@@ -138,72 +151,89 @@ class Speculation:
         for runner in self.runners.values():
             runner.capture()
 
-    # ---- the draft's catch-up over a target step's plans: prompt chunks, mixed steps -----
+    # ---- the draft's catch-up inside a target prompt-chunk or mixed forward ------------------
 
-    def prefilled(
+    def stage(
         self,
         work: list[tuple[Request, int]],
         firsts: list[int],
-        plans: PlanSet,
-        hidden: torch.Tensor,
+        drafts: list[list[int] | None] | None = None,
     ) -> None:
-        """Run the MTP layer over a prompt chunk the target just read (pairs ``(h_p, t_p+1)``
-        at the chunk's positions, with its plans); queue requests whose prompt is done."""
-        self.caught_up(work, firsts, [None] * len(work), plans, hidden)
+        """Before a target prompt-chunk or mixed forward: each row's next token into
+        :attr:`next_ids`, where the host has it (a prompt row's next prompt token), else -1
+        (a verify row, ``drafts[i]`` not None; the row that ends a prompt), where
+        :meth:`catch_up` takes the target's own token at that row."""
+        if self.next_ids is None:
+            return
+        ids: list[int] = []
+        for i, ((request, n), first) in enumerate(zip(work, firsts)):
+            if drafts is not None and drafts[i] is not None:
+                ids.extend([-1] * n)
+                continue
+            known = request.tokens[first + 1 : first + n + 1]
+            ids.extend(known)
+            ids.extend([-1] * (n - len(known)))
+        self.next_ids[: len(ids)].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+
+    def catch_up(
+        self, plans: PlanSet, tokens: torch.Tensor, hidden: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Inside the target's forward of a prompt-chunk or mixed step (``plans``; ``tokens``:
+        the target's argmax at its logit rows, ``hidden``: its final hidden state of every
+        row): the MTP layer over the same rows, each fed ``(h_p, t_p+1)``. The token after a
+        row is the staged one (:meth:`stage`), else the target's own at that row: a verify
+        row counts only where its draft was the target's token, and the row that ends a
+        prompt is a logit row. A rejected row's KV lies past the request's new length and is
+        rewritten (by the draft decode, then the next catch-up) before anything reads it.
+        Returns the draft's token and hidden state at the logit rows, by request like the
+        target's tokens (``[reqs]``, or ``[reqs, n]`` in a speculating mixed batch)."""
+        mtp, next_ids = self.mtp, self.next_ids
+        if mtp is None or next_ids is None:
+            raise RuntimeError("catch_up is the MTP draft's: this speculation has none")
+        rows = hidden.shape[0]
+        logit_rows = plans["nsa"].logit_rows.long()
+        at_rows = torch.zeros(rows, dtype=torch.int64, device=hidden.device)
+        at_rows[logit_rows.reshape(-1)] = tokens.reshape(-1)
+        staged = next_ids[:rows]
+        ids = torch.where(staged >= 0, staged, at_rows)
+        out = mtp(ids, hidden.to(mtp.dtype), plans, self.cache)
+        shape = tokens.shape
+        return {
+            "draft_tokens": out["tokens"].view(shape),
+            "draft_hidden": out["hidden"].view(*shape, -1),
+        }
 
     def caught_up(
         self,
         work: list[tuple[Request, int]],
-        firsts: list[int],
         accepted: list[list[int] | None],
-        plans: PlanSet,
-        hidden: torch.Tensor,
+        out: dict[str, Any],
+        mixed: bool,
     ) -> None:
-        """One MTP forward over a target step's plans (an extend or mixed batch), its rows
-        fed ``(h_p, t_p+1)``: the target's hidden state at position ``p`` and the token after.
-
-        A prompt chunk's next token is the prompt's (its last row's: the token the target
-        just sampled, taken by now). A verify request's ``(request, n)`` entry (``accepted``:
-        the tokens it took; None for a chunk) feeds its accepted rows the accepted tokens,
-        so the layer's KV up to the last accepted position is what a draft extend writes;
-        its rejected rows (token 0) lie past the request's new length, and their KV is
-        rewritten (by the draft decode, then the next catch-up) before anything reads it.
-        Queues, for the draft decode, every request caught up and not done, from its last
-        prompt row or its last accepted row (the plans' ``logit_rows``: ``per`` rows of each
-        request, request-major)."""
+        """After a prompt-chunk or mixed step: queue, for the draft decode, every request the
+        step's catch-up (:meth:`catch_up`, ``out``) caught up and not done, from its last
+        prompt row or its last accepted row (``accepted``: a verify request's tokens, None
+        for a chunk)."""
         if self.mtp is None:
             return
-        ids: list[int] = []
-        picks: list[tuple[Request, int]] = []
-        per = getattr(plans["nsa"], "logit_rows", None)
-        per = per.shape[1] if per is not None and per.dim() == 2 else 1
-        for i, ((request, n), first, taken) in enumerate(zip(work, firsts, accepted)):
+        tokens, hidden = out["draft_tokens"], out["draft_hidden"]
+        for i, ((request, _), taken) in enumerate(zip(work, accepted)):
             if taken is None:
-                ids.extend(request.tokens[first + 1 : first + n + 1])
-                last = per - 1  # the head's rows end with the chunk's last token
-                caught = not request.prefilling
+                caught, last = not request.prefilling, -1  # a chunk: the prompt's last row
             else:
-                ids.extend([*taken, *[0] * (n - len(taken))])
-                last, caught = len(taken) - 1, True
+                caught, last = True, len(taken) - 1
             if caught and not request.done:
-                picks.append((request, i * per + last))
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=hidden.device)
-        hidden = hidden.to(self.mtp.dtype)
-        rows = plans["nsa"].positions.shape[0]
-        if rows > len(ids):
-            # The target replayed a ragged graph (its plans hold a token bucket), or this is
-            # a data-parallel rank's idle batch in its peers' prompt-chunk forward: the draft
-            # reads those plans with padding rows too (token 0, a zero state; their KV goes
-            # to the null slot, their outputs are never read).
-            pad = rows - len(ids)
-            ids_t = torch.nn.functional.pad(ids_t, (0, pad))
-            hidden = torch.nn.functional.pad(hidden[: len(ids)], (0, 0, 0, pad))
-        out = self.mtp(ids_t, hidden, plans, self.cache)
+                token, state = (
+                    (tokens[i], hidden[i])
+                    if tokens.dim() == 1
+                    else (
+                        tokens[i, last],
+                        hidden[i, last],
+                    )
+                )
+                self._pending.append((request, token.clone(), state.clone()))
         if work:
-            mixed = plans.mode is ForwardMode.MIXED
             self.stats.draft_forwards["draft_mixed" if mixed else "draft_prefill"] += 1
-        for request, row in picks:
-            self._pending.append((request, out["tokens"][row], out["hidden"][row]))
 
     # ---- a round: verify, accept, draft extend ---------------------------------------------
 

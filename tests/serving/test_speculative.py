@@ -22,7 +22,9 @@ from dsv32_engine.serving.accept import accept_greedy
 from dsv32_engine.serving.engine import DecodeEngine
 from dsv32_engine.serving.ngram import NgramDraft
 from dsv32_engine.serving.report import summarize
+from dsv32_engine.serving.requests import Request
 from dsv32_engine.serving.run_config import load_run_config
+from planner.batch import ForwardMode
 from tests.support.cli import planner_cli
 
 CFG = DSV32Config.model_validate({**DSV32Config.tiny().model_dump(), "index_n_heads": 32})
@@ -171,6 +173,56 @@ def test_the_mtp_draft_caught_up_in_a_mixed_step_proposes_what_it_proposes_apart
     mixed, steps = drafts(True)
     assert none == 0 and steps > 0
     assert mixed == apart
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["apart", "mixed_ragged"])
+def test_the_draft_caught_up_over_a_prompt_is_the_mtp_layer_over_the_whole_prompt(mixed):
+    """The MTP draft catches up on a prompt inside the target's chunk forwards, its ids each
+    row's next token: staged by the host inside the prompt (also at a chunk's cut), the
+    target's own token at the row that ends it. Whatever the chunks (16-token steps shared
+    with other requests' rows), the first draft after the prompt must be the MTP layer's
+    over the whole prompt at once, fed the prompt's next tokens and the target's first
+    token, on fresh caches: an independent reference of both kinds of id."""
+    overrides = {
+        **LOOP,
+        "loop.prompt_len": [10, 30],
+        "loop.chunk_tokens": 16,
+        "speculative.draft": "mtp",
+        "speculative.draft_tokens": 4,
+        "loop.mixed": mixed,
+        "graphs.ragged": mixed,
+    }
+    config = load_run_config(None, overrides)
+    engine = DecodeEngine(config, model=_model())
+    spec, firsts = engine.speculation, {}
+    caught_up = spec.caught_up
+
+    def recorded(*args, **kwargs):
+        before = len(spec._pending)
+        caught_up(*args, **kwargs)
+        for request, token, hidden in spec._pending[before:]:
+            firsts.setdefault(request.rid, (list(request.prompt), int(token), hidden.clone()))
+
+    spec.caught_up = recorded
+    engine.run(progress=False)
+    assert len(firsts) >= 4
+    if mixed:
+        assert spec.stats.mixed_verify_steps > 0
+    whole = {**overrides, "loop.chunk_tokens": 64, "loop.mixed": False, "graphs.ragged": False}
+    for prompt, token, hidden in firsts.values():
+        fresh = DecodeEngine(load_run_config(None, whole), model=_model())
+        request = Request(rid=0, prompt=prompt, max_new_tokens=2, arrival_step=0)
+        fresh.scheduler.arrive([request])
+        assert fresh.scheduler.admit(fresh.limits.next_n) == 1
+        batch, ids = fresh.scheduler.build_extend([(request, len(prompt))], ForwardMode.EXTEND)
+        plans = fresh.planner.plan(batch)
+        out = fresh.model(ids, plans, fresh.cache, hidden=True)
+        first = int(out["logits"].argmax(dim=-1)[-1])
+        mtp = fresh.speculation.mtp
+        next_ids = torch.tensor([*prompt[1:], first], dtype=torch.int64)
+        want = mtp(next_ids, out["hidden"].to(mtp.dtype), plans, fresh.speculation.cache)
+        assert int(want["tokens"][-1]) == token
+        torch.testing.assert_close(want["hidden"][-1], hidden, rtol=1e-5, atol=1e-5)
 
 
 def test_accept_keeps_the_agreeing_prefix_and_the_bonus_token():
