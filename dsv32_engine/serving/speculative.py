@@ -223,14 +223,9 @@ class Speculation:
             else:
                 caught, last = True, len(taken) - 1
             if caught and not request.done:
-                token, state = (
-                    (tokens[i], hidden[i])
-                    if tokens.dim() == 1
-                    else (
-                        tokens[i, last],
-                        hidden[i, last],
-                    )
-                )
+                token, state = tokens[i], hidden[i]
+                if token.dim():  # a speculating mixed batch: the request's n rows
+                    token, state = token[last], state[last]
                 self._pending.append((request, token.clone(), state.clone()))
         if work:
             self.stats.draft_forwards["draft_mixed" if mixed else "draft_prefill"] += 1
