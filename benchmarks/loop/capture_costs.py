@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import machine, plot_bars, print_table, write_json
-from benchmarks.loop.decode_runs import OFF, chosen_cases
+from benchmarks.loop.decode_runs import OFF, add_case_arguments, chosen_cases, results_dir
 from benchmarks.loop.overlap_loop import (
     Runner,
-    add_run_arguments,
     command,
     run_decode,
     run_process,
@@ -147,21 +145,12 @@ def table_rows(results: dict[str, dict[str, Any]]) -> list[tuple]:
 
 def main(argv: Sequence[str] | None = None, runner: Runner = run_process) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--cases",
-        nargs="+",
-        default=[],
-        help=f"cases to run, e.g. small,seed (default: those --case defines, else all); "
-        f"known: {', '.join(CASES)}",
-    )
-    add_run_arguments(p)
+    add_case_arguments(p, list(CASES), "all")
     p.add_argument("--out", help="folder for each run's JSON and capture_costs.json")
     p.add_argument("--plot", help="write a PNG of capture seconds per case here")
     args = p.parse_args(argv)
     names, cases, extra = chosen_cases(p, args, CASES, list(CASES), groups={})
-    with tempfile.TemporaryDirectory(prefix="capture_costs-") as tmp:
-        out = Path(args.out or tmp)
-        out.mkdir(parents=True, exist_ok=True)
+    with results_dir(args.out, "capture_costs-") as out:
         results = run_cases(names, cases, out, args, extra, runner)
     header = ("case", "graphs of", "count", "capture s", "plan s", "warm-up s", "record s")
     header += ("pool MB", "reserved MB", "KV tokens", "status")

@@ -42,7 +42,8 @@ import argparse
 import shlex
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,28 @@ def case_names(texts: Sequence[str], groups: Mapping[str, Sequence[str]] = GROUP
                 if name not in names:
                     names.append(name)
     return names
+
+
+def add_case_arguments(p: argparse.ArgumentParser, known: Sequence[str], default: str) -> None:
+    """``--cases`` (comma- or space-separated; ``default`` names what runs without it, and
+    ``known`` what may be named) and :func:`overlap_loop.add_run_arguments`'s flags."""
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=[],
+        help=f"cases to run (default: those --case defines, else {default}); "
+        f"known: {', '.join(known)}",
+    )
+    add_run_arguments(p)
+
+
+@contextmanager
+def results_dir(out: str | None, prefix: str) -> Iterator[Path]:
+    """``out`` made if missing, or a temporary folder removed after the runs."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        path = Path(out or tmp)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
 
 
 def chosen_cases(
@@ -201,20 +224,11 @@ def run_cases(
 
 def main(argv: Sequence[str] | None = None, runner: Runner = run_process) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--cases",
-        nargs="+",
-        default=[],
-        help=f"cases to run, e.g. small,shapes (default: those --case defines, else "
-        f"{','.join(DEFAULT)}); known: {', '.join([*CASES, *GROUPS])}",
-    )
-    add_run_arguments(p)
+    add_case_arguments(p, [*CASES, *GROUPS], ",".join(DEFAULT))
     p.add_argument("--out", help="folder for each run's CASE.json and decode_runs.json")
     args = p.parse_args(argv)
     names, cases, extra = chosen_cases(p, args, CASES, DEFAULT)
-    with tempfile.TemporaryDirectory(prefix="decode_runs-") as tmp:
-        out = Path(args.out or tmp)
-        out.mkdir(parents=True, exist_ok=True)
+    with results_dir(args.out, "decode_runs-") as out:
         results = run_cases(names, cases, out, args, extra, runner)
     header = ("case", "config", "tok/s", "step p50", "step p99", "ttft p50")
     header += ("replays", "ragged", "eager fallbacks", "accept", "spec == plain", "status")
