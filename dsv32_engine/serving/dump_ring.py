@@ -17,6 +17,7 @@ import secrets
 import shutil
 from collections import deque
 from collections.abc import Callable, Container, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,15 @@ DEFAULT_KEEP = 8
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _MISMATCH_DIR = re.compile(r"^mismatch-(\d+)$")
+
+
+@dataclass(frozen=True)
+class DumpSettings:
+    """Where a run dumps plans: every ``every``-th decode step (the last ``keep``), and mismatches."""
+
+    directory: Path
+    every: int = 1
+    keep: int = DEFAULT_KEEP
 
 
 def step_dir_name(step: int) -> str:

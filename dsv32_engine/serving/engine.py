@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,13 +17,14 @@ from tqdm import tqdm
 from backends.nsa.extend_plan import NSAExtendPlan
 from dsv32_engine.models.kv_cache import PagedKVCache, RequestPool
 from dsv32_engine.models.model import DSV32Model
-from dsv32_engine.serving.dump_ring import DumpRing, MismatchDumper
+from dsv32_engine.serving.dump_ring import DumpRing, DumpSettings, MismatchDumper
 from dsv32_engine.serving.engine_settings import (
     ragged_kv_bound,
     ragged_token_sizes,
     resolve_overlap,
     stages_in_graph,
 )
+from dsv32_engine.serving.launched import Launched
 from dsv32_engine.serving.model_setup import build_model, kv_pages, model_config, resolve_device
 from dsv32_engine.serving.plan_setup import kernel_name, plan_schemas
 from dsv32_engine.serving.requests import Request, make_workload
@@ -39,44 +38,9 @@ from planner.errors import ConfigError, ReplayError
 from planner.limits import Limits
 from planner.planner import Planner
 from planner.plans import PlanSet
-from planner.step_reads import PendingRead
 
 if TYPE_CHECKING:
     from dsv32_engine.serving.busy import GpuBusy
-
-
-@dataclass(frozen=True)
-class DumpSettings:
-    """Where a run dumps plans: every ``every``-th decode step (the last ``keep``), and mismatches."""
-
-    directory: Path
-    every: int = 1
-    keep: int = 8
-
-
-@dataclass
-class Launched:
-    """A forward launched whose sampled tokens are still on their way to the host: taken by
-    :meth:`DecodeEngine._take`, at once in the synchronous loop, a loop step later in the
-    overlapped one."""
-
-    read: PendingRead
-    rows: list[tuple[Request, bool, bool]]
-    """Each output row's request, whether the forward fed it prompt tokens, and whether its
-    token is kept (the prompt is done)."""
-    mode: ForwardMode
-    started: float
-    """perf_counter when its launch began."""
-    forward: int
-    """Its forward step number (``DecodeEngine.forward_steps`` at launch), for errors."""
-    prefilled: int = 0
-    """Prompt tokens it fed."""
-    fed_from_device: list[tuple[int, Request, int]] = field(default_factory=list)
-    """Debug mode: each input id read from the device, as (row, request, position)."""
-    ids: torch.Tensor | None = None
-    """Debug mode: the input ids it fed (on the device)."""
-    after: Callable[[], None] | None = None
-    """What runs once its tokens are taken (the MTP draft's prefill over its plans)."""
 
 
 class DecodeEngine:

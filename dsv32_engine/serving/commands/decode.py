@@ -23,8 +23,8 @@ from safetensors import SafetensorError
 from dsv32_engine.distributed.group import launched_by_torchrun
 from dsv32_engine.serving.busy import GpuBusy
 from dsv32_engine.serving.cli import DEFAULT_DECODE_CONFIG, Interrupted
-from dsv32_engine.serving.dump_ring import DEFAULT_KEEP, ENV_DIR, ENV_EVERY, ENV_KEEP
-from dsv32_engine.serving.engine import DecodeEngine, DumpSettings
+from dsv32_engine.serving.dump_ring import DEFAULT_KEEP, ENV_DIR, ENV_EVERY, ENV_KEEP, DumpSettings
+from dsv32_engine.serving.engine import DecodeEngine
 from dsv32_engine.serving.launch import cpu_threads, launch
 from dsv32_engine.serving.memory_fit import allocation_errors, check_memory
 from dsv32_engine.serving.model_setup import resolve_device
