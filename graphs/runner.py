@@ -35,7 +35,7 @@ from graphs.graph import (
 from graphs.inputs import InputSpec, StaticInputs, as_specs
 from graphs.outputs import GraphOutputError, output_kinds, slice_outputs
 from graphs.plan_writes import refuse_plan_writes
-from graphs.sizes import capture_ladder, token_ladder
+from graphs.sizes import capture_ladder, check_ragged_cap, token_ladder
 from graphs.stats import GraphStats
 from planner.batch import RAGGED_MODES, ForwardBatch, ForwardMode
 from planner.errors import BatchError, ConfigError, GraphSafetyError, PlanWriteError, ReplayError
@@ -134,22 +134,7 @@ class GraphRunner:
         self.ragged_reqs = limits.max_batch
         """The request bucket of every ragged graph: per-request buffers are small, so one
         bucket keeps ragged graphs to one per token bucket."""
-        if ragged_max_tokens is not None and token_sizes is not True:
-            raise ConfigError(
-                "ragged_max_tokens caps the default token ladder; a ladder given as a list "
-                "sets its own top",
-                field="ragged_max_tokens",
-                expected="None with token_sizes given",
-                actual=ragged_max_tokens,
-            )
-        if ragged_max_tokens is not None and ragged_max_tokens <= self.ragged_reqs:
-            raise ConfigError(
-                "the largest token bucket must exceed the request bucket: a mixed step holds "
-                "a row for each decoding request, up to max_batch",
-                field="ragged_max_tokens",
-                expected=f"> {self.ragged_reqs} (max_batch)",
-                actual=ragged_max_tokens,
-            )
+        check_ragged_cap(ragged_max_tokens, self.ragged_reqs, token_sizes is not True)
         self.ragged_max_tokens = ragged_max_tokens
         """The largest token bucket below the step budget, or None (the budget): ragged
         batches past it run eagerly by design (:data:`TOKENS_PAST_GRAPHS`)."""

@@ -66,6 +66,33 @@ def default_token_ladder(max_tokens: int, reqs: int) -> list[int]:
     return sorted(s for s in sizes if s >= 1)
 
 
+def check_ragged_cap(
+    cap: int | None, reqs: int, listed: bool, field: str = "ragged_max_tokens"
+) -> None:
+    """A cap on the default token ladder (``ragged_max_tokens``) must cap that ladder (not
+    beside a ladder given as a list: ``listed``) and exceed the request bucket ``reqs``: a
+    mixed step holds a row for each decoding request, up to ``max_batch``. ``field``: the
+    name the caller's users know it by."""
+    if cap is None:
+        return
+    if listed:
+        raise ConfigError(
+            "ragged_max_tokens caps the default token ladder; a ladder given as a list "
+            "(token_sizes) sets its own top",
+            field=field,
+            expected=f"unset with {field.removesuffix('ragged_max_tokens')}token_sizes",
+            actual=cap,
+        )
+    if cap <= reqs:
+        raise ConfigError(
+            "the largest token bucket must exceed the request bucket: a mixed step holds "
+            "a row for each decoding request",
+            field=field,
+            expected=f"> {reqs} (planner.max_batch)",
+            actual=cap,
+        )
+
+
 def token_ladder(max_tokens: int, reqs: int, sizes: Sequence[int] | None = None) -> list[int]:
     """The ragged token buckets: the default ladder, or a validated override (the rules of
     :func:`capture_ladder`, bounded by ``max_tokens``; ``reqs`` itself is refused)."""

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from backends.deepgemm import BLOCK_KV
 from dsv32_engine import SHIPPED_CONFIGS
+from graphs.sizes import check_ragged_cap
 from planner.errors import ConfigError
 
 MAX_CONTEXT = 1 << 20
@@ -365,7 +366,12 @@ class RunConfig(_Section):
                 "(loop.mixed)",
                 actual=self.loop.chunk_tokens,
             )
-        self._check_ragged_cap()
+        check_ragged_cap(
+            self.graphs.ragged_max_tokens,
+            self.planner.max_batch,
+            listed=self.graphs.token_sizes is not None,
+            field="graphs.ragged_max_tokens",
+        )
         self._check_distributed()
         self._check_batch_invariant()
         prompts = self.loop.requests * self.loop.prompt_len[1]
@@ -422,27 +428,6 @@ class RunConfig(_Section):
                 field="distributed.tp",
                 expected="1 with planner.batch_invariant on CUDA (data-parallel attention is fine)",
                 actual=self.distributed.tp,
-            )
-
-    def _check_ragged_cap(self) -> None:
-        cap = self.graphs.ragged_max_tokens
-        if cap is None:
-            return
-        if self.graphs.token_sizes is not None:
-            raise ConfigError(
-                "ragged_max_tokens caps the default token ladder; graphs.token_sizes sets its "
-                "own top",
-                field="graphs.ragged_max_tokens",
-                expected="unset with graphs.token_sizes",
-                actual=cap,
-            )
-        if cap <= self.planner.max_batch:
-            raise ConfigError(
-                "the largest token bucket must exceed the request bucket: a mixed step holds "
-                "a row for each decoding request",
-                field="graphs.ragged_max_tokens",
-                expected=f"> {self.planner.max_batch} (planner.max_batch)",
-                actual=cap,
             )
 
     def _check_distributed(self) -> None:
