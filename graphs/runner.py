@@ -120,10 +120,19 @@ class GraphRunner:
         enabled: bool = True,
         warmup: WarmupHook | None = None,
         warmup_runs: int | None = None,
+        warmup_forward: Forward | None = None,
         ragged_max_tokens: int | None = None,
     ) -> None:
         self.planner = planner
         self.forward = forward
+        self.warmup_forward = forward if warmup_forward is None else warmup_forward
+        """What each graph's warm-up runs (``warmup_runs``) after the first capture's:
+        ``forward``, or a cheaper forward that launches every kernel at every shape
+        ``forward`` does (a model over one layer of each kind: its layers repeat the same
+        kernels and shapes). The first capture's warm-up runs ``forward`` whole, so state a
+        layer makes on its first call is made outside any capture. Outputs must have
+        ``forward``'s shapes; what it computes is thrown away."""
+        self._warmed_whole = False
         self.req_to_token = req_to_token
         self.enabled = enabled
         self.kind: GraphKind = _graph_kind(planner.device, use_cuda_graph)
@@ -246,8 +255,10 @@ class GraphRunner:
             self.planner.warm_up()  # providers' JIT work, once, before the first capture
             if self.warmup_hook is not None:
                 self.warmup_hook(self.planner, bs)
+            warm = self.warmup_forward if self._warmed_whole else self.forward
             for _ in range(self.warmup_runs):
-                output_kinds(self.forward(dict(views), plans), bs, rows)
+                output_kinds(warm(dict(views), plans), bs, rows)
+            self._warmed_whole = self.warmup_runs > 0
         planner, forward = self.planner, self.forward
 
         kinds: list[str] = []

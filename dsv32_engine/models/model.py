@@ -14,7 +14,7 @@ them bit-exactly through safetensors with the config in the metadata.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
@@ -169,6 +169,24 @@ class DSV32Model(nn.Module):
     def device(self) -> torch.device:
         return self.head.weight.device
 
+    def first_of_each_kind(self) -> list[int]:
+        """The first layer of each kind: blocks whose modules and weights' shapes and dtypes
+        match are one kind (DeepSeek-V3.2: the dense layers, the MoE layers). A forward over
+        these alone (``forward(layers=...)``) launches every kernel, at every shape, that the
+        whole forward does: a graph's warm-up, in a 61-layer model half of each capture."""
+        seen: dict[tuple, int] = {}
+        for i, block in enumerate(self.layers):
+            kind = tuple(
+                (
+                    name,
+                    type(module).__name__,
+                    tuple((p.shape, p.dtype) for p in module.parameters(recurse=False)),
+                )
+                for name, module in block.named_modules()
+            )
+            seen.setdefault(kind, i)
+        return sorted(seen.values())
+
     @property
     def attention_heads(self) -> int:
         """Attention heads this model computes: all of them, or this rank's share."""
@@ -279,7 +297,13 @@ class DSV32Model(nn.Module):
             )
 
     def forward(
-        self, input_ids: torch.Tensor, plans: PlanSet, cache: PagedKVCache, *, hidden: bool = False
+        self,
+        input_ids: torch.Tensor,
+        plans: PlanSet,
+        cache: PagedKVCache,
+        *,
+        hidden: bool = False,
+        layers: Sequence[int] | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """Next-token logits fp32 for one step; writes this step's KV.
 
@@ -289,14 +313,16 @@ class DSV32Model(nn.Module):
         head runs on the plan's ``logit_rows`` alone, request-major.
         ``hidden=True`` returns ``{"logits", "hidden"}``, the final normed hidden
         state of every row or token (what an MTP draft is fed).
+        ``layers`` runs those layers alone (``first_of_each_kind``: a graph's warm-up, whose
+        output is thrown away), the others skipped; the default runs every layer.
         """
         plan: NSAPlan | NSAExtendPlan = plans["nsa"]
         sparse: NSAFlashInferPlan | None = plans.get("nsa_flashinfer")
         self._check(input_ids, plan, cache)
         cos, sin = rope_cos_sin(plan.positions, self.inv_freq, self.rope_factor)
         h, delta = self.embed(input_ids), None
-        for i, block in enumerate(self.layers):
-            h, delta = block(
+        for i in range(len(self.layers)) if layers is None else layers:
+            h, delta = self.layers[i](
                 h, cos, sin, plan, cache.mla[i], cache.index[i], sparse, delta=delta, defer=True
             )
         ragged = isinstance(plan, NSAExtendPlan)

@@ -122,6 +122,7 @@ class DecodeEngine:
         self.runner = GraphRunner(
             self.planner,
             self._forward,
+            warmup_forward=partial(self._forward, layers=self.model.first_of_each_kind()),
             req_to_token=self.pool.req_to_token,
             static_inputs={"input_ids": torch.int64},
             modes=modes,
@@ -161,7 +162,9 @@ class DecodeEngine:
         self.warm_up_forwards = 0
         """Extend forwards the warm-up ran (outside the loop's counts)."""
 
-    def _forward(self, inputs: dict[str, torch.Tensor], plans: PlanSet) -> dict[str, Any]:
+    def _forward(
+        self, inputs: dict[str, torch.Tensor], plans: PlanSet, layers: list[int] | None = None
+    ) -> dict[str, Any]:
         """One step on the device, captured whole in its graph: the ids resolved (a decode
         row's from the token its request sampled last), the model, greedy sampling, and
         where each request gets one logit row (decode, extend, mixed; not verify's ``n``),
@@ -171,10 +174,11 @@ class DecodeEngine:
         step's ``hidden`` (for its draft extend), and a prompt-chunk or mixed step's draft
         catch-up (``Speculation.catch_up``: ``draft_tokens``, ``draft_hidden``).
         A speculating mixed batch's head reads ``n`` rows of every request: its ``tokens``
-        are ``[reqs, n]``, read by the host (its verify rows were fed from the host too)."""
+        are ``[reqs, n]``, read by the host (its verify rows were fed from the host too).
+        A graph's warm-up runs ``layers`` alone (``DSV32Model.first_of_each_kind``)."""
         token_ids = self.scheduler.token_ids
         ids = token_ids.resolve(inputs["input_ids"])
-        out = self.model(ids, plans, self.cache, hidden=self.wants_hidden)
+        out = self.model(ids, plans, self.cache, hidden=self.wants_hidden, layers=layers)
         out = dict(out) if isinstance(out, dict) else {"logits": out}
         tokens = out["logits"].argmax(dim=-1)
         plan = plans["nsa"]
@@ -474,14 +478,9 @@ class DecodeEngine:
         return self._end_step(self._begin_step(), result)
 
     def step(self, result: RunResult) -> list[Request]:
-        """One loop step: prefill chunks and decode, as one mixed batch or two batches.
-
-        Separate (the default): the prompt chunks run as one eager extend batch,
-        the decode requests as a decode graph replay. Mixed: decode requests
-        join the extend batch as one-token extends, one eager forward instead
-        of two. Overlapped (``loop.overlap``): the forwards are launched, then the previous
-        step's tokens taken. Returns the requests that finished.
-        """
+        """One loop step: prompt chunks and decodes as one mixed batch (``loop.mixed``) or
+        two; one step ahead (``loop.overlap``), its forwards launched before the previous
+        step's tokens are taken. Returns the requests that finished."""
         previous = self._begin_step()
         sched = self.scheduler
         work, mode, decoding = self._step_work()

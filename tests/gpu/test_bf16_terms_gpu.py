@@ -61,3 +61,17 @@ def test_captured_projection_replays_over_new_inputs() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, proj(fresh))
+
+
+@pytest.mark.skipif(not mm_fp32_out_available(DEV), reason="no bf16 -> fp32 torch.mm here")
+def test_terms_first_made_inside_a_capture_are_refused() -> None:
+    """Made in a capture, the terms would be computed only when the graph replays: every
+    other forward before that would read them unwritten. A graph's warm-up makes them."""
+    from planner.errors import GraphSafetyError
+
+    linear, x = _setup(16)
+    proj = Bf16TermsProjection(linear)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(GraphSafetyError, match="bf16 weight terms"), torch.cuda.graph(graph):
+        proj(x)
+    torch.testing.assert_close(proj(x), x.float() @ linear.weight.t(), rtol=1e-3, atol=1e-3)

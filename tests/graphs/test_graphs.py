@@ -186,6 +186,45 @@ def test_thousand_random_steps_equal_eager():
     assert len(fallbacks) == 1 and BATCH_TOO_LARGE in str(fallbacks[0].message)
 
 
+def test_the_first_warm_up_runs_the_whole_forward_later_ones_the_cheap_one():
+    """``warmup_forward``: every capture after the first warms up on it (the first on the
+    whole forward, so a layer's first-call state is made outside any capture); captures
+    and replays run the forward itself, equal to eager."""
+    calls: list[str] = []
+
+    def cheap(inputs, plans):
+        calls.append(f"cheap {plans.mode.value}/{plans.reqs}")
+        return model(inputs, plans)
+
+    def whole(inputs, plans):
+        calls.append(f"{'capture' if is_capturing() else 'whole'} {plans.mode.value}/{plans.reqs}")
+        return model(inputs, plans)
+
+    table = make_pool(POOL, MAX_CTX, PAGE, seed=3)
+    model = TinyPagedModel(SLOTS, seed=3)
+    twin = model.clone_state()
+    runner = GraphRunner(
+        SETUP.planner(debug=False),
+        whole,
+        req_to_token=table,
+        static_inputs={"input_ids": torch.int64},
+        sizes=SIZES,
+        modes=[DECODE],
+        warmup_runs=1,
+        warmup_forward=cheap,
+    )
+    runner.capture()
+    assert calls == [
+        "whole decode/8",
+        "capture decode/8",
+        *(f"{kind} decode/{bs}" for bs in (4, 2, 1) for kind in ("cheap", "capture")),
+    ]
+    ref, sched = SETUP.planner(debug=False), Scheduler(table, next_n=NEXT_N, seed=3)
+    for bs in (3, 8, 1):
+        batch, inputs = sched.batch(bs, DECODE)
+        _check_equal(runner.step(batch, inputs), twin(inputs, ref.plan(batch)), bs)
+
+
 @pytest.mark.parametrize("ops_in_graph", [True, False])
 def test_host_ops_path_equals_eager(ops_in_graph):
     """With ops outside the graph, replay itself refreshes every field; same outputs."""
@@ -565,6 +604,7 @@ def test_warm_up_runs_on_the_stream_the_graph_is_captured_on(monkeypatch):
     runner, *_ = _setup(warmup_runs=1)
     forward = runner.forward
     runner.forward = lambda inputs, plans: (inside.append(depth[0] > 0), forward(inputs, plans))[1]
+    runner.warmup_forward = runner.forward
     runner.capture()
     # per size: its warm-up forward inside, then the capture's own forward outside
     assert inside == [True, False] * len(runner.stats.capture_costs)

@@ -763,3 +763,32 @@ def test_plan_topk_other_than_the_models_is_refused_before_the_first_layer(
         model(torch.zeros(2, dtype=torch.int64), planner.plan(batch), cache)
     assert info.value.field == "topk" and "expected 16, got 2048" in str(info.value)
     assert layers == []
+
+
+def test_a_warm_up_runs_the_first_layer_of_each_kind(model: DSV32Model) -> None:
+    """``first_of_each_kind``: the dense layers and the MoE (or stand-in) layers are two
+    kinds; ``forward(layers=...)`` runs those alone, and every layer by default."""
+    assert model.first_of_each_kind() == [0, 1]  # tiny: one dense layer, three MoE
+    shapes = DSV32Model(DSV32Config.shapes(), device="meta")
+    assert shapes.first_of_each_kind() == [0, shapes.config.first_k_dense_replace]
+    ran: list[int] = []
+    hooks = [
+        block.register_forward_hook(lambda _m, _a, _o, i=i: ran.append(i))
+        for i, block in enumerate(model.layers)
+    ]
+    try:
+        s = Session(model)
+        r = s.add()
+        s.pool.assign(r, s.cache.alloc(1), 3)
+        plan = make_plan(s.pool, [r], [3], model.config.index_topk)
+        ids = torch.tensor([5])
+        whole = model(ids, {"nsa": plan}, s.cache)
+        assert ran == [0, 1, 2, 3]
+        every = model(ids, {"nsa": plan}, s.cache, layers=[0, 1, 2, 3])
+        ran.clear()
+        part = model(ids, {"nsa": plan}, s.cache, layers=model.first_of_each_kind())
+        assert ran == [0, 1]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(every, whole) and part.shape == whole.shape

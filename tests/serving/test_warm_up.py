@@ -67,3 +67,30 @@ def test_warm_up_runs_every_batch_through_plan_and_forward(monkeypatch):
     ]
     engine.warm_up()
     assert planned[: len(want)] == want
+
+
+def test_a_graphs_warm_up_forward_runs_one_layer_of_each_kind():
+    """After the first capture, a CUDA graph's warm-up runs the engine's forward over the
+    model's first layer of each kind (tiny: the dense layer 0 and the MoE layer 1), the
+    rest of the step unchanged."""
+    engine = tiny_engine(share_model=True)
+    batch, ids = engine.scheduler.warm_up_batches(
+        engine.model_config.index_topk, engine.config.loop.chunk_tokens, 64
+    )[0]
+    plans = engine.planner.plan(batch)
+    ran: list[int] = []
+    hooks = [
+        block.register_forward_hook(lambda _m, _a, _o, i=i: ran.append(i))
+        for i, block in enumerate(engine.model.layers)
+    ]
+    try:
+        cheap = engine.runner.warmup_forward({"input_ids": ids}, plans)
+        assert ran == [0, 1]
+        ran.clear()
+        whole = engine.runner.forward({"input_ids": ids}, plans)
+        assert ran == [0, 1, 2, 3]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert cheap.keys() == whole.keys()
+    assert all(cheap[k].shape == whole[k].shape for k in whole)

@@ -31,6 +31,8 @@ import functools
 import torch
 from torch import nn
 
+from planner.errors import GraphSafetyError
+
 MIN_ROWS = 16
 """Rows from which the bf16-terms GEMM beat the fp32 one on the H200 (measured at 1, 16,
 64 and 128 rows; the crossover between 1 and 16 is not measured)."""
@@ -77,6 +79,14 @@ class Bf16TermsProjection:
         weight = self.linear.weight
         stamp = (weight.data_ptr(), weight._version)
         if stamp != self._stamp or self._terms is None:
+            if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+                # Made in a capture, the terms would be a graph's output, computed only when
+                # it replays and read unwritten by every other forward before that.
+                raise GraphSafetyError(
+                    "refused under graph capture: the indexer's bf16 weight terms would be "
+                    "made inside it; run this layer eagerly (a graph's warm-up) first",
+                    field="weights_proj",
+                )
             self._terms = bf16_terms(weight).t()  # [K, 3N], a view: cuBLAS takes it transposed
             self._stamp = stamp
         return self._terms
