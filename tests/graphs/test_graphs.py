@@ -190,36 +190,24 @@ def test_the_first_warm_up_runs_the_whole_forward_later_ones_the_cheap_one():
     """``warmup_forward``: every capture after the first warms up on it (the first on the
     whole forward, so a layer's first-call state is made outside any capture); captures
     and replays run the forward itself, equal to eager."""
+    runner, model, twin, ref, sched = _setup(seed=3, modes=[DECODE], warmup_runs=1)
     calls: list[str] = []
 
-    def cheap(inputs, plans):
-        calls.append(f"cheap {plans.mode.value}/{plans.reqs}")
-        return model(inputs, plans)
+    def spy(kind: str):
+        def forward(inputs, plans):
+            seen = "capture" if is_capturing() else kind
+            calls.append(f"{seen} {plans.mode.value}/{plans.reqs}")
+            return model(inputs, plans)
 
-    def whole(inputs, plans):
-        calls.append(f"{'capture' if is_capturing() else 'whole'} {plans.mode.value}/{plans.reqs}")
-        return model(inputs, plans)
+        return forward
 
-    table = make_pool(POOL, MAX_CTX, PAGE, seed=3)
-    model = TinyPagedModel(SLOTS, seed=3)
-    twin = model.clone_state()
-    runner = GraphRunner(
-        SETUP.planner(debug=False),
-        whole,
-        req_to_token=table,
-        static_inputs={"input_ids": torch.int64},
-        sizes=SIZES,
-        modes=[DECODE],
-        warmup_runs=1,
-        warmup_forward=cheap,
-    )
+    runner.forward, runner.warmup_forward = spy("whole"), spy("cheap")
     runner.capture()
     assert calls == [
         "whole decode/8",
         "capture decode/8",
         *(f"{kind} decode/{bs}" for bs in (4, 2, 1) for kind in ("cheap", "capture")),
     ]
-    ref, sched = SETUP.planner(debug=False), Scheduler(table, next_n=NEXT_N, seed=3)
     for bs in (3, 8, 1):
         batch, inputs = sched.batch(bs, DECODE)
         _check_equal(runner.step(batch, inputs), twin(inputs, ref.plan(batch)), bs)
