@@ -109,6 +109,26 @@ def on_capture_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
     torch.cuda.current_stream().wait_stream(stream)
 
 
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the body, as it was after.
+
+    Why: a collection inside a capture can free a dead runner's CUDA graphs (runners and the
+    engines that own them sit in reference cycles, so the collector is what frees them), and
+    destroying a graph while a stream captures in the global mode is an illegal call: CUDA
+    invalidates the capture. On an H200 (s63-2, 2b3e7e8) a second engine's ``mixed/128`` was
+    lost that way in the GPU suite: "operation not permitted when stream is capturing" from
+    ``CUDAGraph::reset`` for each of the first engine's graphs, then "operation failed due to
+    a previous error during capture" at the capture's next Triton launch."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def new_pool(kind: GraphKind) -> Any:
     """A fresh memory pool that all graphs of one runner share."""
     return torch.cuda.graph_pool_handle() if kind == "cuda" else EmulatedPool()

@@ -16,6 +16,7 @@ size up; a forward or provider an emulated capture refuses as graph-unsafe
 from __future__ import annotations
 
 import bisect
+import gc
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -29,6 +30,7 @@ from graphs.graph import (
     GraphKind,
     new_graph,
     new_pool,
+    no_collection,
     on_capture_stream,
     recover_after_failed_capture,
 )
@@ -198,6 +200,7 @@ class GraphRunner:
         if not self.enabled:
             return self.stats
         start = time.perf_counter()
+        gc.collect()  # dead runners' graphs and pools go now, not inside a capture (no_collection)
         cuda = self.kind == "cuda"
         stream = torch.cuda.Stream(self.planner.device) if cuda else None
         self._pool = new_pool(self.kind)
@@ -278,7 +281,8 @@ class GraphRunner:
         graph = new_graph(self.kind, stream)
         before = self._memory()  # synchronises: the warm-up's time ends here
         warmed = time.perf_counter()
-        outputs = graph.capture(body, pool=self._pool)
+        with no_collection():
+            outputs = graph.capture(body, pool=self._pool)
         recorded = time.perf_counter()
         after = self._memory()
         entry = CapturedGraph(mode, bs, rows, graph, plans, outputs, kinds, tokens)

@@ -8,6 +8,7 @@ CUDA itself invalidates (a host sync inside the graph).
 
 from __future__ import annotations
 
+import gc
 import random
 import warnings
 
@@ -168,3 +169,31 @@ def test_a_sync_inside_capture_drops_only_that_size():
         batch, inputs = sched.batch(bs, mode, "cuda")
         _check_step(runner, twin, ref, batch, inputs)
     assert runner.stats.replays[("decode", 8)] == 2
+
+
+def test_a_dead_runners_graphs_are_not_freed_inside_another_capture():
+    """A runner in a reference cycle (as an engine holds it) is freed by the collector; if a
+    collection ran inside another runner's capture, destroying its graphs would invalidate
+    that capture (global capture mode) and drop the size. The runner collects before its
+    captures and none runs inside one (``graphs.graph.no_collection``)."""
+    dead, *_ = _setup(8, 64, sizes=[1, 2, 4, 8])
+    dead.capture()
+    dead.cycle = dead  # freed only by the collector
+    del dead
+    runner, model, twin, ref, sched = _setup(8, 64, seed=1, sizes=[1, 2, 4, 8])
+
+    def churn(inputs, plans):
+        if is_capturing():  # every allocation a full collection, where collections can run
+            thresholds = gc.get_threshold()
+            gc.set_threshold(1, 1, 1)
+            _ = [[] for _ in range(10)]
+            gc.set_threshold(*thresholds)
+        return model(inputs, plans)
+
+    runner.forward = runner.warmup_forward = churn
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphWarning)
+        runner.capture()
+    assert not runner.stats.dropped
+    batch, inputs = sched.batch(3, DECODE)
+    _check_step(runner, twin, ref, batch, inputs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import random
 import warnings
 
@@ -211,6 +212,36 @@ def test_the_first_warm_up_runs_the_whole_forward_later_ones_the_cheap_one():
     for bs in (3, 8, 1):
         batch, inputs = sched.batch(bs, DECODE)
         _check_equal(runner.step(batch, inputs), twin(inputs, ref.plan(batch)), bs)
+
+
+def test_no_garbage_is_collected_inside_a_capture():
+    """A collection inside a capture can free a dead runner's graphs, an illegal call there
+    (``graphs.graph.no_collection``): cyclic garbage made during one capture, where every
+    allocation would start a collection, is freed only outside any capture."""
+    runner, model, *_ = _setup(modes=[DECODE])
+    freed_inside: list[bool] = []
+
+    class Dead:
+        def __del__(self):
+            freed_inside.append(is_capturing())
+
+    def churn(inputs, plans):
+        if is_capturing():
+            dead = Dead()
+            dead.cycle = dead  # garbage only the collector frees
+            del dead
+            thresholds = gc.get_threshold()  # every allocation a collection, where one can run
+            gc.set_threshold(1, 1, 1)
+            _ = [[] for _ in range(10)]
+            gc.set_threshold(*thresholds)
+        return model(inputs, plans)
+
+    runner.forward = churn
+    was_enabled = gc.isenabled()
+    runner.capture()
+    gc.collect()
+    assert freed_inside == [False] * len(SIZES)
+    assert gc.isenabled() == was_enabled
 
 
 @pytest.mark.parametrize("ops_in_graph", [True, False])
