@@ -6,12 +6,13 @@ first start on a machine costs), then, measured against each other, the defaults
 CUDA: decode graphs, and ragged token-bucket graphs for prompt chunks and mixed steps) and
 decode graphs only (``graphs.ragged=false``, ``loop.mixed=false``: the defaults before issue
 55), both with warm compile caches, as a restarted server starts. One request, one loop
-step: the graphs are captured when the engine starts, so the run is the start-up. Reported per run: the target's graphs, its
-capture seconds split into the planner's capture plans, the eager warm-up runs and the
-recording (``graph_capture_costs``), the graph pool's bytes (allocated: the graphs' live
-outputs; reserved: what the pool holds, intermediates included) and the KV cache's tokens;
-per case, the defaults' capture seconds and reserved pool as multiples of the decode-only
-run's (issue 55's bound: 2x). A speculating config's draft graphs are captured too but not counted here.
+step: the graphs are captured when the engine starts, so the run is the start-up. Reported
+per run: the target's graphs, its capture seconds split into the planner's capture plans,
+the eager warm-up runs and the recording (``graph_capture_costs``), the graph pool's bytes
+(allocated: the graphs' live outputs; reserved: what the pool holds, intermediates included)
+and the KV cache's tokens; per case, the defaults' capture seconds and reserved pool as
+multiples of the decode-only run's (issue 55's bound: 2x). A speculating config's draft
+graphs are captured too but not counted here.
 
 Cases (``--cases``; default all): ``small``, ``arrivals`` (dsv32-small-arrivals), ``spec``
 (dsv32-small-spec, its plain comparison off), ``shapes`` (dsv32-shapes, 61 layers) and
