@@ -1,6 +1,7 @@
-"""The capture-costs benchmark (``python -m benchmarks capture_costs``): what it reads of a run's
-graphs, each case's three runs (a first start, the defaults, decode graphs only) and their ratios, a failed run kept
-without losing the others; a fake decode CLI stands in, and one real tiny run on the CPU."""
+"""The capture-costs benchmark (``python -m benchmarks capture_costs``): what it reads of a
+run's graphs, each case's three runs (a first start, the defaults, decode graphs only) and
+their ratios, a failed run kept without losing the others; a fake decode CLI stands in, and
+one real tiny run on the CPU."""
 
 from __future__ import annotations
 
