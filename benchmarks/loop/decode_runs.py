@@ -23,6 +23,9 @@ Cases (``--cases`` picks them, comma- or space-separated; default ``small shapes
   rows per verify), its prompt chunks apart from the verify graph step (``loop.mixed=false``,
   ragged graphs on), then its verify rows mixed into the chunks' steps under ragged graphs
   (``arrivals_mtp`` names both; issue 55's goal: mixed >= 1.3x apart's tokens/s);
+* ``arrivals_mtp_wide``: the mixed run with a 768-token step budget, 512 plus 4 verify rows
+  for each of 64 decoding requests: apart's prompt pace beside the verify rows (the budget
+  counts them; at 512 a full decode leaves the prompts 256);
 * ``arrivals_mtp_invariant``: the mixed run in the batch-invariant mode with
   ``--compare-plain``, 60 requests: speculative greedy must equal plain greedy for every
   request (the table's ``spec == plain``).
@@ -82,6 +85,10 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "seed_on": ("dsv32-shapes", SEED),
     "arrivals_mtp_apart": ("dsv32-small-arrivals", [*MTP, "--set", "loop.mixed=false"]),
     "arrivals_mtp_mixed": ("dsv32-small-arrivals", [*MTP, "--set", "loop.mixed=true"]),
+    "arrivals_mtp_wide": (
+        "dsv32-small-arrivals",
+        [*MTP, "--set", "loop.mixed=true", "--set", "loop.chunk_tokens=768"],
+    ),
     "arrivals_mtp_invariant": (
         "dsv32-small-arrivals",
         [*MTP, "--set", "loop.mixed=true", "--batch-invariant", "--compare-plain"]

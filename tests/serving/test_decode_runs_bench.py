@@ -81,6 +81,8 @@ def test_the_mtp_cases_compare_mixing_against_the_same_draft_apart():
     invariant = CASES["arrivals_mtp_invariant"][1]
     assert invariant[: len(mixed)] == mixed
     assert "--batch-invariant" in invariant and "--compare-plain" in invariant
+    wide = CASES["arrivals_mtp_wide"][1]  # the mixed run, its budget 512 + 64 x 4 verify rows
+    assert wide[: len(mixed)] == mixed and wide[len(mixed) :] == ["--set", "loop.chunk_tokens=768"]
 
 
 def test_main_runs_each_case_once_into_out_and_writes_all(tmp_path, capsys):
