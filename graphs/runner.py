@@ -165,9 +165,11 @@ class GraphRunner:
         self.warmup_runs = (1 if self.kind == "cuda" else 0) if warmup_runs is None else warmup_runs
         """Eager runs of each graph's forward before its capture: one on CUDA (kernels JIT-
         compile and lazy state is made outside the capture), none for emulated graphs, whose
-        capture is itself an eager run. Every size needs its own: captured without one, a
-        smaller size's first GEMM of a new shape failed inside the capture on an H100
-        (CUBLAS_STATUS_EXECUTION_FAILED; ``tests/gpu/test_overlap_gpu.py``)."""
+        capture is itself an eager run. Every size has its own (``warmup_forward``, cheap):
+        captured without one, a smaller size's first GEMM of a new shape failed inside the
+        capture on an H100 (CUBLAS_STATUS_EXECUTION_FAILED; ``tests/gpu/test_overlap_gpu.py``,
+        two engines). That was before captures stopped collecting garbage (``no_collection``),
+        which may have been the cause: not re-tested."""
         top = self.sizes[-1] if enabled else 0
         rows = max((top * self._next_n(m) for m in self.modes if not m.ragged), default=top)
         if enabled and self.token_sizes:
