@@ -115,7 +115,8 @@ class Speculation:
         """Per row of a prompt-chunk or mixed step, the token after it where the host has it,
         else -1 (:meth:`stage`): read inside the target's forward, in its graph, so a static
         buffer of the step budget's rows; a bucket's padding rows read stale ids, and their
-        KV goes to the null slot."""
+        KV goes to the null slot. Not one of the runner's static inputs: those are copied in
+        for every step, and decode and verify steps, most of them, read no catch-up."""
         if spec.draft == "mtp":
             self.mtp = MTPDraft(model, seed=spec.mtp_seed)
             planner.check_serves(MTPDraft.PLANS, who="the MTP draft")
