@@ -131,7 +131,7 @@ class DecodeEngine:
             ragged_max_tokens=config.graphs.ragged_max_tokens if token_sizes else None,
             enabled=enabled if isinstance(enabled, bool) else True,
         )
-        self.scheduler = Scheduler(self.cache, self.pool, p.max_batch, page)
+        self.scheduler = Scheduler(self.cache, self.pool, p.max_batch, page, spec.device_drafts)
         self.decode_mode = ForwardMode.TARGET_VERIFY if spec.enabled else ForwardMode.DECODE
         self.speculation = (
             Speculation(
@@ -268,9 +268,9 @@ class DecodeEngine:
     def _mixed_verify_step(self, work: list[tuple[Request, int]], result: RunResult) -> None:
         """A speculating mixed step: prompt chunks and verify rows in one forward, read now.
 
-        Each decoding request's ``n`` rows are its last token and ``n - 1`` drafts, fed from
-        the host (the loop is synchronous under speculation: the host has read every token
-        before it builds the next step). The head reads every request's last ``n`` rows: a
+        Each decoding request's ``n`` rows are its last token (the host has read every token
+        before it builds the next step) and ``n - 1`` drafts (``Speculation.drafts``: the
+        MTP draft's stay on the device). The head reads every request's last ``n`` rows: a
         chunk's row ``n - 1`` is its next token (kept where the prompt is done), a verify
         request's rows are greedy acceptance's (``Speculation.accept``). The MTP draft caught
         up on both kinds of row inside the same forward (``Speculation.catch_up``); its

@@ -238,6 +238,12 @@ class SpeculativeSection(_Section):
         """Draft-decode steps per round: the MTP draft's first token comes from draft extend."""
         return self.draft_tokens - 2 if self.draft == "mtp" else 0
 
+    @property
+    def device_drafts(self) -> int:
+        """Drafts per request kept on the device for the next verify: the MTP draft's
+        ``draft_tokens - 1`` (``serving.token_ids``); an n-gram draft's stay on the host."""
+        return self.draft_tokens - 1 if self.draft == "mtp" else 0
+
 
 class DistributedSection(_Section):
     """Several ranks through torch.distributed (``docs/distributed.md``): ``tp x dp_attention``.

@@ -49,14 +49,20 @@ class Scheduler:
     """Moves requests from waiting to running to finished, and builds each step's batch."""
 
     def __init__(
-        self, cache: PagedKVCache, pool: RequestPool, max_batch: int, page_size: int
+        self,
+        cache: PagedKVCache,
+        pool: RequestPool,
+        max_batch: int,
+        page_size: int,
+        drafts: int = 0,
     ) -> None:
         self.cache = cache
         self.pool = pool
         self.max_batch = max_batch
         self.page_size = page_size
-        self.token_ids = TokenIds(pool.req_to_token.shape[0], pool.req_to_token.device)
-        """Every step's input ids on the device, and each request's last sampled token."""
+        self.token_ids = TokenIds(pool.req_to_token.shape[0], pool.req_to_token.device, drafts)
+        """Every step's input ids on the device, each request's last sampled token, and its
+        ``drafts`` drafts where they stay on the device (the MTP draft's)."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_count = 0

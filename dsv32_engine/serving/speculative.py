@@ -28,6 +28,10 @@ prompt row or its last accepted row. A step of verify rows alone
 stays a verify graph step with its draft extend, as a step of decode rows alone stays a
 decode graph step.
 
+The MTP draft's tokens stay on the device: the next verify feeds them from there
+(``TokenIds.draft_of``), and the host reads them with that verify's tokens, so the loop
+waits once a round (for the verify), not again for its drafts (:meth:`Speculation.finish_step`).
+
 Every draft batch goes through the planner and a graph runner like the target's, so the
 bugs the planner exists to rule out (stale schedules, wrong padded row counts, lengths
 from the wrong counts) are ruled out here too.
@@ -54,6 +58,7 @@ from graphs.inputs import InputSpec
 from planner.batch import ForwardBatch, ForwardMode
 from planner.planner import Planner
 from planner.plans import PlanSet
+from planner.step_reads import PendingRead
 
 TargetStep = Callable[[ForwardBatch, torch.Tensor], Any]
 """``step(batch, input_ids)``: one target forward through the engine's graph runner."""
@@ -107,6 +112,9 @@ class Speculation:
         self.mtp: MTPDraft | None = None
         self.runners: dict[ForwardMode, GraphRunner] = {}
         self._pending: list[tuple[Request, torch.Tensor, torch.Tensor]] = []
+        self._reads: list[tuple[list[Request], PendingRead]] = []
+        """The MTP draft's proposals on their way to the host, by request: taken by the next
+        verify's acceptance (:meth:`_values`)."""
         self._catch_up: tuple[list[tuple[Request, int, int]], torch.Tensor, torch.Tensor] | None
         self._catch_up = None
         """The last verify's accepted tokens for the draft extend: (request, first position,
@@ -174,7 +182,11 @@ class Speculation:
             known = request.tokens[first + 1 : first + n + 1]
             ids.extend(known)
             ids.extend([-1] * (n - len(known)))
-        self.next_ids[: len(ids)].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=True)
+        # Out of pinned memory: a copy out of pageable memory may wait for the stream, i.e.
+        # for the draft forwards the last step left running.
+        pinned = self.next_ids.is_cuda
+        host = torch.tensor(ids, dtype=torch.int64, pin_memory=pinned)
+        self.next_ids[: len(ids)].copy_(host, non_blocking=pinned)
 
     def catch_up(
         self, plans: PlanSet, tokens: torch.Tensor, hidden: torch.Tensor
@@ -234,10 +246,31 @@ class Speculation:
     # ---- a round: verify, accept, draft extend ---------------------------------------------
 
     def drafts(self, request: Request) -> list[int]:
-        """The ``n - 1`` drafts ``request``'s next verify checks."""
+        """The ``n - 1`` drafts ``request``'s next verify feeds: the n-gram draft's tokens, or
+        where the MTP draft left its own on the device (``TokenIds.draft_of`` ids; the values
+        come with the verify's tokens, :meth:`accept`)."""
         if self.ngram is not None:
             return self.ngram.propose(request.rid, request.tokens, self.n - 1)
-        return request.drafts
+        token_ids = self.scheduler.token_ids
+        return [token_ids.draft_of(request.pool_idx, i) for i in range(self.n - 1)]
+
+    def _values(self, requests: list[Request], fed: list[list[int]]) -> list[list[int]]:
+        """The drafts a verify fed (``fed``), as tokens: an n-gram draft's are what was fed;
+        the MTP draft's are read now, their copies started behind the draft forwards that
+        proposed them (:meth:`finish_step`), which ran before the verify did."""
+        if self.mtp is None:
+            return fed
+        for proposed, read in self._reads:
+            for request, values in zip(proposed, read.get()):
+                request.drafts = values
+        self._reads = []
+        for request in requests:
+            if len(request.drafts) != self.n - 1:
+                raise RuntimeError(
+                    f"request {request.rid} was verified with {len(request.drafts)} drafts "
+                    f"proposed, not {self.n - 1}: no draft decode proposed them"
+                )
+        return [request.drafts for request in requests]
 
     def verify(
         self, requests: list[Request], target_step: TargetStep, now: Callable[[], float]
@@ -281,7 +314,7 @@ class Speculation:
         tokens greedy decoding would and is fed that many, cut to its budget. The tokens
         kept, and each request's accepted tokens (before the cut: the rows it was fed)."""
         kept, taken = 0, []
-        for request, drafted, row in zip(requests, drafts, best):
+        for request, drafted, row in zip(requests, self._values(requests, drafts), best):
             accepted = accept_greedy(drafted, row)
             before = len(request.generated)
             for token in accepted:
@@ -322,24 +355,26 @@ class Speculation:
     # ---- the draft decode: every request caught up this step --------------------------------
 
     def finish_step(self) -> None:
-        """Draft decode for every request the draft caught up this step: its next drafts."""
+        """Draft decode for every request the draft caught up this step: its next drafts,
+        kept on the device for its next verify (``TokenIds.drafted``) and copied to the host
+        for that verify's acceptance, read there; nothing here waits for the device."""
         pending = [(r, t, h) for r, t, h in self._pending if not r.done]
         self._pending = []
         if not pending:
             return
-        first = torch.stack([t for _, t, _ in pending])
-        if not self.steps:
-            for (request, _, _), token in zip(pending, first.tolist()):
-                request.drafts = [token]
-            return
         requests = [r for r, _, _ in pending]
-        batch = self.scheduler.build_draft_decode(requests, self.steps)
-        inputs = {"input_ids": first, "hidden": torch.stack([h for _, _, h in pending])}
-        out = self.run(self.runners[ForwardMode.DRAFT_DECODE], batch, inputs)
-        self.stats.draft_forwards["draft_decode"] += 1
-        rests = self.runners[ForwardMode.DRAFT_DECODE].read(out["tokens"])
-        for request, token, rest in zip(requests, first.tolist(), rests):
-            request.drafts = [token, *rest]
+        drafts = torch.stack([t for _, t, _ in pending]).view(-1, 1)
+        if self.steps:
+            batch = self.scheduler.build_draft_decode(requests, self.steps)
+            inputs = {"input_ids": drafts.view(-1), "hidden": torch.stack([h for *_, h in pending])}
+            out = self.run(self.runners[ForwardMode.DRAFT_DECODE], batch, inputs)
+            self.stats.draft_forwards["draft_decode"] += 1
+            drafts = torch.cat([drafts, out["tokens"].view(len(requests), -1)], dim=1)
+        # Nothing waits here: the next verify reads the drafts on the device, the host with
+        # its tokens (``_values``).
+        token_ids = self.scheduler.token_ids
+        token_ids.drafted(token_ids.send([r.pool_idx for r in requests]), drafts)
+        self._reads.append((requests, self.planner.read_later(drafts)))
 
     def forget(self, request: Request) -> None:
         """A finished request's draft state goes with it."""

@@ -10,8 +10,14 @@ of :attr:`TokenIds.last`), and the step's sampled tokens written back into
 :attr:`TokenIds.last` by pool row (:meth:`TokenIds.sampled`). A step is then one launch and
 one copy each way, not a dozen small launches beside its graph, each a gap on the device.
 The synchronous loop takes the same path (it knows the token by then, but a second way to
-feed ids is a second path to keep right); speculative verify feeds its drafts and tokens
-from the host, as it reads every step before the next.
+feed ids is a second path to keep right).
+
+Speculative verify under the MTP draft feeds its drafts the same way: the draft decode's
+tokens stay on the device, in :attr:`TokenIds.table` by pool row (:meth:`TokenIds.drafted`),
+and the verify sends ``draft_of`` each (:meth:`TokenIds.draft_of`), so the host launches the
+draft forwards and goes on to build the next step without waiting for them; it reads the
+drafts' values with the verify's tokens, for acceptance. An n-gram draft's tokens are the
+host's own, sent as they are.
 """
 
 from __future__ import annotations
@@ -26,13 +32,29 @@ def last_of(pool_row: int) -> int:
 
 
 class TokenIds:
-    """The last sampled token of every request row, on the device, and the step's ids."""
+    """The last sampled token (and drafts) of every request row, on the device, and the
+    step's ids."""
 
-    def __init__(self, rows: int, device: torch.device) -> None:
+    def __init__(self, rows: int, device: torch.device, drafts: int = 0) -> None:
         self.device = device
-        self.last = torch.zeros(rows, dtype=torch.int64, device=device)
-        """Row ``r``: the token the request in pool row ``r`` sampled last. Row 0 is the
+        self.rows = rows
+        self.table = torch.zeros(1 + drafts, rows, dtype=torch.int64, device=device)
+        """``[1 + drafts, rows]``: row 0 is :attr:`last`; row ``1 + i``, column ``r``: the
+        ``i``-th draft the request in pool row ``r`` proposed last (:meth:`drafted`). One
+        tensor, so :meth:`resolve` gathers any of them with one index."""
+        self.last = self.table[0]
+        """Column ``r``: the token the request in pool row ``r`` sampled last. Row 0 is the
         null request's: padding rows write it and nothing real reads it."""
+
+    def draft_of(self, pool_row: int, i: int) -> int:
+        """The id of "draft ``i`` of pool row ``pool_row``" (:meth:`drafted` wrote it): below
+        every ``last_of`` id, so the two never meet."""
+        if not 0 <= i < self.table.shape[0] - 1:
+            raise ValueError(
+                f"draft {i} of pool row {pool_row}: this table holds "
+                f"{self.table.shape[0] - 1} drafts a row (speculative.draft_tokens - 1)"
+            )
+        return -1 - (1 + i) * self.rows - pool_row
 
     def send(self, host: list[int]) -> torch.Tensor:
         """``host`` (tokens, and ``last_of(row)`` for a row's last sampled token) on the
@@ -44,11 +66,19 @@ class TokenIds:
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` as :meth:`send` put them, with every ``last_of(row)`` replaced by that row's
-        last sampled token: device ops only, so a captured forward runs it in its graph."""
-        rows = (-1 - ids).clamp_(min=0)
-        return torch.where(ids >= 0, ids, self.last.index_select(0, rows))
+        last sampled token and every ``draft_of(row, i)`` by its draft: device ops only, so a
+        captured forward runs it in its graph."""
+        slots = (-1 - ids).clamp_(min=0)
+        return torch.where(ids >= 0, ids, self.table.view(-1).index_select(0, slots))
 
     def sampled(self, pool_rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Keep ``tokens[i]`` as the last sampled token of pool row ``pool_rows[i]`` (device
         tensors; in the sampling step's graph, behind its sampling)."""
         self.last.index_copy_(0, pool_rows.to(torch.int64), tokens.to(torch.int64))
+
+    def drafted(self, pool_rows: torch.Tensor, drafts: torch.Tensor) -> None:
+        """Keep ``drafts[j]`` (``[requests, k]``, ``k`` at most the table's) as the drafts of
+        pool row ``pool_rows[j]``, on the device: what the next verify's ``draft_of`` ids
+        read, in stream order behind the forwards that proposed them."""
+        k = drafts.shape[1]
+        self.table[1 : 1 + k].index_copy_(1, pool_rows.to(torch.int64), drafts.t().to(torch.int64))

@@ -158,14 +158,15 @@ def test_the_mtp_draft_caught_up_in_a_mixed_step_proposes_what_it_proposes_apart
         }
         engine = DecodeEngine(load_run_config(None, overrides), model=_model())
         spec, seen = engine.speculation, {}
-        propose = spec.drafts
+        accept = spec.accept
 
-        def recorded(request):
-            out = propose(request)
-            seen.setdefault(request.rid, []).append(tuple(out))
+        def recorded(requests, *args, **kwargs):
+            out = accept(requests, *args, **kwargs)  # the drafts' values read by now
+            for request in requests:
+                seen.setdefault(request.rid, []).append(tuple(request.drafts))
             return out
 
-        spec.drafts = recorded
+        spec.accept = recorded
         engine.run(progress=False)
         return seen, spec.stats.mixed_verify_steps
 
@@ -223,6 +224,79 @@ def test_the_draft_caught_up_over_a_prompt_is_the_mtp_layer_over_the_whole_promp
         want = mtp(next_ids, out["hidden"].to(mtp.dtype), plans, fresh.speculation.cache)
         assert int(want["tokens"][-1]) == token
         torch.testing.assert_close(want["hidden"][-1], hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["apart", "mixed"])
+def test_the_host_reads_the_mtp_drafts_after_it_launched_their_verify(mixed):
+    """The MTP draft's tokens stay on the device: the next verify feeds them from there
+    (``TokenIds.draft_of``), and the host reads them with that verify's tokens, so it never
+    waits for the draft forwards before it builds and launches the next step. Every read
+    started behind a draft decode is taken only after a target forward was launched since
+    (a read taken at once, the old synchronous draft decode, fails), and the tokens still
+    equal plain greedy decoding's."""
+    overrides = {
+        **LOOP,
+        "loop.arrival_rate": 0.5,
+        "speculative.draft": "mtp",
+        "speculative.draft_tokens": 4,
+        "loop.mixed": mixed,
+        "graphs.ragged": mixed,
+    }
+    engine = DecodeEngine(load_run_config(None, overrides), model=_model())
+    spec, planner, events = engine.speculation, engine.planner, []
+    in_draft_decode = False
+    read_later, finish_step, target_step = planner.read_later, spec.finish_step, engine.runner.step
+
+    def traced_read_later(values):
+        read = read_later(values)
+        if in_draft_decode:
+            events.append(("draft read", id(read)))
+            get = read.get
+
+            def traced_get():
+                events.append(("draft taken", id(read)))
+                return get()
+
+            read.get = traced_get
+        return read
+
+    def traced_finish_step():
+        nonlocal in_draft_decode
+        in_draft_decode = True
+        try:
+            finish_step()
+        finally:
+            in_draft_decode = False
+
+    def traced_target_step(*args, **kwargs):
+        events.append(("target", None))
+        return target_step(*args, **kwargs)
+
+    planner.read_later = traced_read_later
+    spec.finish_step = traced_finish_step
+    engine.runner.step = traced_target_step
+    result = engine.run(progress=False, keep_tokens=True)
+    started: dict[int, int] = {}
+    taken = 0
+    for at, (what, read) in enumerate(events):
+        if what == "draft read":
+            started[read] = at
+        elif what == "draft taken":
+            between = [e for e, _ in events[started[read] : at]]
+            assert "target" in between, f"draft read {read} was taken before any verify launched"
+            taken += 1
+    assert taken >= 10
+    assert result.tokens == _plain_like(overrides)
+
+
+def _plain_like(overrides: dict) -> dict[int, list[int]]:
+    """Plain greedy decoding's tokens of the workload ``overrides`` serve."""
+    plain = {k: v for k, v in overrides.items() if not k.startswith("speculative.")}
+    return (
+        DecodeEngine(load_run_config(None, plain), model=_model())
+        .run(progress=False, keep_tokens=True)
+        .tokens
+    )
 
 
 def test_accept_keeps_the_agreeing_prefix_and_the_bonus_token():
