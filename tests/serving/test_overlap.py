@@ -119,6 +119,26 @@ def test_decode_rows_take_their_token_from_the_device():
     assert ids.resolve(ids.send([])).tolist() == []
 
 
+def test_verify_rows_take_their_drafts_from_the_device():
+    """Every ``draft_of`` id resolves to what ``drafted`` kept for that row and draft, never
+    to another row's or to a last sampled token (their ids do not meet), and a table holds
+    no more drafts than it was made for."""
+    rows, drafts = 5, 3
+    ids = TokenIds(rows, torch.device("cpu"), drafts)
+    ids.sampled(torch.tensor([1, 4]), torch.tensor([11, 44]))
+    ids.drafted(torch.tensor([4, 1]), torch.tensor([[40, 41, 42], [10, 12, 13]]))
+    ids.drafted(torch.tensor([2]), torch.tensor([[20]]))  # fewer drafts: the first only
+    want = {(4, 0): 40, (4, 1): 41, (4, 2): 42, (1, 0): 10, (1, 1): 12, (1, 2): 13, (2, 0): 20}
+    refs = [ids.draft_of(row, i) for row, i in want]
+    lasts = [last_of(row) for row in range(rows)]
+    assert len(set(refs + lasts)) == len(refs) + len(lasts)
+    assert max(refs) < min(lasts)
+    sent = ids.send([7, last_of(4), *refs])
+    assert ids.resolve(sent).tolist() == [7, 44, *want.values()]
+    with pytest.raises(ValueError, match="holds 3 drafts"):
+        ids.draft_of(0, drafts)
+
+
 def _prefill_outputs(requests: int, keep_logits: bool):
     """The engine's outputs of one extend step over the whole prompts of its first
     ``requests`` requests, and the pool rows of those requests."""
