@@ -43,8 +43,8 @@ class TokenIds:
         ``i``-th draft the request in pool row ``r`` proposed last (:meth:`drafted`). One
         tensor, so :meth:`resolve` gathers any of them with one index."""
         self.last = self.table[0]
-        """Column ``r``: the token the request in pool row ``r`` sampled last. Row 0 is the
-        null request's: padding rows write it and nothing real reads it."""
+        """``last[r]``: the token the request in pool row ``r`` sampled last. ``last[0]`` is
+        the null request's: padding rows write it and nothing real reads it."""
 
     def draft_of(self, pool_row: int, i: int) -> int:
         """The id of "draft ``i`` of pool row ``pool_row``" (:meth:`drafted` wrote it): below
