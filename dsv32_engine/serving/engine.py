@@ -174,7 +174,7 @@ class DecodeEngine:
         step's ``hidden`` (for its draft extend), and a prompt-chunk or mixed step's draft
         catch-up (``Speculation.catch_up``: ``draft_tokens``, ``draft_hidden``).
         A speculating mixed batch's head reads ``n`` rows of every request: its ``tokens``
-        are ``[reqs, n]``, read by the host (its verify rows were fed from the host too).
+        are ``[reqs, n]``, read by the host (which fed its verify rows' last tokens).
         A graph's warm-up runs ``layers`` alone (``DSV32Model.first_of_each_kind``)."""
         token_ids = self.scheduler.token_ids
         ids = token_ids.resolve(inputs["input_ids"])

@@ -182,11 +182,8 @@ class Speculation:
             known = request.tokens[first + 1 : first + n + 1]
             ids.extend(known)
             ids.extend([-1] * (n - len(known)))
-        # Out of pinned memory: a copy out of pageable memory may wait for the stream, i.e.
-        # for the draft forwards the last step left running.
-        pinned = self.next_ids.is_cuda
-        host = torch.tensor(ids, dtype=torch.int64, pin_memory=pinned)
-        self.next_ids[: len(ids)].copy_(host, non_blocking=pinned)
+        # Not waiting for the draft forwards the last step left running (``TokenIds.send``).
+        self.scheduler.token_ids.send(ids, into=self.next_ids)
 
     def catch_up(
         self, plans: PlanSet, tokens: torch.Tensor, hidden: torch.Tensor
@@ -292,12 +289,11 @@ class Speculation:
                 if not request.done
             ]
             if catch_up:
-                hidden = out["hidden"]
-                rows = [j * self.n + i for j, _, _, acc in catch_up for i in range(len(acc))]
-                index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
-                ids = torch.tensor([t for *_, acc in catch_up for t in acc], dtype=torch.int64)
+                hidden, send = out["hidden"], self.scheduler.token_ids.send
+                index = send([j * self.n + i for j, _, _, acc in catch_up for i in range(len(acc))])
+                ids = send([t for *_, acc in catch_up for t in acc])
                 work = [(r, f, len(a)) for _, r, f, a in catch_up]
-                self._catch_up = (work, ids.to(hidden.device), hidden[index].to(self.mtp.dtype))
+                self._catch_up = (work, ids, hidden[index].to(self.mtp.dtype))
         return kept
 
     def accept(

@@ -56,13 +56,16 @@ class TokenIds:
             )
         return -1 - (1 + i) * self.rows - pool_row
 
-    def send(self, host: list[int]) -> torch.Tensor:
+    def send(self, host: list[int], into: torch.Tensor | None = None) -> torch.Tensor:
         """``host`` (tokens, and ``last_of(row)`` for a row's last sampled token) on the
         device as they are, in one copy out of pinned memory on CUDA (a copy out of pageable
-        memory may wait for the stream, i.e. for the step still running)."""
+        memory may wait for the stream, i.e. for the step still running); into the first
+        ``len(host)`` entries of ``into`` where given (a static buffer a graph reads)."""
         pinned = self.device.type == "cuda"
         values = torch.tensor(host, dtype=torch.int64, pin_memory=pinned)
-        return values.to(self.device, non_blocking=pinned)
+        if into is None:
+            return values.to(self.device, non_blocking=pinned)
+        return into[: len(host)].copy_(values, non_blocking=pinned)
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids`` as :meth:`send` put them, with every ``last_of(row)`` replaced by that row's
