@@ -111,7 +111,11 @@ class Speculation:
         self.ngram = NgramDraft(spec.ngram_min, spec.ngram_max) if spec.draft == "ngram" else None
         self.mtp: MTPDraft | None = None
         self.runners: dict[ForwardMode, GraphRunner] = {}
-        self._pending: list[tuple[Request, torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[list[Request], torch.Tensor, torch.Tensor]] = []
+        """Where the next draft decode starts, a group per draft forward this step (a catch-up
+        or a draft extend): its requests, their first draft tokens ``[k]`` and hidden states
+        ``[k, dim]``, gathered out of that forward's outputs in one op each (a copy: a graph's
+        outputs are rewritten by its next replay)."""
         self._reads: list[tuple[list[Request], PendingRead]] = []
         """The MTP draft's proposals on their way to the host, by request: taken by the next
         verify's acceptance (:meth:`_values`)."""
@@ -227,18 +231,28 @@ class Speculation:
         if self.mtp is None:
             return
         tokens, hidden = out["draft_tokens"], out["draft_hidden"]
+        per = tokens.shape[1] if tokens.dim() > 1 else 1  # a speculating mixed batch: n rows
+        requests, rows = [], []
         for i, ((request, _), taken) in enumerate(zip(work, accepted)):
             if taken is None:
-                caught, last = not request.prefilling, -1  # a chunk: the prompt's last row
+                caught, last = not request.prefilling, per - 1  # a chunk: the prompt's last row
             else:
                 caught, last = True, len(taken) - 1
             if caught and not request.done:
-                token, state = tokens[i], hidden[i]
-                if token.dim():  # a speculating mixed batch: the request's n rows
-                    token, state = token[last], state[last]
-                self._pending.append((request, token.clone(), state.clone()))
+                requests.append(request)
+                rows.append(i * per + last)
+        if requests:
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            self._pending.append((requests, *self._rows(tokens.reshape(-1), flat, rows)))
         if work:
             self.stats.draft_forwards["draft_mixed" if mixed else "draft_prefill"] += 1
+
+    def _rows(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tokens[rows]`` and ``hidden[rows]``: one gather each, whatever the rows' count."""
+        index = self.scheduler.token_ids.send(rows)
+        return tokens[index], hidden[index]
 
     # ---- a round: verify, accept, draft extend ---------------------------------------------
 
@@ -330,7 +344,8 @@ class Speculation:
         """Requests of this step's draft extend and draft decode (0: none to run); what a
         data-parallel rank tells its peers before those forwards."""
         extend = len(self._catch_up[0]) if self._catch_up is not None else 0
-        decode = sum(not r.done for r, _, _ in self._pending) + extend if self.steps else 0
+        waiting = sum(not r.done for group, _, _ in self._pending for r in group)
+        decode = waiting + extend if self.steps else 0
         return extend, decode
 
     def draft_extend(self) -> None:
@@ -345,8 +360,10 @@ class Speculation:
         runner = self.runners[ForwardMode.DRAFT_EXTEND]
         out = self.run(runner, batch, {"input_ids": ids, "hidden": hidden})
         self.stats.draft_forwards["draft_extend"] += 1
-        for i, (request, _, _) in enumerate(work):
-            self._pending.append((request, out["tokens"][i].clone(), out["hidden"][i].clone()))
+        k = len(work)
+        self._pending.append(
+            ([r for r, _, _ in work], out["tokens"][:k].clone(), out["hidden"][:k].clone())
+        )
 
     # ---- the draft decode: every request caught up this step --------------------------------
 
@@ -354,15 +371,20 @@ class Speculation:
         """Draft decode for every request the draft caught up this step: its next drafts,
         kept on the device for its next verify (``TokenIds.drafted``) and copied to the host
         for that verify's acceptance, read there; nothing here waits for the device."""
-        pending = [(r, t, h) for r, t, h in self._pending if not r.done]
-        self._pending = []
-        if not pending:
+        groups, self._pending = self._pending, []
+        requests = [r for group, _, _ in groups for r in group]
+        live = [i for i, r in enumerate(requests) if not r.done]
+        if not live:
             return
-        requests = [r for r, _, _ in pending]
-        drafts = torch.stack([t for _, t, _ in pending]).view(-1, 1)
+        tokens = torch.cat([t for _, t, _ in groups])
+        hidden = torch.cat([h for *_, h in groups])
+        if len(live) < len(requests):  # finished since it was caught up
+            requests = [requests[i] for i in live]
+            tokens, hidden = self._rows(tokens, hidden, live)
+        drafts = tokens.view(-1, 1)
         if self.steps:
             batch = self.scheduler.build_draft_decode(requests, self.steps)
-            inputs = {"input_ids": drafts.view(-1), "hidden": torch.stack([h for *_, h in pending])}
+            inputs = {"input_ids": tokens, "hidden": hidden}
             out = self.run(self.runners[ForwardMode.DRAFT_DECODE], batch, inputs)
             self.stats.draft_forwards["draft_decode"] += 1
             drafts = torch.cat([drafts, out["tokens"].view(len(requests), -1)], dim=1)

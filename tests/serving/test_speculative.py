@@ -201,8 +201,9 @@ def test_the_draft_caught_up_over_a_prompt_is_the_mtp_layer_over_the_whole_promp
     def recorded(*args, **kwargs):
         before = len(spec._pending)
         caught_up(*args, **kwargs)
-        for request, token, hidden in spec._pending[before:]:
-            firsts.setdefault(request.rid, (list(request.prompt), int(token), hidden.clone()))
+        for requests, tokens, hidden in spec._pending[before:]:
+            for request, token, state in zip(requests, tokens, hidden):
+                firsts.setdefault(request.rid, (list(request.prompt), int(token), state.clone()))
 
     spec.caught_up = recorded
     engine.run(progress=False)
