@@ -262,8 +262,6 @@ class RankEngine(DecodeEngine):
                 }
                 self._run(spec.runners[mode], batch, inputs)
                 self._idled(mode)
-                if mode is ForwardMode.DRAFT_DECODE:
-                    spec.finish_step()  # drops what it still held of finished requests
             self._traced(index, own, spec.runners[mode])
         if not plan.slots[1].run:
             spec.finish_step()  # its drafts without a forward (every request done)

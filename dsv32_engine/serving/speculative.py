@@ -115,7 +115,8 @@ class Speculation:
         """Where the next draft decode starts, a group per draft forward this step (a catch-up
         or a draft extend): its requests, their first draft tokens ``[k]`` and hidden states
         ``[k, dim]``, gathered out of that forward's outputs in one op each (a copy: a graph's
-        outputs are rewritten by its next replay)."""
+        outputs are rewritten by its next replay). Only requests not done: each step accepts
+        before its draft forwards, so none finishes while it waits here."""
         self._reads: list[tuple[list[Request], PendingRead]] = []
         """The MTP draft's proposals on their way to the host, by request: taken by the next
         verify's acceptance (:meth:`_values`)."""
@@ -241,18 +242,12 @@ class Speculation:
             if caught and not request.done:
                 requests.append(request)
                 rows.append(i * per + last)
-        if requests:
+        if requests:  # one gather each, whatever the count
+            index = self.scheduler.token_ids.send(rows)
             flat = hidden.reshape(-1, hidden.shape[-1])
-            self._pending.append((requests, *self._rows(tokens.reshape(-1), flat, rows)))
+            self._pending.append((requests, tokens.reshape(-1)[index], flat[index]))
         if work:
             self.stats.draft_forwards["draft_mixed" if mixed else "draft_prefill"] += 1
-
-    def _rows(
-        self, tokens: torch.Tensor, hidden: torch.Tensor, rows: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``tokens[rows]`` and ``hidden[rows]``: one gather each, whatever the rows' count."""
-        index = self.scheduler.token_ids.send(rows)
-        return tokens[index], hidden[index]
 
     # ---- a round: verify, accept, draft extend ---------------------------------------------
 
@@ -344,8 +339,7 @@ class Speculation:
         """Requests of this step's draft extend and draft decode (0: none to run); what a
         data-parallel rank tells its peers before those forwards."""
         extend = len(self._catch_up[0]) if self._catch_up is not None else 0
-        waiting = sum(not r.done for group, _, _ in self._pending for r in group)
-        decode = waiting + extend if self.steps else 0
+        decode = sum(len(group) for group, _, _ in self._pending) + extend if self.steps else 0
         return extend, decode
 
     def draft_extend(self) -> None:
@@ -372,15 +366,11 @@ class Speculation:
         kept on the device for its next verify (``TokenIds.drafted``) and copied to the host
         for that verify's acceptance, read there; nothing here waits for the device."""
         groups, self._pending = self._pending, []
-        requests = [r for group, _, _ in groups for r in group]
-        live = [i for i, r in enumerate(requests) if not r.done]
-        if not live:
+        if not groups:
             return
+        requests = [r for group, _, _ in groups for r in group]
         tokens = torch.cat([t for _, t, _ in groups])
         hidden = torch.cat([h for *_, h in groups])
-        if len(live) < len(requests):  # finished since it was caught up
-            requests = [requests[i] for i in live]
-            tokens, hidden = self._rows(tokens, hidden, live)
         drafts = tokens.view(-1, 1)
         if self.steps:
             batch = self.scheduler.build_draft_decode(requests, self.steps)
