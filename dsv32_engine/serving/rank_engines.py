@@ -264,7 +264,7 @@ class RankEngine(DecodeEngine):
                 self._idled(mode)
             self._traced(index, own, spec.runners[mode])
         if not plan.slots[1].run:
-            spec.finish_step()  # its drafts without a forward (every request done)
+            spec.finish_step()  # its first drafts without a draft decode (none to run)
 
     def _idled(self, shape: ForwardMode) -> None:
         self.idle_forwards += 1
