@@ -19,10 +19,11 @@ Cases (``--cases`` picks them, comma- or space-separated; default ``small shapes
   2-6k tokens, 16 at once, 2,048-token steps), the same two ways (``seed``);
 * ``arrivals_debug``: the defaults' run with ``--debug`` (every replay checked against a
   fresh plan), 60 requests: a correctness run;
-* ``arrivals_mtp_apart``, ``arrivals_mtp_mixed``: dsv32-small-arrivals with the MTP draft (4
-  rows per verify), its prompt chunks apart from the verify graph step (``loop.mixed=false``,
-  ragged graphs on), then its verify rows mixed into the chunks' steps under ragged graphs
-  (``arrivals_mtp`` names both; issue 55's goal: mixed >= 1.3x apart's tokens/s);
+* ``arrivals_mtp_off``, ``arrivals_mtp_apart``, ``arrivals_mtp_mixed``: dsv32-small-arrivals
+  with the MTP draft (4 rows per verify): under the defaults before issue 55 (prompt chunks
+  eager and apart from the verify graph step), its prompt chunks in ragged graphs but apart
+  (``loop.mixed=false``), then its verify rows mixed into the chunks' steps under ragged
+  graphs (``arrivals_mtp`` names the three; issue 55's goal: mixed >= 1.3x without mixing);
 * ``arrivals_mtp_wide``: the mixed run with a 768-token step budget, 512 plus 4 verify rows
   for each of 64 decoding requests: apart's prompt pace beside the verify rows (the budget
   counts them; at 512 a full decode leaves the prompts 256);
@@ -83,6 +84,7 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "arrivals_debug": ("dsv32-small-arrivals", ["--requests", "60", "--debug"]),
     "seed_off": ("dsv32-shapes", [*SEED, *OFF]),
     "seed_on": ("dsv32-shapes", SEED),
+    "arrivals_mtp_off": ("dsv32-small-arrivals", ["--draft", "mtp", *OFF]),
     "arrivals_mtp_apart": ("dsv32-small-arrivals", [*MTP, "--set", "loop.mixed=false"]),
     "arrivals_mtp_mixed": ("dsv32-small-arrivals", [*MTP, "--set", "loop.mixed=true"]),
     "arrivals_mtp_wide": (
@@ -99,7 +101,7 @@ CASES: dict[str, tuple[str, list[str]]] = {
 GROUPS = {
     "arrivals": ("arrivals_off", "arrivals_on"),
     "seed": ("seed_off", "seed_on"),
-    "arrivals_mtp": ("arrivals_mtp_apart", "arrivals_mtp_mixed"),
+    "arrivals_mtp": ("arrivals_mtp_off", "arrivals_mtp_apart", "arrivals_mtp_mixed"),
 }
 """Names that stand for several cases, run in this order."""
 DEFAULT = ("small", "shapes")

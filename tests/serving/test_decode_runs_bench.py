@@ -13,7 +13,7 @@ from subprocess import CompletedProcess
 
 import pytest
 
-from benchmarks.loop.decode_runs import CASES, DEFAULT, case_names, main, read_summary
+from benchmarks.loop.decode_runs import CASES, DEFAULT, OFF, case_names, main, read_summary
 
 
 def payload(tps=100.0, *, fallbacks=None):
@@ -68,9 +68,16 @@ def test_read_summary_keeps_the_metrics_and_sums_counts_by_kind():
 
 
 def test_the_mtp_cases_compare_mixing_against_the_same_draft_apart():
-    """Issue 55's speculative pair: one draft, the same config, only ``loop.mixed`` apart; and
-    the batch-invariant mixed run that compares its tokens with plain greedy's."""
-    assert case_names(["arrivals_mtp"]) == ["arrivals_mtp_apart", "arrivals_mtp_mixed"]
+    """Issue 55's speculative pair: one draft, the same config, only ``loop.mixed`` apart; the
+    same draft under the defaults before issue 55 (no ragged graphs, no mixing); and the
+    batch-invariant mixed run that compares its tokens with plain greedy's."""
+    assert case_names(["arrivals_mtp"]) == [
+        "arrivals_mtp_off",
+        "arrivals_mtp_apart",
+        "arrivals_mtp_mixed",
+    ]
+    off_config, off = CASES["arrivals_mtp_off"]
+    assert off_config == "dsv32-small-arrivals" and off == ["--draft", "mtp", *OFF]
     (apart_config, apart), (mixed_config, mixed) = (
         CASES["arrivals_mtp_apart"],
         CASES["arrivals_mtp_mixed"],
