@@ -62,31 +62,27 @@ def _most_ops(requests: int, case: dict[str, Any]) -> int:
         **case,
     }
     engine = DecodeEngine(load_run_config(None, overrides), model=_model())
-    counting: list[_Ops] = []
+    ops = _Ops()  # counts only while a step holds it on, and not while it is paused
     most = 0
     step = DecodeEngine.step
 
     def paused(method: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            for ops in counting:
-                ops.paused += 1
+            ops.paused += 1
             try:
                 return method(*args, **kwargs)
             finally:
-                for ops in counting:
-                    ops.paused -= 1
+                ops.paused -= 1
 
         return call
 
     def counted(self: DecodeEngine, *args: Any, **kwargs: Any) -> Any:
         nonlocal most
-        ops = _Ops()
-        counting.append(ops)
+        ops.count = 0
         try:
             with ops:
                 return step(self, *args, **kwargs)
         finally:
-            counting.pop()
             most = max(most, ops.count)
 
     with pytest.MonkeyPatch.context() as patch:
